@@ -1,0 +1,1 @@
+"""Prefix-aware Megatron modules and layer specs (importable as `ps_bridge.models`)."""

@@ -1,0 +1,89 @@
+"""User-facing switch and knobs of prefix sharing.
+
+`PrefixSharingConfig` is the one object the rest of the code reads. It is built explicitly, or
+from the environment (`ENABLE_PREFIX_SHARING=1`, `PS_BRIDGE_BACKEND`, `PS_BRIDGE_PROVIDER`), and
+validates names at construction so that a typo fails here, with the valid choices, rather than
+deep inside a forward pass.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+ENV_ENABLE = "ENABLE_PREFIX_SHARING"
+ENV_BACKEND = "PS_BRIDGE_BACKEND"
+ENV_PROVIDER = "PS_BRIDGE_PROVIDER"
+ENV_GDN_BACKEND = "PS_BRIDGE_GDN_BACKEND"
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _env_flag(name: str) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"{name}={os.environ[name]!r} is not a boolean; use 1 or 0")
+
+
+@dataclass
+class PrefixSharingConfig:
+    """What prefix sharing does in this process.
+
+    enabled:      pack each group of samples with an identical prompt once (else every sample is
+                  its own sequence, the unshared computation).
+    backend:      softmax-attention backend name, see `ps_bridge.kernels.attention.BACKENDS`.
+    provider:     provider name from `ps_bridge.providers.registry`, or None to detect it from the
+                  Hugging Face config.
+    pad_multiple: every packed sequence is padded to a multiple of this (the TP size when sequence
+                  parallelism is on); None means "the tensor-parallel size".
+    gdn_backend:  Gated DeltaNet backend name (Qwen3.5), see `ps_bridge.kernels.gdn`.
+    """
+
+    enabled: bool = True
+    backend: str = "torch_ref"
+    provider: Optional[str] = None
+    pad_multiple: Optional[int] = None
+    gdn_backend: str = "auto"
+
+    def __post_init__(self):
+        from ps_bridge.kernels.attention import BACKENDS
+
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"unknown prefix-sharing attention backend {self.backend!r}; "
+                f"valid backends: {', '.join(sorted(BACKENDS))}"
+            )
+        if self.provider is not None:
+            from ps_bridge.providers.registry import provider_names
+
+            if self.provider not in provider_names():
+                raise ValueError(
+                    f"unknown ps-bridge provider {self.provider!r}; "
+                    f"valid providers: {', '.join(provider_names())}"
+                )
+        from ps_bridge.kernels.gdn import GDN_BACKENDS
+
+        if self.gdn_backend not in GDN_BACKENDS:
+            raise ValueError(
+                f"unknown Gated DeltaNet backend {self.gdn_backend!r}; "
+                f"valid backends: {', '.join(sorted(GDN_BACKENDS))}"
+            )
+        if self.pad_multiple is not None and self.pad_multiple < 1:
+            raise ValueError(f"pad_multiple must be >= 1, got {self.pad_multiple}")
+
+    @classmethod
+    def from_env(cls, **overrides) -> "PrefixSharingConfig":
+        """Read `ENABLE_PREFIX_SHARING`, `PS_BRIDGE_BACKEND`, `PS_BRIDGE_PROVIDER`; overrides win."""
+        values = dict(
+            enabled=_env_flag(ENV_ENABLE),
+            backend=os.environ.get(ENV_BACKEND) or "torch_ref",
+            provider=os.environ.get(ENV_PROVIDER) or None,
+            gdn_backend=os.environ.get(ENV_GDN_BACKEND) or "auto",
+        )
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)

@@ -1,0 +1,28 @@
+"""Prefix-shared causal softmax attention over a packed layout, by named backend.
+
+Every backend computes, for packed `q [T, Hq, D]`, `k, v [T, Hkv, D]` (Hq a multiple of Hkv):
+a prompt token attends causally inside its prompt; a response token attends to all valid tokens of
+its group's prompt and causally inside its own response; padding is never attended to (padding
+queries produce finite values that nobody reads). Output `[T, Hq, D]`.
+
+`torch_ref` is the plain, exact reference (any device); faster backends are tested against it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+from ps_bridge.kernels.attention.torch_ref import prefix_shared_attention_torch_ref
+
+BACKENDS: Dict[str, Callable] = {
+    "torch_ref": prefix_shared_attention_torch_ref,
+}
+
+
+def get_attention_backend(name: str) -> Callable:
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown prefix-sharing attention backend {name!r}; valid backends: {', '.join(sorted(BACKENDS))}"
+        ) from None

@@ -1,0 +1,50 @@
+"""Log-probs per sample from the logits of a packed layout.
+
+The packed logits have one row per packed position; a sample's row position `t` reads the packed
+position `layout.row_source[t]` with label `layout.row_label[t]`. The shared last prompt position is
+read once per response of its group, each with that response's first token as label: this is where
+prefix sharing hands every response its own first log-prob.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from ps_bridge.layout import PackedPrefixLayout
+
+
+def packed_row_logprobs(logits: torch.Tensor, layout: PackedPrefixLayout) -> torch.Tensor:
+    """Flattened per-sample rows of log-probs, `[sum(P_i + R_i)]`, float32.
+
+    `logits` is `[T, V]` (or `[1, T, V]`) over the packed positions, full vocabulary.
+    The last row position of every sample has no label and holds 0.
+    """
+    if logits.dim() == 3:
+        logits = logits.reshape(-1, logits.shape[-1])
+    if logits.shape[0] != layout.num_tokens:
+        raise ValueError(f"logits have {logits.shape[0]} positions, the layout has {layout.num_tokens}")
+    src = layout.row_source.to(logits.device)
+    label = layout.row_label.to(logits.device)
+    has_label = label >= 0
+    picked = logits.index_select(0, src).float()  # [N, V]; the shared last prompt row is repeated
+    lse = torch.logsumexp(picked, dim=-1)
+    target = picked.gather(1, label.clamp(min=0).unsqueeze(1)).squeeze(1)
+    return torch.where(has_label, target - lse, torch.zeros_like(lse))
+
+
+def split_rows(rows: torch.Tensor, layout: PackedPrefixLayout) -> List[torch.Tensor]:
+    """Cut flattened rows into one tensor of length `P_i + R_i` per sample, input order."""
+    offsets = layout.row_offsets.tolist()
+    return [rows[offsets[i] : offsets[i + 1]] for i in range(layout.num_samples)]
+
+
+def response_logprobs(rows: torch.Tensor, layout: PackedPrefixLayout) -> List[torch.Tensor]:
+    """`log p(response[j] | prompt + response[:j])` for each sample: row positions P-1 .. P+R-2."""
+    out = []
+    for i, row in enumerate(split_rows(rows, layout)):
+        P = int(layout.sample_prompt_length[i])
+        R = int(layout.sample_response_length[i])
+        out.append(row[P - 1 : P - 1 + R])
+    return out
