@@ -2,14 +2,47 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import (
+    LayerNormImpl,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 
 from ps_bridge.models.attention import PrefixSharedCoreAttention
+from ps_bridge.models.norms import TorchNormForSequenceParallel
 
 
-def prefix_shared_gpt_layer_spec(config) -> ModuleSpec:
-    """Qwen2.5-style decoder layer (RMSNorm, GQA attention, gated MLP) with prefix-shared attention."""
+def _swap_torch_norms(spec):
+    """Replace megatron's `WrappedTorchNorm` (which refuses sequence parallelism) by
+    `TorchNormForSequenceParallel` everywhere in a spec tree; other norms (TE, Apex) handle SP."""
+    if spec is WrappedTorchNorm:
+        return TorchNormForSequenceParallel
+    if isinstance(spec, ModuleSpec):
+        if spec.submodules is not None:
+            spec.submodules = _swap_torch_norms(spec.submodules)
+        return spec
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        for f in dataclasses.fields(spec):
+            setattr(spec, f.name, _swap_torch_norms(getattr(spec, f.name)))
+    return spec
+
+
+def block_spec_for_sequence_parallel(layer_spec: ModuleSpec, config, vp_stage=None) -> TransformerBlockSubmodules:
+    """The block megatron would build from `layer_spec` (this stage's layers, then the final norm),
+    with norms that accept sequence parallelism. Family-agnostic: any local layer spec fits."""
+    layer_spec = _swap_torch_norms(layer_spec)
+    final_norm = TorchNormForSequenceParallel if LayerNormImpl is WrappedTorchNorm else LayerNormImpl
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=final_norm)
+
+
+def prefix_shared_gpt_layer_spec(config, vp_stage=None) -> TransformerBlockSubmodules:
+    """Qwen2.5-style decoder layers (RMSNorm, GQA attention, gated MLP) with prefix-shared attention."""
     spec = get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts,
         moe_grouped_gemm=config.moe_grouped_gemm,
@@ -17,4 +50,4 @@ def prefix_shared_gpt_layer_spec(config) -> ModuleSpec:
         normalization=config.normalization,
     )
     spec.submodules.self_attention.submodules.core_attention = PrefixSharedCoreAttention
-    return spec
+    return block_spec_for_sequence_parallel(spec, config, vp_stage)

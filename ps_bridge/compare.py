@@ -13,9 +13,10 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ps_bridge.layout import Sample
-from ps_bridge.logprobs import response_logprobs
-from ps_bridge.runtime import LoadedModel, make_layout, row_logprobs
+from ps_bridge.layout import Sample, build_layout
+from ps_bridge.parallel import max_over_ranks
+from ps_bridge.runtime import LoadedModel
+from ps_bridge.schedule import logprob_pass
 
 
 def loss_weights(samples: List[Sample], seed: int = 0) -> List[torch.Tensor]:
@@ -32,18 +33,14 @@ class RunResult:
 
 
 def run_logprob_loss(loaded: LoadedModel, samples: List[Sample], share: bool, backward: bool = True, seed: int = 0) -> RunResult:
-    """Forward (and backward) of `sum_i sum_j w_ij * logp_ij` over the response tokens."""
+    """Forward (and backward) of `sum_i sum_j w_ij * logp_ij` over the response tokens, as one
+    micro-batch through megatron's schedule (any TP / SP / PP). Gradients are this rank's shards."""
     model = loaded.model
     model.zero_grad(set_to_none=True)
-    layout = make_layout(samples, loaded, share=share)
     weights = loss_weights(samples, seed)
     start = time.perf_counter()
     with torch.set_grad_enabled(backward):
-        rows = row_logprobs(loaded, layout)
-        per_sample = response_logprobs(rows, layout.to(rows.device))
-        if backward:
-            loss = sum((w.to(lp.device) * lp).sum() for w, lp in zip(weights, per_sample))
-            loss.backward()
+        [per_sample] = logprob_pass(loaded, [samples], share=share, loss_weights=[weights] if backward else None)
     if loaded.device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
@@ -52,10 +49,10 @@ def run_logprob_loss(loaded: LoadedModel, samples: List[Sample], share: bool, ba
         grads = {n: p.grad.detach().float().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
         model.zero_grad(set_to_none=True)
     return RunResult(
-        logprobs=[lp.detach().float().cpu() for lp in per_sample],
+        logprobs=per_sample,
         grads=grads,
         seconds=seconds,
-        tokens=layout.tokens_shared,
+        tokens=build_layout(samples, share=share).tokens_shared,
     )
 
 
@@ -65,7 +62,7 @@ def max_abs_diff(a: List[torch.Tensor], b: List[torch.Tensor]) -> float:
 
 def max_relative_grad_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
     """max over parameters of ||a - b|| / ||b|| (parameters with a zero reference gradient are
-    compared absolutely)."""
+    compared absolutely). Under TP / PP each rank compares its own shards; the worst rank counts."""
     if set(a) != set(b):
         raise ValueError(f"gradient sets differ: {sorted(set(a) ^ set(b))}")
     worst = 0.0
@@ -73,7 +70,7 @@ def max_relative_grad_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor
         ref = b[name].norm()
         diff = (a[name] - b[name]).norm()
         worst = max(worst, float(diff / ref) if ref > 0 else float(diff))
-    return worst
+    return max_over_ranks(worst)
 
 
 def hf_logprobs(hf_model, samples: List[Sample]) -> List[torch.Tensor]:

@@ -15,16 +15,21 @@ import torch
 from ps_bridge.layout import PackedPrefixLayout
 
 
+def _packed_2d(logits: torch.Tensor, layout: PackedPrefixLayout) -> torch.Tensor:
+    if logits.dim() == 3:
+        logits = logits.reshape(-1, logits.shape[-1])
+    if logits.shape[0] != layout.num_tokens:
+        raise ValueError(f"logits have {logits.shape[0]} positions, the layout has {layout.num_tokens}")
+    return logits
+
+
 def packed_row_logprobs(logits: torch.Tensor, layout: PackedPrefixLayout) -> torch.Tensor:
     """Flattened per-sample rows of log-probs, `[sum(P_i + R_i)]`, float32.
 
     `logits` is `[T, V]` (or `[1, T, V]`) over the packed positions, full vocabulary.
     The last row position of every sample has no label and holds 0.
     """
-    if logits.dim() == 3:
-        logits = logits.reshape(-1, logits.shape[-1])
-    if logits.shape[0] != layout.num_tokens:
-        raise ValueError(f"logits have {logits.shape[0]} positions, the layout has {layout.num_tokens}")
+    logits = _packed_2d(logits, layout)
     src = layout.row_source.to(logits.device)
     label = layout.row_label.to(logits.device)
     has_label = label >= 0
@@ -32,6 +37,34 @@ def packed_row_logprobs(logits: torch.Tensor, layout: PackedPrefixLayout) -> tor
     lse = torch.logsumexp(picked, dim=-1)
     target = picked.gather(1, label.clamp(min=0).unsqueeze(1)).squeeze(1)
     return torch.where(has_label, target - lse, torch.zeros_like(lse))
+
+
+def vocab_parallel_row_logprobs(logits: torch.Tensor, layout: PackedPrefixLayout, tp_group=None) -> torch.Tensor:
+    """`packed_row_logprobs` from logits split over the vocabulary across the TP group.
+
+    `logits` is this rank's `[T, V / tp]` shard (megatron's parallel output layer). The rows are
+    gathered on every rank first, then megatron's `vocab_parallel_cross_entropy` reduces the
+    maximum, the target logit and the exponential sum across the group: every TP rank returns the
+    same full rows, equal to the full-vocabulary computation, and the gradient flows back to each
+    rank's shard.
+    """
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    logits = _packed_2d(logits, layout)
+    src = layout.row_source.to(logits.device)
+    label = layout.row_label.to(logits.device)
+    has_label = label >= 0
+    # index_select makes a new tensor: megatron's cross entropy edits its input in place
+    picked = logits.index_select(0, src).float()
+    nll = vocab_parallel_cross_entropy(picked, label.clamp(min=0), tp_group=tp_group)
+    return torch.where(has_label, -nll, torch.zeros_like(nll))
+
+
+def row_logprobs_from_logits(logits: torch.Tensor, layout: PackedPrefixLayout, vocab_parallel: bool) -> torch.Tensor:
+    """Rows from full-vocabulary logits, or from this rank's vocabulary shard when TP > 1."""
+    if vocab_parallel:
+        return vocab_parallel_row_logprobs(logits, layout)
+    return packed_row_logprobs(logits, layout)
 
 
 def split_rows(rows: torch.Tensor, layout: PackedPrefixLayout) -> List[torch.Tensor]:

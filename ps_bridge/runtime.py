@@ -17,7 +17,7 @@ import torch
 
 from ps_bridge.config import PrefixSharingConfig
 from ps_bridge.layout import PackedPrefixLayout, Sample, build_layout, log_layout
-from ps_bridge.logprobs import packed_row_logprobs
+from ps_bridge.logprobs import row_logprobs_from_logits
 from ps_bridge.parallel_info import rank_tag
 
 logger = logging.getLogger("ps_bridge")
@@ -85,6 +85,9 @@ class LoadedModel:
     config: PrefixSharingConfig
     device: torch.device
     dtype: torch.dtype
+    tp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = False
 
 
 def load_model(
@@ -95,10 +98,16 @@ def load_model(
     pp: int = 1,
     sequence_parallel: bool = False,
 ) -> LoadedModel:
-    """Convert `hf_path` through our provider and load its weights (single pipeline stage)."""
+    """Convert `hf_path` through our provider and load this rank's shard of its weights.
+
+    The parallel settings are set on the provider before the model is built, so megatron builds
+    this rank's TP shard and PP stage and Megatron-Bridge loads the matching slices.
+    """
     from ps_bridge.compat.te_placeholder import import_megatron_bridge
+    from ps_bridge.parallel import ParallelSettings
     from ps_bridge.providers.registry import register_all, resolve_provider
 
+    ParallelSettings(tp=tp, pp=pp, sequence_parallel=sequence_parallel).check()
     config = config or PrefixSharingConfig()
     archs = read_hf_architectures(hf_path)
     entry = resolve_provider(config.provider, archs)
@@ -112,6 +121,7 @@ def load_model(
     provider.tensor_model_parallel_size = tp
     provider.pipeline_model_parallel_size = pp
     provider.sequence_parallel = sequence_parallel
+    provider.pipeline_dtype = dtype
     provider.params_dtype = dtype
     provider.bf16 = dtype == torch.bfloat16
     provider.fp16 = False
@@ -120,6 +130,11 @@ def load_model(
     provider.hidden_dropout = 0.0
     provider.use_cpu_initialization = not torch.cuda.is_available()
     provider.finalize()
+    if pp > 1:
+        # Every micro-batch packs to its own length, so pipeline stages exchange shapes before
+        # activations. Set after finalize(): its validation rejects the flag for MoE's allgather
+        # dispatcher even in dense models, and only the pipeline schedule reads it.
+        provider.variable_seq_lengths = True
     models = provider.provide_distributed_model(
         wrap_with_ddp=False,
         use_cpu_initialization=not torch.cuda.is_available(),
@@ -139,6 +154,9 @@ def load_model(
         config=config,
         device=device,
         dtype=dtype,
+        tp=tp,
+        pp=pp,
+        sequence_parallel=sequence_parallel,
     )
 
 
@@ -151,9 +169,15 @@ def make_layout(samples, loaded: LoadedModel, share: Optional[bool] = None) -> P
 
 
 def forward_logits(loaded: LoadedModel, layout: PackedPrefixLayout) -> torch.Tensor:
-    """Packed logits `[T, V]` for a layout (full vocabulary; TP=1)."""
+    """Packed logits `[T, V / tp]` for a layout on a single pipeline stage: the full vocabulary at
+    TP=1, this rank's vocabulary shard at TP>1 (megatron's parallel output layer)."""
     from ps_bridge.models.packed_seq import PrefixSharedPackedSeqParams
 
+    if loaded.pp > 1:
+        raise ValueError(
+            f"forward_logits runs one pipeline stage; with pipeline_model_parallel_size={loaded.pp} "
+            "use ps_bridge.schedule.logprob_pass, which runs megatron's pipeline schedule"
+        )
     layout = layout.to(loaded.device)
     params = PrefixSharedPackedSeqParams.from_layout(layout, backend=loaded.config.backend)
     logits = loaded.model(
@@ -166,4 +190,6 @@ def forward_logits(loaded: LoadedModel, layout: PackedPrefixLayout) -> torch.Ten
 
 
 def row_logprobs(loaded: LoadedModel, layout: PackedPrefixLayout) -> torch.Tensor:
-    return packed_row_logprobs(forward_logits(loaded, layout), layout.to(loaded.device))
+    """Per-sample rows of log-probs (every TP rank gets the full rows); single pipeline stage."""
+    logits = forward_logits(loaded, layout)
+    return row_logprobs_from_logits(logits, layout.to(loaded.device), vocab_parallel=loaded.tp > 1)

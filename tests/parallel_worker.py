@@ -1,0 +1,57 @@
+"""One rank of a multi-process test run, launched by `torchrun` from tests/test_parallel.py.
+
+Loads the checkpoint with the given TP / PP / SP, runs the test micro-batches prefix-shared
+forward+backward (and forward only) through megatron's schedule, and has global rank 0 save the
+log-probs and the full gradients under Hugging Face names. Every rank logs its `[PS]` lines.
+"""
+
+import argparse
+import logging
+import os
+import sys
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from parallel_cases import micro_batch_weights, parallel_micro_batches  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hf-path", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--sp", action="store_true")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("ps_bridge").setLevel(logging.INFO)
+
+    from ps_bridge.config import PrefixSharingConfig
+    from ps_bridge.parallel import hf_named_gradients, is_output_rank
+    from ps_bridge.runtime import load_model
+    from ps_bridge.schedule import logprob_pass
+
+    loaded = load_model(
+        args.hf_path, PrefixSharingConfig(enabled=True), tp=args.tp, pp=args.pp, sequence_parallel=args.sp
+    )
+    micro_batches = parallel_micro_batches()
+    loaded.model.zero_grad(set_to_none=True)
+    shared = logprob_pass(loaded, micro_batches, share=True, loss_weights=micro_batch_weights(micro_batches))
+    grads = hf_named_gradients(loaded.bridge, loaded.model)
+    with torch.no_grad():
+        forward_only = logprob_pass(loaded, micro_batches, share=True)
+    if is_output_rank():
+        torch.save(dict(logprobs=shared, forward_only=forward_only, grads=grads), args.out)
+    torch.distributed.destroy_process_group()
+    # a normal interpreter shutdown of this stack takes ~10 s per run on 2 cores; the results are
+    # saved, so leave at once
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
