@@ -64,12 +64,15 @@ def cmd_logprobs(args) -> int:
 
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.layout import build_layout
-    from ps_bridge.logprobs import response_logprobs
+    from ps_bridge.parallel import is_output_rank, settings_from_args
     from ps_bridge.providers.registry import resolve_provider
-    from ps_bridge.runtime import DTYPES, load_model, make_layout, read_hf_architectures, row_logprobs
+    from ps_bridge.runtime import DTYPES, load_model, read_hf_architectures
+    from ps_bridge.schedule import logprob_pass
 
     samples = read_batch(args.batch)
     try:
+        parallel = settings_from_args(args)
+        parallel.check()  # before any process group exists: every rank fails alike, nothing hangs
         archs = read_hf_architectures(args.hf_path)
         config = PrefixSharingConfig(enabled=not args.no_prefix_sharing, backend=args.backend, provider=args.provider)
         resolve_provider(config.provider, archs)
@@ -78,11 +81,15 @@ def cmd_logprobs(args) -> int:
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(str(e)) from None
 
-    loaded = load_model(args.hf_path, config, dtype=DTYPES[args.dtype])
-    layout = make_layout(samples, loaded)
+    loaded = load_model(
+        args.hf_path, config, dtype=DTYPES[args.dtype], tp=parallel.tp, pp=parallel.pp,
+        sequence_parallel=parallel.sequence_parallel,
+    )
     with torch.no_grad():
-        rows = row_logprobs(loaded, layout)
-    per_sample = response_logprobs(rows, layout.to(rows.device))
+        [per_sample] = logprob_pass(loaded, [samples], share=config.enabled)
+    if not is_output_rank():
+        return 0
+    layout = build_layout(samples, share=config.enabled)  # token and group counts for the report
     out = dict(
         samples=[{"logprobs": lp.float().cpu().tolist()} for lp in per_sample],
         tokens_unshared=layout.tokens_unshared,
@@ -104,6 +111,7 @@ def cmd_logprobs(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from ps_bridge.kernels.attention import BACKENDS
+    from ps_bridge.parallel import add_parallel_arguments
 
     parser = argparse.ArgumentParser(prog="ps-bridge", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="show the [PS] log lines")
@@ -117,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("--backend", default="torch_ref", help=f"attention backend ({', '.join(sorted(BACKENDS))})")
     lp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     lp.add_argument("--provider", default=None, help="provider name (default: detected from the checkpoint)")
+    add_parallel_arguments(lp)
     lp.set_defaults(func=cmd_logprobs)
 
     from ps_bridge import demo

@@ -13,29 +13,39 @@ import tempfile
 
 
 def add_demo_arguments(parser) -> None:
+    from ps_bridge.parallel import add_parallel_arguments
     from ps_bridge.testing import TINY_BUILDERS
 
     parser.add_argument("--model", default="qwen2.5", choices=sorted(TINY_BUILDERS), help="model family")
     parser.add_argument("--prompts", type=int, default=3, help="number of prompts (groups)")
-    parser.add_argument("--n", type=int, default=8, help="responses per prompt")
+    # --responses: torchrun rejects "--n" anywhere on its command line as an ambiguous abbreviation
+    parser.add_argument("--n", "--responses", dest="n", type=int, default=8, help="responses per prompt")
     parser.add_argument("--backend", default="torch_ref", help="attention backend")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    add_parallel_arguments(parser)
 
 
-def demo_result(model: str = "qwen2.5", prompts: int = 3, n: int = 8, backend: str = "torch_ref", seed: int = 0) -> dict:
+def demo_result(
+    model: str = "qwen2.5", prompts: int = 3, n: int = 8, backend: str = "torch_ref", seed: int = 0,
+    tp: int = 1, pp: int = 1, sp: bool = False,
+) -> dict:
+    """Under torchrun every rank runs this (each builds the same seeded checkpoint); only global
+    rank 0 compares against Hugging Face, so only its result has the `*_vs_hf` entries."""
     from ps_bridge.compare import compare
     from ps_bridge.config import PrefixSharingConfig
+    from ps_bridge.parallel import is_output_rank
     from ps_bridge.runtime import load_model
     from ps_bridge.testing import TINY_BUILDERS, grpo_like_samples
 
     with tempfile.TemporaryDirectory(prefix="ps-bridge-demo-") as path:
         hf_model = TINY_BUILDERS[model](path, seed=seed)
-        loaded = load_model(path, PrefixSharingConfig(enabled=True, backend=backend))
+        loaded = load_model(path, PrefixSharingConfig(enabled=True, backend=backend), tp=tp, pp=pp, sequence_parallel=sp)
         vocab = hf_model.config.get_text_config().vocab_size
         samples = grpo_like_samples(vocab, num_prompts=prompts, n=n, prompt_len=(24, 64), response_len=(2, 16), seed=seed)
-        result = compare(loaded, samples, hf_model)
+        result = compare(loaded, samples, hf_model if is_output_rank() else None)
     result.update(model=model, provider=loaded.provider_name, backend=backend, groups=prompts, n=n, dtype="float32")
+    result.update(tp=tp, pp=pp, sp=sp)
     return result
 
 
@@ -58,6 +68,15 @@ def format_table(r: dict) -> str:
 
 
 def run_demo(args) -> int:
-    result = demo_result(args.model, args.prompts, args.n, args.backend, args.seed)
-    print(json.dumps(result) if args.json else format_table(result))
+    from ps_bridge.cli import UsageError
+    from ps_bridge.parallel import is_output_rank, settings_from_args
+
+    parallel = settings_from_args(args)
+    try:
+        parallel.check()  # before any process group exists: every rank fails alike, nothing hangs
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    result = demo_result(args.model, args.prompts, args.n, args.backend, args.seed, parallel.tp, parallel.pp, parallel.sequence_parallel)
+    if is_output_rank():
+        print(json.dumps(result) if args.json else format_table(result))
     return 0

@@ -130,3 +130,18 @@ def hf_named_gradients(bridge, model: torch.nn.Module) -> Dict[str, torch.Tensor
     finally:
         for p, data in zip(params, saved):
             p.data = data
+
+
+# ---- command line --------------------------------------------------------------------------------
+
+
+def add_parallel_arguments(parser) -> None:
+    """`--tp`, `--pp`, `--sp`, `--cp` for a command that runs under `torchrun --nproc-per-node N`."""
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (physical stages)")
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel size (not supported: refused)")
+
+
+def settings_from_args(args) -> ParallelSettings:
+    return ParallelSettings(tp=args.tp, pp=args.pp, cp=args.cp, sequence_parallel=args.sp)
