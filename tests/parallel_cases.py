@@ -1,7 +1,15 @@
-"""The micro-batches every parallel test runs, shared by the torchrun workers and the reference."""
+"""What the parallel tests share: the micro-batches (also run by the torchrun workers), the
+single-rank unshared reference, the torchrun launcher and the per-rank log checks."""
 
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import List
 
+import pytest
 import torch
 
 from ps_bridge.compare import loss_weights
@@ -21,3 +29,67 @@ def parallel_micro_batches() -> List[List[Sample]]:
 
 def micro_batch_weights(micro_batches) -> List[List[torch.Tensor]]:
     return [loss_weights(mb, seed=i) for i, mb in enumerate(micro_batches)]
+
+
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+WORKER = str(Path(__file__).with_name("parallel_worker.py"))
+NUM_LAYERS = 2  # tiny Qwen2 checkpoint
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(nproc: int, argv, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [TORCHRUN, f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}", *argv]
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def unshared_reference(qwen2_loaded):
+    """Single rank, TP=PP=1, every sample its own sequence: log-probs and HF-named gradients."""
+    from ps_bridge.parallel import hf_named_gradients
+    from ps_bridge.schedule import logprob_pass
+
+    micro_batches = parallel_micro_batches()
+    qwen2_loaded.model.zero_grad(set_to_none=True)
+    logprobs = logprob_pass(qwen2_loaded, micro_batches, share=False, loss_weights=micro_batch_weights(micro_batches))
+    grads = hf_named_gradients(qwen2_loaded.bridge, qwen2_loaded.model)
+    qwen2_loaded.model.zero_grad(set_to_none=True)
+    return dict(logprobs=logprobs, grads=grads)
+
+
+def max_logprob_diff(a, b) -> float:
+    return max(float((x - y).abs().max()) for mb_a, mb_b in zip(a, b) for x, y in zip(mb_a, mb_b))
+
+
+def relative_grad_diffs(got: dict, ref: dict) -> dict:
+    assert set(got) == set(ref), sorted(set(got) ^ set(ref))
+    return {name: float((got[name] - r).norm() / r.norm()) for name, r in ref.items()}
+
+
+def expected_layers(rank: int, tp: int, pp: int):
+    """Layers (1-based) held by `rank`: megatron orders ranks TP fastest, PP slowest."""
+    stage = rank // tp
+    per_stage = NUM_LAYERS // pp
+    return set(range(stage * per_stage + 1, (stage + 1) * per_stage + 1))
+
+
+def check_rank_logs(stderr: str, tp: int, pp: int) -> None:
+    for rank in range(tp * pp):
+        tag = f"global_rank={rank} tp_rank={rank % tp}/tp_size={tp}"
+        layout_lines = [l for l in stderr.splitlines() if f"[PS][prepare][{tag} cp_rank=0/cp_size=1] packed_batch_layout:" in l]
+        # three micro-batches, forward+backward and forward-only: six layouts on every rank
+        assert len(layout_lines) == 6, f"rank {rank}: {len(layout_lines)} packed_batch_layout lines\n{stderr[-3000:]}"
+        padded = "[6, 2]" if tp == 2 else "[5, 2]"
+        assert any(f"valid_lengths=[5, 2], padded_lengths={padded}" in l for l in layout_lines), layout_lines
+        layers = {
+            int(m.group(1))
+            for m in re.finditer(rf"\[PS\]\[attention\]\[{re.escape(tag)} layer=(\d+)\] enter prefix-sharing path:", stderr)
+        }
+        assert layers == expected_layers(rank, tp, pp), f"rank {rank}: attention lines for layers {layers}"
+    assert "[PS][prepare] PATH 6: sharing detected" in stderr
+    assert "[PS][prepare] PATH 5: no sharing detected" in stderr  # the padding example is alone

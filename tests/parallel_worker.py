@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--sp", action="store_true")
+    parser.add_argument("--skip-finish-gradients", action="store_true", help="negative control")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     logging.getLogger("ps_bridge").setLevel(logging.INFO)
@@ -34,9 +35,16 @@ def main() -> None:
     from ps_bridge.runtime import load_model
     from ps_bridge.schedule import logprob_pass
 
+    if args.skip_finish_gradients:
+        import ps_bridge.schedule
+
+        ps_bridge.schedule.finish_gradients = lambda model, config: None
+
     loaded = load_model(
         args.hf_path, PrefixSharingConfig(enabled=True), tp=args.tp, pp=args.pp, sequence_parallel=args.sp
     )
+    rank = torch.distributed.get_rank()
+    print(f"[parallel_worker] global_rank={rank} backend={torch.distributed.get_backend()} device={loaded.device}", file=sys.stderr)
     micro_batches = parallel_micro_batches()
     loaded.model.zero_grad(set_to_none=True)
     shared = logprob_pass(loaded, micro_batches, share=True, loss_weights=micro_batch_weights(micro_batches))

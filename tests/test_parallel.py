@@ -1,0 +1,165 @@
+"""TP, TP-bound SP and physical PP on CPU with gloo, launched with `torchrun`.
+
+Each parallel run (prefix-shared, three micro-batches of different packed lengths, one group split
+across two of them) must give the log-probs and the full gradients of the single-rank *unshared*
+run, print its `[PS]` lines on every rank, and the CLI must run under torchrun and refuse CP.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from parallel_cases import (  # noqa: E402
+    PADDING_EXAMPLE,
+    WORKER,
+    check_rank_logs,
+    max_logprob_diff,
+    parallel_micro_batches,
+    relative_grad_diffs,
+    torchrun,
+    unshared_reference,  # noqa: F401 (fixture)
+)
+
+CONFIGS = {
+    "tp2": (2, ["--tp", "2"], 2, 1),
+    "tp2_sp": (2, ["--tp", "2", "--sp"], 2, 1),
+    "pp2": (2, ["--pp", "2"], 1, 2),
+    "tp2_sp_pp2": (4, ["--tp", "2", "--sp", "--pp", "2"], 2, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_parallel_run_equals_single_rank_unshared(name, tmp_path, qwen2_checkpoint, unshared_reference):
+    nproc, flags, tp, pp = CONFIGS[name]
+    out = tmp_path / "result.pt"
+    proc = torchrun(nproc, [WORKER, "--hf-path", qwen2_checkpoint[0], "--out", str(out), *flags])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = torch.load(out)
+    ref = unshared_reference
+
+    assert max_logprob_diff(got["logprobs"], ref["logprobs"]) <= 1e-5
+    assert max_logprob_diff(got["forward_only"], ref["logprobs"]) <= 1e-5
+    for hf_name, rel in relative_grad_diffs(got["grads"], ref["grads"]).items():
+        assert rel <= 1e-5, f"{name}: gradient of {hf_name} differs by {rel:.2e} (relative)"
+    check_rank_logs(proc.stderr, tp, pp)
+    for rank in range(nproc):
+        assert f"[parallel_worker] global_rank={rank} backend=gloo device=cpu" in proc.stderr
+
+
+def test_unfinished_sequence_parallel_gradients_are_detected(tmp_path, qwen2_checkpoint, unshared_reference):
+    """Negative control: without the TP sum of the SP norms' partial gradients the comparison fails."""
+    out = tmp_path / "result.pt"
+    proc = torchrun(2, [WORKER, "--hf-path", qwen2_checkpoint[0], "--out", str(out), "--tp", "2", "--sp", "--skip-finish-gradients"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    diffs = relative_grad_diffs(torch.load(out)["grads"], unshared_reference["grads"])
+    assert diffs["model.norm.weight"] > 1e-2
+    assert diffs["model.layers.0.self_attn.q_proj.weight"] <= 1e-5  # TP-sharded weights are unaffected
+
+
+def write_batch(path: Path) -> str:
+    samples = [s for mb in parallel_micro_batches() for s in mb]
+    path.write_text(json.dumps({"samples": [{"prompt": s.prompt, "response": s.response} for s in samples]}))
+    return str(path)
+
+
+def test_cli_logprobs_under_torchrun_equals_single_process(tmp_path, qwen2_checkpoint):
+    from ps_bridge.cli import main
+
+    batch = write_batch(tmp_path / "batch.json")
+    single, parallel = tmp_path / "single.json", tmp_path / "parallel.json"
+    assert main(["logprobs", "--hf-path", qwen2_checkpoint[0], "--batch", batch, "--out", str(single)]) == 0
+    proc = torchrun(
+        2,
+        ["-m", "ps_bridge.cli", "-v", "logprobs", "--hf-path", qwen2_checkpoint[0], "--batch", batch,
+         "--out", str(parallel), "--tp", "2", "--sp"],
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("wrote ") == 1, proc.stdout  # rank 0 only
+    a, b = json.loads(single.read_text()), json.loads(parallel.read_text())
+    assert a.keys() == b.keys()
+    assert {k: v for k, v in a.items() if k != "samples"} == {k: v for k, v in b.items() if k != "samples"}
+    for sa, sb in zip(a["samples"], b["samples"]):
+        assert len(sa["logprobs"]) == len(sb["logprobs"])
+        assert max(abs(x - y) for x, y in zip(sa["logprobs"], sb["logprobs"])) <= 1e-5
+    for rank in (0, 1):
+        assert f"[PS][prepare][global_rank={rank} tp_rank={rank}/tp_size=2 cp_rank=0/cp_size=1] packed_batch_layout:" in proc.stderr
+
+
+def test_cli_quiet_by_default_under_torchrun_and_demo_prints_once(tmp_path):
+    """Without -v no rank prints [PS] lines; the demo's table comes from rank 0 only and agrees."""
+    proc = torchrun(2, ["-m", "ps_bridge.cli", "demo", "--json", "--pp", "2", "--prompts", "2", "--responses", "3"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "[PS]" not in proc.stderr
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    assert len(lines) == 1, proc.stdout
+    result = json.loads(lines[0])
+    assert (result["tp"], result["pp"], result["sp"]) == (1, 2, False)
+    assert result["max_logprob_diff_shared_vs_hf"] <= 1e-5
+    assert result["max_logprob_diff_shared_vs_unshared"] <= 1e-5
+    assert result["max_rel_grad_diff_shared_vs_unshared"] <= 1e-5
+
+
+def test_cli_refuses_context_parallel_under_torchrun(tmp_path, qwen2_checkpoint):
+    batch = write_batch(tmp_path / "batch.json")
+    proc = torchrun(
+        2,
+        ["-m", "ps_bridge.cli", "logprobs", "--hf-path", qwen2_checkpoint[0], "--batch", batch,
+         "--out", str(tmp_path / "o.json"), "--cp", "2"],
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "ps-bridge: error: prefix sharing does not support context parallelism: context_parallel_size=2" in proc.stderr
+    assert not (tmp_path / "o.json").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--cp", "2"], "does not support context parallelism: context_parallel_size=2"),
+        (["--sp"], "sequence_parallel=True needs tensor_model_parallel_size > 1"),
+        (["--tp", "2"], "world size 1 is not divisible by tensor x pipeline x context parallel size"),
+    ],
+)
+def test_cli_refuses_bad_parallel_settings(tmp_path, qwen2_checkpoint, capsys, argv, message):
+    from ps_bridge.cli import main
+
+    batch = write_batch(tmp_path / "batch.json")
+    code = main(["logprobs", "--hf-path", qwen2_checkpoint[0], "--batch", batch, "--out", str(tmp_path / "o.json"), *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("ps-bridge: error: ") and message in err, err
+
+
+def test_virtual_pipeline_is_refused_by_settings():
+    from ps_bridge.parallel import ParallelSettings
+
+    with pytest.raises(ValueError, match="virtual_pipeline_model_parallel_size=2"):
+        ParallelSettings(pp=2, vpp=2).check(world_size=2)
+
+
+def test_attention_refuses_a_sequence_parallel_shard(qwen2_loaded):
+    """If the hook were handed an SP-local shard (half the packed tokens), it raises, naming SP."""
+    from ps_bridge.layout import build_layout
+    from ps_bridge.models.attention import PrefixSharedCoreAttention
+    from ps_bridge.models.packed_seq import PrefixSharedPackedSeqParams
+
+    core = next(m for m in qwen2_loaded.model.modules() if isinstance(m, PrefixSharedCoreAttention))
+    layout = build_layout(parallel_micro_batches()[1], share=True, pad_multiple=2)
+    params = PrefixSharedPackedSeqParams.from_layout(layout)
+    shard = layout.num_tokens // 2
+    q = torch.randn(shard, 4, 16)
+    kv = torch.randn(shard, 2, 16)
+    with pytest.raises(ValueError, match="sequence-parallel local shard"):
+        core(q, kv, kv, None, packed_seq_params=params)
+
+
+def test_padding_example_pads_to_the_tensor_parallel_multiple():
+    from ps_bridge.layout import build_layout
+
+    layout = build_layout([PADDING_EXAMPLE], share=True, pad_multiple=2)
+    assert layout.host["valid_lengths"] == [5, 2] and layout.host["padded_lengths"] == [6, 2]
+    assert layout.num_tokens % 2 == 0
