@@ -48,18 +48,41 @@ def torchrun(nproc: int, argv, timeout: int = 300) -> subprocess.CompletedProces
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-@pytest.fixture(scope="module")
-def unshared_reference(qwen2_loaded):
+def single_rank_unshared(loaded) -> dict:
     """Single rank, TP=PP=1, every sample its own sequence: log-probs and HF-named gradients."""
     from ps_bridge.parallel import hf_named_gradients
     from ps_bridge.schedule import logprob_pass
 
     micro_batches = parallel_micro_batches()
-    qwen2_loaded.model.zero_grad(set_to_none=True)
-    logprobs = logprob_pass(qwen2_loaded, micro_batches, share=False, loss_weights=micro_batch_weights(micro_batches))
-    grads = hf_named_gradients(qwen2_loaded.bridge, qwen2_loaded.model)
-    qwen2_loaded.model.zero_grad(set_to_none=True)
+    loaded.model.zero_grad(set_to_none=True)
+    logprobs = logprob_pass(loaded, micro_batches, share=False, loss_weights=micro_batch_weights(micro_batches))
+    grads = hf_named_gradients(loaded.bridge, loaded.model)
+    loaded.model.zero_grad(set_to_none=True)
     return dict(logprobs=logprobs, grads=grads)
+
+
+@pytest.fixture(scope="module")
+def unshared_reference(qwen2_loaded):
+    return single_rank_unshared(qwen2_loaded)
+
+
+@pytest.fixture(scope="module")
+def tied_checkpoint(tmp_path_factory):
+    """Qwen2.5 up to 3B ties the LM head to the embedding: under PP the two copies live on the
+    first and last stage and their gradients must be summed."""
+    from ps_bridge.testing import build_tiny_qwen2
+
+    path = tmp_path_factory.mktemp("qwen2_tied")
+    build_tiny_qwen2(str(path), tie_word_embeddings=True)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tied_unshared_reference(tied_checkpoint):
+    from ps_bridge.config import PrefixSharingConfig
+    from ps_bridge.runtime import load_model
+
+    return single_rank_unshared(load_model(tied_checkpoint, PrefixSharingConfig(enabled=True)))
 
 
 def max_logprob_diff(a, b) -> float:

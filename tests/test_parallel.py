@@ -21,26 +21,33 @@ from parallel_cases import (  # noqa: E402
     max_logprob_diff,
     parallel_micro_batches,
     relative_grad_diffs,
+    tied_checkpoint,  # noqa: F401 (fixture)
+    tied_unshared_reference,  # noqa: F401 (fixture)
     torchrun,
     unshared_reference,  # noqa: F401 (fixture)
 )
 
+# name: (processes, worker flags, tp, pp, tied embeddings)
 CONFIGS = {
-    "tp2": (2, ["--tp", "2"], 2, 1),
-    "tp2_sp": (2, ["--tp", "2", "--sp"], 2, 1),
-    "pp2": (2, ["--pp", "2"], 1, 2),
-    "tp2_sp_pp2": (4, ["--tp", "2", "--sp", "--pp", "2"], 2, 2),
+    "tp2": (2, ["--tp", "2"], 2, 1, False),
+    "tp2_sp": (2, ["--tp", "2", "--sp"], 2, 1, False),
+    "pp2_tied_embeddings": (2, ["--pp", "2"], 1, 2, True),
+    "tp2_sp_pp2": (4, ["--tp", "2", "--sp", "--pp", "2"], 2, 2, False),
 }
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_parallel_run_equals_single_rank_unshared(name, tmp_path, qwen2_checkpoint, unshared_reference):
-    nproc, flags, tp, pp = CONFIGS[name]
+def test_parallel_run_equals_single_rank_unshared(name, tmp_path, request):
+    nproc, flags, tp, pp, tied = CONFIGS[name]
+    if tied:
+        hf_path, ref = request.getfixturevalue("tied_checkpoint"), request.getfixturevalue("tied_unshared_reference")
+        assert "lm_head.weight" not in ref["grads"]
+    else:
+        hf_path, ref = request.getfixturevalue("qwen2_checkpoint")[0], request.getfixturevalue("unshared_reference")
     out = tmp_path / "result.pt"
-    proc = torchrun(nproc, [WORKER, "--hf-path", qwen2_checkpoint[0], "--out", str(out), *flags])
+    proc = torchrun(nproc, [WORKER, "--hf-path", hf_path, "--out", str(out), *flags])
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = torch.load(out)
-    ref = unshared_reference
 
     assert max_logprob_diff(got["logprobs"], ref["logprobs"]) <= 1e-5
     assert max_logprob_diff(got["forward_only"], ref["logprobs"]) <= 1e-5

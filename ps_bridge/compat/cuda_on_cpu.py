@@ -37,6 +37,9 @@ def enable() -> bool:
     torch.cuda.max_memory_allocated = lambda device=None: 0  # type: ignore[assignment]
     # Megatron-Bridge moves freshly built models with `.cuda()`; keep them where they are.
     torch.nn.Module.cuda = lambda self, device=None: self  # type: ignore[assignment]
+    # With tied embeddings and PP > 1, megatron moves the last stage's copy of the embedding with
+    # `weight.data.cuda()` before syncing it from the first stage.
+    torch.Tensor.cuda = lambda self, device=None, non_blocking=False, memory_format=None: self  # type: ignore[assignment]
     _route_schedule_allocations_to_cpu()
     _ENABLED = True
     return True
