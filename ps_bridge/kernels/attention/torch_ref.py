@@ -32,6 +32,8 @@ def prefix_shared_attention_torch_ref(
     if Hq % Hkv:
         raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
     rep = Hq // Hkv
+    # accumulate in float32 at least (float64 stays float64, for exactness tests)
+    acc = torch.promote_types(q.dtype, torch.float32)
     out = torch.empty_like(q)
     group_ids = layout.group_ids
     for g in range(layout.num_groups):
@@ -40,9 +42,9 @@ def prefix_shared_attention_torch_ref(
         kg = k.index_select(0, index).transpose(0, 1).repeat_interleave(rep, dim=0)
         vg = v.index_select(0, index).transpose(0, 1).repeat_interleave(rep, dim=0)
         mask = prefix_shared_mask(layout, index)
-        scores = torch.matmul(qg.float(), kg.float().transpose(1, 2)) * softmax_scale
+        scores = torch.matmul(qg.to(acc), kg.to(acc).transpose(1, 2)) * softmax_scale
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        og = torch.matmul(probs, vg.float()).to(q.dtype)  # [Hq, n, D]
+        og = torch.matmul(probs, vg.to(acc)).to(q.dtype)  # [Hq, n, D]
         out.index_copy_(0, index, og.transpose(0, 1))
     return out

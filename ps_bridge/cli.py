@@ -1,0 +1,155 @@
+"""`ps-bridge`: check prefix sharing on a checkpoint (`logprobs`), run the main job (`demo`),
+measure the speed-up on a GPU (`bench`).
+
+Errors a user can fix (missing file, bad JSON, bad token ids, unsupported architecture, unknown
+backend) exit with status 2 and one line `ps-bridge: error: ...` on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import List
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+
+class UsageError(Exception):
+    """An error in the user's input: printed without a traceback."""
+
+
+# ---- logprobs --------------------------------------------------------------------------------
+
+
+def read_batch(path: str):
+    from ps_bridge.layout import Sample
+
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"batch file not found: {path}")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("samples"), list):
+        raise UsageError(f'{path}: expected an object {{"samples": [{{"prompt": [...], "response": [...]}}, ...]}}')
+    samples = []
+    for i, s in enumerate(data["samples"]):
+        if not isinstance(s, dict) or "prompt" not in s or "response" not in s:
+            raise UsageError(f'{path}: sample {i} must be an object with "prompt" and "response" lists')
+        for key in ("prompt", "response"):
+            ids = s[key]
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise UsageError(f"{path}: sample {i}: {key} must be a list of integer token ids")
+        samples.append(Sample(list(s["prompt"]), list(s["response"]), s.get("uid")))
+    if not samples:
+        raise UsageError(f"{path}: no samples")
+    return samples
+
+
+def _hf_vocab_size(hf_path: str) -> int:
+    cfg = json.loads((Path(hf_path) / "config.json").read_text())
+    vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    if vocab is None:
+        raise UsageError(f"{hf_path}/config.json has no vocab_size")
+    return int(vocab)
+
+
+def cmd_logprobs(args) -> int:
+    import torch
+
+    from ps_bridge.config import PrefixSharingConfig
+    from ps_bridge.layout import build_layout
+    from ps_bridge.logprobs import response_logprobs
+    from ps_bridge.providers.registry import resolve_provider
+    from ps_bridge.runtime import DTYPES, load_model, make_layout, read_hf_architectures, row_logprobs
+
+    samples = read_batch(args.batch)
+    try:
+        archs = read_hf_architectures(args.hf_path)
+        config = PrefixSharingConfig(enabled=not args.no_prefix_sharing, backend=args.backend, provider=args.provider)
+        resolve_provider(config.provider, archs)
+        # validate ids before the (slow) conversion, so a bad batch fails at once
+        build_layout(samples, share=False, vocab_size=_hf_vocab_size(args.hf_path))
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(str(e)) from None
+
+    loaded = load_model(args.hf_path, config, dtype=DTYPES[args.dtype])
+    layout = make_layout(samples, loaded)
+    with torch.no_grad():
+        rows = row_logprobs(loaded, layout)
+    per_sample = response_logprobs(rows, layout.to(rows.device))
+    out = dict(
+        samples=[{"logprobs": lp.float().cpu().tolist()} for lp in per_sample],
+        tokens_unshared=layout.tokens_unshared,
+        tokens_shared=layout.tokens_shared,
+        groups=layout.num_groups,
+        prefix_sharing=config.enabled,
+        backend=config.backend,
+    )
+    Path(args.out).write_text(json.dumps(out))
+    print(
+        f"wrote {args.out}: {len(samples)} samples, {layout.num_groups} groups, "
+        f"tokens {layout.tokens_unshared} unshared -> {layout.tokens_shared} packed"
+    )
+    return 0
+
+
+# ---- argument parsing -------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ps_bridge.kernels.attention import BACKENDS
+
+    parser = argparse.ArgumentParser(prog="ps-bridge", description=__doc__.split("\n\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="show the [PS] log lines")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    lp = sub.add_parser("logprobs", help="log-probs of each response token of a batch, from an HF checkpoint")
+    lp.add_argument("--hf-path", required=True, help="Hugging Face checkpoint directory")
+    lp.add_argument("--batch", required=True, help='JSON {"samples": [{"prompt": [ids], "response": [ids]}, ...]}')
+    lp.add_argument("--out", required=True, help="output JSON path")
+    lp.add_argument("--no-prefix-sharing", action="store_true", help="run every sample unshared")
+    lp.add_argument("--backend", default="torch_ref", help=f"attention backend ({', '.join(sorted(BACKENDS))})")
+    lp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    lp.add_argument("--provider", default=None, help="provider name (default: detected from the checkpoint)")
+    lp.set_defaults(func=cmd_logprobs)
+
+    from ps_bridge import demo
+
+    dm = sub.add_parser("demo", help="the main job on a tiny random checkpoint: shared vs unshared vs HF")
+    demo.add_demo_arguments(dm)
+    dm.set_defaults(func=demo.run_demo)
+
+    try:
+        from ps_bridge import bench
+    except ImportError:
+        bench = None
+    if bench is not None:
+        bp = sub.add_parser("bench", help="GPU benchmark: prefix-shared vs unshared actor step and log-prob pass")
+        bench.add_bench_arguments(bp)
+        bp.set_defaults(func=bench.run_bench)
+    return parser
+
+
+def main(argv: List[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s", stream=sys.stderr
+    )
+    if not args.verbose:
+        logging.getLogger("ps_bridge").setLevel(logging.WARNING)
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as e:
+        print(f"ps-bridge: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
