@@ -88,19 +88,47 @@ def load_model(
     sequence_parallel: bool = False,
 ) -> LoadedModel:
     """Convert `hf_path` through our provider and load its weights (single pipeline stage)."""
-    from ps_bridge.compat.te_placeholder import import_megatron_bridge
-    from ps_bridge.providers.registry import register_all, resolve_provider
-
     config = config or PrefixSharingConfig()
-    archs = read_hf_architectures(hf_path)
-    entry = resolve_provider(config.provider, archs)
-    import_megatron_bridge()
-    register_all()
-    init_parallel(tp=tp, pp=pp)
+    entry = _prepare_bridge(config, read_hf_architectures(hf_path), tp, pp)
     from megatron.bridge import AutoBridge
 
     bridge = AutoBridge.from_hf_pretrained(hf_path, torch_dtype=dtype)
-    provider = bridge.to_megatron_provider(load_weights=True)
+    return _provide_model(bridge, entry.name, config, dtype, tp, pp, sequence_parallel, load_weights=True)
+
+
+def load_model_from_hf_config(
+    hf_config,
+    config: Optional[PrefixSharingConfig] = None,
+    dtype: torch.dtype = torch.float32,
+    tp: int = 1,
+    pp: int = 1,
+    sequence_parallel: bool = False,
+) -> LoadedModel:
+    """Like `load_model`, from a transformers config object: same bridge and provider, random
+    weights (megatron's own initialisation, on the GPU when there is one). For benchmarks."""
+    config = config or PrefixSharingConfig()
+    entry = _prepare_bridge(config, list(getattr(hf_config, "architectures", None) or []), tp, pp)
+    from megatron.bridge import AutoBridge
+
+    bridge = AutoBridge.from_hf_config(hf_config)
+    return _provide_model(bridge, entry.name, config, dtype, tp, pp, sequence_parallel, load_weights=False)
+
+
+def _prepare_bridge(config: PrefixSharingConfig, hf_architectures: List[str], tp: int, pp: int):
+    """Pick our provider for the architectures, import Megatron-Bridge with our bridges registered,
+    and set up the parallel groups; returns the provider entry."""
+    from ps_bridge.compat.te_placeholder import import_megatron_bridge
+    from ps_bridge.providers.registry import register_all, resolve_provider
+
+    entry = resolve_provider(config.provider, hf_architectures)
+    import_megatron_bridge()
+    register_all()
+    init_parallel(tp=tp, pp=pp)
+    return entry
+
+
+def _provide_model(bridge, provider_name, config, dtype, tp, pp, sequence_parallel, load_weights) -> LoadedModel:
+    provider = bridge.to_megatron_provider(load_weights=load_weights)
     provider.tensor_model_parallel_size = tp
     provider.pipeline_model_parallel_size = pp
     provider.sequence_parallel = sequence_parallel
@@ -126,7 +154,7 @@ def load_model(
         model=model,
         bridge=bridge,
         provider=provider,
-        provider_name=entry.name,
+        provider_name=provider_name,
         vocab_size=int(provider.vocab_size),
         config=config,
         device=device,

@@ -114,7 +114,8 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
     lse = torch.logaddexp(lse_a, lse_b)
     w_a = torch.exp(lse_a - lse).transpose(0, 1).unsqueeze(-1)
     w_b = torch.exp(lse_b - lse).transpose(0, 1).unsqueeze(-1)
-    out = (w_a * out_a.float() + w_b * out_b.float()).to(out_a.dtype)
+    acc = torch.promote_types(out_a.dtype, torch.float32)  # bf16 partials are merged in float32
+    out = (w_a * out_a.to(acc) + w_b * out_b.to(acc)).to(out_a.dtype)
     return out, lse
 
 

@@ -180,7 +180,8 @@ class CpuFlashKernel(VarlenKernel):
     def forward(self, q, k, v, call, scale):
         T, H, D = q.shape
         out = torch.zeros_like(q)
-        lse = torch.zeros(H, T, dtype=torch.float32, device=q.device)
+        # float32 like the CUDA kernels; float64 inputs keep float64 so tests can be exact
+        lse = torch.zeros(H, T, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
         rep = self._heads(q, k)
         for b in range(len(call.cu_q) - 1):
             qa, qb, ka, kb = call.cu_q[b], call.cu_q[b + 1], call.cu_k[b], call.cu_k[b + 1]
@@ -194,7 +195,7 @@ class CpuFlashKernel(VarlenKernel):
                 qe, ke, ve, 0.0, is_causal, attn_mask=mask, scale=scale
             )
             out[qa:qb] = o[0].transpose(0, 1)
-            lse[:, qa:qb] = l[0].float()
+            lse[:, qa:qb] = l[0]
         return out, lse, None
 
     def backward(self, dout, q, k, v, out, lse, call, scale, aux):
@@ -216,7 +217,7 @@ class CpuFlashKernel(VarlenKernel):
                 bh(k[ka:kb].repeat_interleave(rep, dim=1)),
                 bh(v[ka:kb].repeat_interleave(rep, dim=1)),
                 bh(out[qa:qb]),
-                lse[:, qa:qb].to(q.dtype).unsqueeze(0).contiguous(),
+                lse[:, qa:qb].unsqueeze(0).contiguous(),
                 0.0,
                 is_causal,
                 attn_mask=mask,
