@@ -220,19 +220,14 @@ def test_chunked_logprobs_match_full():
 
 # ---- GPU (H200) ------------------------------------------------------------------------------
 
-GPU_BACKENDS = ["flash_atten_gpu", "flash_atten_gpu_expand", "flex", "auto"]
+HEAD_CONFIGS = [(8, 2, 64), (4, 4, 128), (8, 1, 256)]
 
 
 def rel_err(x, ref):
     return float((x.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("kind,pad", [("shared", 1), ("shared", 8), ("groups_of_one", 1), ("unshared", 8)])
-@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (4, 4, 128), (8, 1, 256)])
-def test_gpu_backend_bf16_matches_fp32_reference(backend, kind, pad, hq, hkv, d):
-    layout = make_layout(kind, pad, seed=d + pad, prompt=(50, 400), response=(1, 300), groups=3, n=(2, 6)).to("cuda")
+def check_bf16_against_fp32_reference(backend, layout, hq, hkv, d):
     q, k, v = qkv(layout, hq, hkv, d, torch.bfloat16, device="cuda")
     grad_out = torch.randn(q.shape, dtype=torch.bfloat16, device="cuda")
     out, grads = run(backend, q, k, v, layout, grad_out)
@@ -242,7 +237,37 @@ def test_gpu_backend_bf16_matches_fp32_reference(backend, kind, pad, hq, hkv, d)
     assert torch.isfinite(out[valid]).all()
     assert rel_err(out[valid], ref[valid]) < 1e-2, rel_err(out[valid], ref[valid])
     for name, g, r in zip("qkv", grads, ref_grads):
+        assert torch.isfinite(g).all(), name
         assert rel_err(g, r) < 2e-2, (name, rel_err(g, r))
+
+
+def gpu_layout(kind, pad, seed):
+    return make_layout(kind, pad, seed=seed, prompt=(50, 400), response=(1, 300), groups=3, n=(2, 6)).to("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flash_atten_gpu", "flash_atten_gpu_expand"])
+@pytest.mark.parametrize("kind,pad", [("shared", 1), ("shared", 8), ("groups_of_one", 1), ("unshared", 8)])
+@pytest.mark.parametrize("hq,hkv,d", HEAD_CONFIGS)
+def test_gpu_flash_bf16_matches_fp32_reference(backend, kind, pad, hq, hkv, d):
+    check_bf16_against_fp32_reference(backend, gpu_layout(kind, pad, seed=d + pad), hq, hkv, d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv,d", HEAD_CONFIGS)
+def test_gpu_flex_bf16_matches_fp32_reference(hq, hkv, d):
+    # one layout per head configuration: each new shape compiles FlexAttention forward and backward
+    check_bf16_against_fp32_reference("flex", gpu_layout("shared", 8, seed=11), hq, hkv, d)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_is_the_cascade():
+    from ps_bridge.kernels.attention.varlen import kernel_for
+
+    layout = gpu_layout("shared", 1, seed=3)
+    q, k, v = qkv(layout, 4, 2, 64, torch.bfloat16, device="cuda")
+    assert torch.equal(BACKENDS["auto"](q, k, v, layout, 0.125), BACKENDS["flash_atten_gpu"](q, k, v, layout, 0.125))
+    assert kernel_for(q.device).name in ("torch", "flash_attn")
 
 
 @pytest.mark.gpu

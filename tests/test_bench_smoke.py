@@ -43,8 +43,8 @@ def test_bench_smoke_runs_and_reports(tmp_path, capsys):
         assert r["tokens_shared"] == P + n * R
         assert r["ideal_speedup"] == pytest.approx(n * (P + R) / (P + n * R))
         assert r["actor_speedup"] > 0 and r["logprob_speedup"] > 0
-        # float32 on the CPU: the shared and unshared log-probs agree to rounding
-        assert r["max_logprob_diff"] < 1e-4
+        # float32 on the CPU: the shared and unshared log-probs agree to rounding (bf16 on a GPU)
+        assert r["max_logprob_diff"] < (1e-4 if not torch.cuda.is_available() else 0.1)
     if plot is not None:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
