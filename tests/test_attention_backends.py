@@ -224,7 +224,8 @@ HEAD_CONFIGS = [(8, 2, 64), (4, 4, 128), (8, 1, 256)]
 
 
 def rel_err(x, ref):
-    return float((x.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12))
+    x, ref = x.detach().float(), ref.detach().float()
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-12))
 
 
 def check_bf16_against_fp32_reference(backend, layout, hq, hkv, d):
