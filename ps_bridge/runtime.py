@@ -29,6 +29,14 @@ def default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234) -> None:
     """torch.distributed (gloo on CPU, NCCL on GPU; world size 1 when not launched by torchrun) and
     megatron's model-parallel groups, seeded; idempotent."""
@@ -38,13 +46,13 @@ def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234) -> No
 
     cuda_on_cpu.enable()
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 20000))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:  # launched by torchrun
+            dist.init_process_group(backend)
+        else:  # a single process: a private store on a free port, the environment left alone
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     from megatron.core import parallel_state, tensor_parallel
 
     if not parallel_state.model_parallel_is_initialized():
