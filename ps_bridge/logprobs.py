@@ -83,13 +83,16 @@ class _ChunkedRowLogprobs(torch.autograd.Function):
         grad = torch.empty_like(logits)
         c = ctx.chunk_rows
         for a in range(0, T, c):
-            probs = torch.exp(logits[a : a + c].float() - lse[a : a + c, None])
-            grad[a : a + c] = (probs * -weight[a : a + c, None]).to(grad.dtype)
+            # in place: one float32 chunk alive at a time (this runs when every activation is alive,
+            # so its temporaries add directly to the step's peak memory)
+            probs = logits[a : a + c].float()
+            probs.sub_(lse[a : a + c, None]).exp_().mul_(-weight[a : a + c, None])
+            grad[a : a + c] = probs
         grad.view(-1).index_put_((src * V + safe_label,), g.to(grad.dtype), accumulate=True)
         return grad, None, None, None
 
 
-def packed_row_logprobs_chunked(logits: torch.Tensor, layout: PackedPrefixLayout, chunk_rows: int = 2048) -> torch.Tensor:
+def packed_row_logprobs_chunked(logits: torch.Tensor, layout: PackedPrefixLayout, chunk_rows: int = 1024) -> torch.Tensor:
     """Same rows as `packed_row_logprobs` (float32), memory-lean for large vocabularies and packs:
     no `[N, V]` float32 tensor is formed, forward or backward (see `_ChunkedRowLogprobs`)."""
     if logits.dim() == 3:
