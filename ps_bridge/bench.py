@@ -43,7 +43,10 @@ def qwen2_hf_config(dims: dict, num_layers: int):
     return cfg
 
 
-# family -> builder(real dims, number of layers) -> transformers config our provider registry serves
+# family -> builder(real dims, number of layers) -> transformers config our provider registry serves.
+# Qwen3.5 plugs in here once its provider exists: a builder returning the text config (architectures
+# ["Qwen3_5ForCausalLM"], `layer_types` cut to the layer count) and MODEL_SHAPES entries
+# "qwen3.5-0.8b" / "qwen3.5-9b" with that checkpoint's config.json values.
 FAMILIES: Dict[str, Callable] = {"qwen2.5": qwen2_hf_config}
 
 
