@@ -192,6 +192,12 @@ def test_bucket_lengths_are_few_and_cover():
     assert len(seen) <= 4 * 9 + 1  # four buckets per power of two
 
 
+def test_flash_kernels_are_not_claimed_for_cpu_or_float32():
+    x = torch.zeros(4, 2, 64)
+    assert not varlen.flash_supports(x)
+    assert not varlen.flash_supports(x.bfloat16())  # CPU
+
+
 def test_auto_is_torch_ref_on_cpu():
     layout = make_layout("shared", 1)
     q, k, v = qkv(layout, 2, 1, 8, torch.float32)
@@ -269,6 +275,15 @@ def test_gpu_auto_is_the_cascade():
     q, k, v = qkv(layout, 4, 2, 64, torch.bfloat16, device="cuda")
     assert torch.equal(BACKENDS["auto"](q, k, v, layout, 0.125), BACKENDS["flash_atten_gpu"](q, k, v, layout, 0.125))
     assert kernel_for(q.device).name in ("torch", "flash_attn")
+
+
+@pytest.mark.gpu
+def test_gpu_float32_goes_to_reference_under_auto_and_is_refused_by_flash():
+    layout = gpu_layout("shared", 1, seed=4)
+    q, k, v = qkv(layout, 4, 2, 64, torch.float32, device="cuda")
+    assert torch.equal(BACKENDS["auto"](q, k, v, layout, 0.125), BACKENDS["torch_ref"](q, k, v, layout, 0.125))
+    with pytest.raises(ValueError, match="float16/bfloat16"):
+        BACKENDS["flash_atten_gpu"](q, k, v, layout, 0.125)
 
 
 @pytest.mark.gpu

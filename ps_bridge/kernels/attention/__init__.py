@@ -10,7 +10,7 @@ queries produce finite values that nobody reads). Output `[T, Hq, D]`.
 - `flash_atten_gpu_expand`: one bottom-right causal flash call over gathered `[prompt; response]`
   keys/values, see flash.py;
 - `flex`: FlexAttention with a prefix-sharing block mask, see flex.py;
-- `auto`: `flash_atten_gpu` on CUDA, `torch_ref` elsewhere.
+- `auto`: `flash_atten_gpu` on CUDA in fp16/bf16, `torch_ref` elsewhere (CPU, float32).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ pack is therefore padded up to a *bucket* length (a power of two times 1, 1.25, 
 least 256), so micro-batches of varying lengths reuse a handful of compiled variants instead of
 compiling once per length. Bucket padding tokens see nothing and are seen by nothing.
 
-`auto`: `flash_atten_gpu` (the cascade) on CUDA, `torch_ref` elsewhere. The cascade is the default
+`auto`: `flash_atten_gpu` (the cascade) on CUDA for fp16/bf16 inputs with a head dim the flash
+kernels take (a multiple of 8, at most 256), `torch_ref` otherwise (CPU, float32 runs). The cascade is the default
 because it copies no key/value and was fastest or within a few percent of the fastest in the
 measurements (DESIGN.md section 4, BENCHMARKS.md).
 """
@@ -147,5 +148,8 @@ def prefix_shared_attention_flex(q, k, v, layout: PackedPrefixLayout, softmax_sc
 def prefix_shared_attention_auto(q, k, v, layout: PackedPrefixLayout, softmax_scale: float) -> torch.Tensor:
     from ps_bridge.kernels.attention import BACKENDS
 
-    name = "flash_atten_gpu" if q.device.type == "cuda" else "torch_ref"
+    from ps_bridge.kernels.attention.varlen import flash_supports
+
+    # float32 (exactness runs) and unusual head dims are outside the flash kernels: use the reference
+    name = "flash_atten_gpu" if flash_supports(q) else "torch_ref"
     return BACKENDS[name](q, k, v, layout, softmax_scale)

@@ -91,12 +91,31 @@ def _check_lse(lse: torch.Tensor, heads: int, total_q: int, who: str) -> torch.T
     return lse
 
 
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def flash_supports(q: torch.Tensor) -> bool:
+    """Whether the CUDA flash kernels take these inputs: fp16/bf16, head dim a multiple of 8 up to 256."""
+    D = q.shape[-1]
+    return q.device.type == "cuda" and q.dtype in FLASH_DTYPES and D <= 256 and D % 8 == 0
+
+
+def _require_flash_support(q: torch.Tensor, who: str) -> None:
+    if not flash_supports(q):
+        raise ValueError(
+            f"{who}: the CUDA flash kernels take float16/bfloat16 inputs with a head dim that is a multiple "
+            f"of 8 up to 256; got {q.dtype}, head dim {q.shape[-1]}. Use the 'auto' backend (it falls back "
+            "to torch_ref for such inputs) or 'torch_ref'"
+        )
+
+
 class TorchFlashKernel(VarlenKernel):
     """torch's bundled flash-attention 2 kernels (CUDA, fp16/bf16, head dim <= 256)."""
 
     name = "torch"
 
     def forward(self, q, k, v, call, scale):
+        _require_flash_support(q, "torch flash attention")
         cu_q, cu_k = call.device_offsets(q.device)
         out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
             q, k, v, cu_q, cu_k, call.max_q, call.max_k, 0.0, call.causal, False, scale=scale
@@ -139,6 +158,7 @@ class FlashAttnKernel(VarlenKernel):
         return kwargs
 
     def forward(self, q, k, v, call, scale):
+        _require_flash_support(q, "flash-attn")
         cu_q, cu_k = call.device_offsets(q.device)
         kwargs = self._window(self._fwd_params, dict(return_softmax=False))
         res = self._fwd(q, k, v, cu_q, cu_k, call.max_q, call.max_k, 0.0, scale, call.causal, **kwargs)
