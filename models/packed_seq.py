@@ -22,15 +22,21 @@ class PrefixSharedPackedSeqParams(PackedSeqParams):
 
     @classmethod
     def from_layout(cls, layout: PackedPrefixLayout, backend: str = "torch_ref") -> "PrefixSharedPackedSeqParams":
-        host = layout.host
+        # megatron-core reads cu_seqlens only to apply RoPE (our attention and GDN read the layout).
+        # Its THD RoPE loops over the packed sequences with a host sync per sequence; since our
+        # RoPE table is already per token (PrefixSharedGPTModel), we present the whole pack as a
+        # single THD sequence so RoPE is one vectorised op. The real segment boundaries live in
+        # `prefix_layout.cu_seqlens` / `cu_seqlens_padded`.
+        T = layout.num_tokens
+        whole = layout.cu_seqlens_padded.new_tensor([0, T])
         return cls(
             qkv_format="thd",
-            cu_seqlens_q=layout.cu_seqlens,
-            cu_seqlens_kv=layout.cu_seqlens,
-            cu_seqlens_q_padded=layout.cu_seqlens_padded,
-            cu_seqlens_kv_padded=layout.cu_seqlens_padded,
-            max_seqlen_q=host["max_padded_length"],
-            max_seqlen_kv=host["max_padded_length"],
+            cu_seqlens_q=whole,
+            cu_seqlens_kv=whole,
+            cu_seqlens_q_padded=whole,
+            cu_seqlens_kv_padded=whole,
+            max_seqlen_q=T,
+            max_seqlen_kv=T,
             prefix_layout=layout,
             prefix_sharing_backend=backend,
         )

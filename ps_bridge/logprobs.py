@@ -81,3 +81,56 @@ def response_logprobs(rows: torch.Tensor, layout: PackedPrefixLayout) -> List[to
         R = int(layout.sample_response_length[i])
         out.append(row[P - 1 : P - 1 + R])
     return out
+
+
+class _ChunkedRowLogprobs(torch.autograd.Function):
+    """`packed_row_logprobs` without the `[N, V]` float32 copies.
+
+    The log-sum-exp is taken once per *packed* position (T rows, not N: a shared prompt position is
+    normalised once however many responses read it), chunk by chunk in float32 from the logits'
+    own dtype, and only a row's label logit is gathered. The backward writes the logits' gradient
+    chunk by chunk: `onehot(label) * g - softmax * (sum of g over the rows reading that position)`.
+    Peak extra memory is one float32 chunk, plus the `[T, V]` gradient every backward produces.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, src, label, chunk_rows):
+        T, V = logits.shape
+        has_label = label >= 0
+        safe_label = label.clamp(min=0)
+        lse = torch.empty(T, dtype=torch.float32, device=logits.device)
+        for a in range(0, T, chunk_rows):
+            lse[a : a + chunk_rows] = torch.logsumexp(logits[a : a + chunk_rows].float(), dim=-1)
+        target = logits.reshape(-1).index_select(0, src * V + safe_label).float()
+        rows = torch.where(has_label, target - lse.index_select(0, src), torch.zeros_like(target))
+        ctx.save_for_backward(logits, src, safe_label, has_label, lse)
+        ctx.chunk_rows = chunk_rows
+        return rows
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        logits, src, safe_label, has_label, lse = ctx.saved_tensors
+        T, V = logits.shape
+        g = torch.where(has_label, grad_rows.float(), torch.zeros_like(grad_rows, dtype=torch.float32))
+        weight = torch.zeros(T, dtype=torch.float32, device=logits.device).index_add_(0, src, g)
+        grad = torch.empty_like(logits)
+        c = ctx.chunk_rows
+        for a in range(0, T, c):
+            # in place: one float32 chunk alive at a time (this runs when every activation is alive,
+            # so its temporaries add directly to the step's peak memory)
+            probs = logits[a : a + c].float()
+            probs.sub_(lse[a : a + c, None]).exp_().mul_(-weight[a : a + c, None])
+            grad[a : a + c] = probs
+        grad.view(-1).index_put_((src * V + safe_label,), g.to(grad.dtype), accumulate=True)
+        return grad, None, None, None
+
+
+def packed_row_logprobs_chunked(logits: torch.Tensor, layout: PackedPrefixLayout, chunk_rows: int = 1024) -> torch.Tensor:
+    """Same rows as `packed_row_logprobs` (float32), memory-lean for large vocabularies and packs:
+    no `[N, V]` float32 tensor is formed, forward or backward (see `_ChunkedRowLogprobs`)."""
+    logits = _packed_2d(logits, layout)
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    src = layout.row_source.to(logits.device)
+    label = layout.row_label.to(logits.device)
+    return _ChunkedRowLogprobs.apply(logits.contiguous(), src, label, int(chunk_rows))

@@ -103,21 +103,49 @@ def load_model(
     The parallel settings are set on the provider before the model is built, so megatron builds
     this rank's TP shard and PP stage and Megatron-Bridge loads the matching slices.
     """
+    config = config or PrefixSharingConfig()
+    entry = _prepare_bridge(config, read_hf_architectures(hf_path), tp, pp, sequence_parallel)
+    from megatron.bridge import AutoBridge
+
+    bridge = AutoBridge.from_hf_pretrained(hf_path, torch_dtype=dtype)
+    return _provide_model(bridge, entry.name, config, dtype, tp, pp, sequence_parallel, load_weights=True)
+
+
+def load_model_from_hf_config(
+    hf_config,
+    config: Optional[PrefixSharingConfig] = None,
+    dtype: torch.dtype = torch.float32,
+    tp: int = 1,
+    pp: int = 1,
+    sequence_parallel: bool = False,
+) -> LoadedModel:
+    """Like `load_model`, from a transformers config object: same bridge and provider, random
+    weights (megatron's own initialisation, on the GPU when there is one). For benchmarks."""
+    config = config or PrefixSharingConfig()
+    entry = _prepare_bridge(config, list(getattr(hf_config, "architectures", None) or []), tp, pp, sequence_parallel)
+    from megatron.bridge import AutoBridge
+
+    bridge = AutoBridge.from_hf_config(hf_config)
+    return _provide_model(bridge, entry.name, config, dtype, tp, pp, sequence_parallel, load_weights=False)
+
+
+def _prepare_bridge(config: PrefixSharingConfig, hf_architectures: List[str], tp: int, pp: int, sequence_parallel: bool):
+    """Check the parallel settings, pick our provider for the architectures, import Megatron-Bridge
+    with our bridges registered, and set up the parallel groups; returns the provider entry."""
     from ps_bridge.compat.te_placeholder import import_megatron_bridge
     from ps_bridge.parallel import ParallelSettings
     from ps_bridge.providers.registry import register_all, resolve_provider
 
     ParallelSettings(tp=tp, pp=pp, sequence_parallel=sequence_parallel).check()
-    config = config or PrefixSharingConfig()
-    archs = read_hf_architectures(hf_path)
-    entry = resolve_provider(config.provider, archs)
+    entry = resolve_provider(config.provider, hf_architectures)
     import_megatron_bridge()
     register_all()
     init_parallel(tp=tp, pp=pp)
-    from megatron.bridge import AutoBridge
+    return entry
 
-    bridge = AutoBridge.from_hf_pretrained(hf_path, torch_dtype=dtype)
-    provider = bridge.to_megatron_provider(load_weights=True)
+
+def _provide_model(bridge, provider_name, config, dtype, tp, pp, sequence_parallel, load_weights) -> LoadedModel:
+    provider = bridge.to_megatron_provider(load_weights=load_weights)
     provider.tensor_model_parallel_size = tp
     provider.pipeline_model_parallel_size = pp
     provider.sequence_parallel = sequence_parallel
@@ -149,7 +177,7 @@ def load_model(
         model=model,
         bridge=bridge,
         provider=provider,
-        provider_name=entry.name,
+        provider_name=provider_name,
         vocab_size=int(provider.vocab_size),
         config=config,
         device=device,

@@ -25,6 +25,8 @@ class _Anything:
         self._name = name
 
     def __getattr__(self, item: str):
+        if _is_dunder(item):  # introspection (inspect, copy, pickle) must see a plain absence
+            raise AttributeError(item)
         return _Anything(f"{self._name}.{item}")
 
     def __call__(self, *args, **kwargs):
@@ -37,11 +39,26 @@ class _Anything:
         return (object,)
 
 
+def _is_dunder(name: str) -> bool:
+    return name.startswith("__") and name.endswith("__")
+
+
+def _module_getattr(module_name: str):
+    def __getattr__(item: str):
+        # `inspect.getmodule` (run by torch.library when torchvision registers ops during the
+        # megatron.bridge import) reads `__file__` of every module in sys.modules
+        if _is_dunder(item):
+            raise AttributeError(item)
+        return _Anything(f"{module_name}.{item}")
+
+    return __getattr__
+
+
 def _make_module(name: str) -> types.ModuleType:
     module = types.ModuleType(name)
     module.__spec__ = importlib.machinery.ModuleSpec(name, loader=None, is_package=True)
     module.__path__ = []  # a package, so that submodule imports resolve to our placeholders
-    module.__getattr__ = lambda item, _n=name: _Anything(f"{_n}.{item}")  # type: ignore[attr-defined]
+    module.__getattr__ = _module_getattr(name)  # type: ignore[attr-defined]
     module.__ps_bridge_placeholder__ = True
     return module
 

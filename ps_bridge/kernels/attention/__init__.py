@@ -5,17 +5,28 @@ a prompt token attends causally inside its prompt; a response token attends to a
 its group's prompt and causally inside its own response; padding is never attended to (padding
 queries produce finite values that nobody reads). Output `[T, Hq, D]`.
 
-`torch_ref` is the plain, exact reference (any device); faster backends are tested against it.
+`torch_ref` is the plain, exact reference (any device); faster backends are tested against it:
+- `flash_atten_gpu`: the cascade on varlen flash kernels (no key/value copies), see flash.py;
+- `flash_atten_gpu_expand`: one bottom-right causal flash call over gathered `[prompt; response]`
+  keys/values, see flash.py;
+- `flex`: FlexAttention with a prefix-sharing block mask, see flex.py;
+- `auto`: `flash_atten_gpu` on CUDA in fp16/bf16, `torch_ref` elsewhere (CPU, float32).
 """
 
 from __future__ import annotations
 
 from typing import Callable, Dict
 
+from ps_bridge.kernels.attention.flash import prefix_shared_attention_cascade, prefix_shared_attention_expand
+from ps_bridge.kernels.attention.flex import prefix_shared_attention_auto, prefix_shared_attention_flex
 from ps_bridge.kernels.attention.torch_ref import prefix_shared_attention_torch_ref
 
 BACKENDS: Dict[str, Callable] = {
     "torch_ref": prefix_shared_attention_torch_ref,
+    "flash_atten_gpu": prefix_shared_attention_cascade,
+    "flash_atten_gpu_expand": prefix_shared_attention_expand,
+    "flex": prefix_shared_attention_flex,
+    "auto": prefix_shared_attention_auto,
 }
 
 

@@ -1,0 +1,514 @@
+"""`ps-bridge bench`: how much faster is a prefix-shared step than the unshared one, on a GPU.
+
+One process builds each requested model shape through our Megatron-Bridge provider (random weights,
+the real hidden size, heads and head dim of the named checkpoint, possibly fewer layers: the count
+is printed), and for each grid row (prompt length P, response length R, n responses per prompt)
+times, on the *same* micro-batch packed shared and unshared:
+
+- the actor step: forward, per-sample log-probs, a masked log-prob loss, backward;
+- the log-prob pass: forward and log-probs, no gradient (the old/ref log-prob pass of GRPO).
+
+Timing is with CUDA events after warm-up, median of repeats; the micro-batch's layout is built
+before timing (verl prepares it on the host while the GPU works). Peak memory is torch's peak
+allocated bytes during one actor step. The ideal speed-up is the token ratio S = n(P+R)/(P+nR);
+tokens/s counts the micro-batch's unshared tokens n(P+R), so it is comparable between the modes.
+
+Model shapes are table entries (`MODEL_SHAPES`), built by their family's HF-config builder
+(`FAMILIES`): a new family (Qwen3.5) adds one builder and its shapes.
+
+`--smoke` runs tiny shapes (on a CPU too, with wall-clock timing) so CI exercises the whole path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+# ---- what is measured ------------------------------------------------------------------------
+
+
+def qwen2_hf_config(dims: dict, num_layers: int):
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(**dict(dims, num_hidden_layers=num_layers))
+    cfg.architectures = ["Qwen2ForCausalLM"]
+    return cfg
+
+
+# family -> builder(real dims, number of layers) -> transformers config our provider registry serves.
+# Qwen3.5 plugs in here once its provider exists: a builder returning the text config (architectures
+# ["Qwen3_5ForCausalLM"], `layer_types` cut to the layer count) and MODEL_SHAPES entries
+# "qwen3.5-0.8b" / "qwen3.5-9b" with that checkpoint's config.json values.
+FAMILIES: Dict[str, Callable] = {"qwen2.5": qwen2_hf_config}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    family: str
+    dims: dict  # the checkpoint's config.json values that set the shape
+    full_layers: int
+    bench_layers: int  # default layer count for the bench (fewer layers keep a grid row quick)
+
+
+_QWEN25_COMMON = dict(rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=32768)
+
+MODEL_SHAPES: Dict[str, ModelShape] = {
+    "qwen2.5-1.5b": ModelShape(
+        "qwen2.5",
+        dict(_QWEN25_COMMON, vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+             num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
+        full_layers=28,
+        bench_layers=8,
+    ),
+    "qwen2.5-7b": ModelShape(
+        "qwen2.5",
+        dict(_QWEN25_COMMON, vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+             num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
+        full_layers=28,
+        bench_layers=4,
+    ),
+    # --smoke: Qwen2-shaped and tiny
+    "tiny-qwen2.5": ModelShape(
+        "qwen2.5",
+        dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False),
+        full_layers=2,
+        bench_layers=2,
+    ),
+}
+
+DEFAULT_MODELS = ("qwen2.5-1.5b", "qwen2.5-7b")
+DEFAULT_GRID: Tuple[Tuple[int, int, int], ...] = ((2048, 512, 8), (4096, 256, 16), (1024, 1024, 8), (512, 4096, 8))
+SMOKE_GRID: Tuple[Tuple[int, int, int], ...] = ((24, 8, 4), (8, 24, 2))
+
+
+def ideal_speedup(P: int, R: int, n: int) -> float:
+    return n * (P + R) / (P + n * R)
+
+
+# ---- arguments --------------------------------------------------------------------------------
+
+
+def _parse_grid(text: str) -> List[Tuple[int, int, int]]:
+    rows = []
+    for part in text.replace(" ", "").split(";"):
+        if not part:
+            continue
+        try:
+            P, R, n = (int(x) for x in part.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"grid row {part!r} is not 'P,R,n' (three integers)") from None
+        if min(P, R, n) < 1:
+            raise argparse.ArgumentTypeError(f"grid row {part!r}: P, R and n must be >= 1")
+        rows.append((P, R, n))
+    if not rows:
+        raise argparse.ArgumentTypeError("the grid is empty")
+    return rows
+
+
+def _parse_list(text: str) -> List[str]:
+    return [x for x in text.replace(" ", "").split(",") if x]
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", type=_parse_list, default=None,
+                        help=f"comma-separated model shapes ({', '.join(MODEL_SHAPES)}); default "
+                        f"{','.join(DEFAULT_MODELS)} (tiny-qwen2.5 with --smoke)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="decoder layers of every model (default: each shape's bench default, printed)")
+    parser.add_argument("--grid", type=_parse_grid, default=None,
+                        help="rows 'P,R,n;P,R,n;...' (default: 2048,512,8;4096,256,16;1024,1024,8;512,4096,8)")
+    parser.add_argument("--groups", type=int, default=1, help="prompts (groups of n responses) per micro-batch")
+    parser.add_argument("--backends", type=_parse_list, default=["auto"],
+                        help="comma-separated attention backends to time prefix-shared (default auto); "
+                        "the unshared baseline uses the first")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before timing (default 2)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps; the median is reported (default 5)")
+    parser.add_argument("--logprob-chunk", type=int, default=1024,
+                        help="rows per float32 log-softmax chunk (default 1024; 0.6 GB at a 152k vocabulary)")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                        help="also write the results as JSON to FILE (stdout when FILE is omitted)")
+    parser.add_argument("--plot", default=None, metavar="FILE", help="write a PNG of measured vs ideal speed-up")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes and grid, few repeats; runs on a CPU (for CI)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+# ---- one grid row ------------------------------------------------------------------------------
+
+
+@dataclass
+class ModeResult:
+    tokens: int
+    actor_ms: float
+    logprob_ms: float
+    actor_peak_mib: Optional[float]
+    logprob_peak_mib: Optional[float]
+
+
+@dataclass
+class RowResult:
+    model: str
+    layers: int
+    backend: str
+    P: int
+    R: int
+    n: int
+    groups: int
+    tokens_unshared: int
+    tokens_shared: int
+    ideal_speedup: float
+    actor_speedup: float
+    logprob_speedup: float
+    actor_peak_ratio: Optional[float]
+    unshared: ModeResult
+    shared: ModeResult
+    unshared_tokens_per_s: float
+    shared_tokens_per_s: float
+    max_logprob_diff: float
+    error: Optional[str] = None
+
+
+def make_samples(P: int, R: int, n: int, groups: int, vocab: int, seed: int):
+    from ps_bridge.layout import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(groups):
+        prompt = torch.randint(vocab, (P,), generator=g).tolist()
+        for _ in range(n):
+            samples.append(Sample(prompt, torch.randint(vocab, (R,), generator=g).tolist()))
+    return samples
+
+
+def response_row_mask(layout) -> torch.Tensor:
+    """True at the row positions that hold a response token's log-prob (P-1 .. P+R-2 per sample)."""
+    mask = torch.zeros(int(layout.row_offsets[-1]), dtype=torch.bool)
+    offsets = layout.row_offsets.tolist()
+    for i in range(layout.num_samples):
+        P = int(layout.sample_prompt_length[i])
+        R = int(layout.sample_response_length[i])
+        mask[offsets[i] + P - 1 : offsets[i] + P - 1 + R] = True
+    return mask
+
+
+class _Timer:
+    """CUDA events on a GPU, wall clock on a CPU; milliseconds."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def time(self, fn) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+
+def _peak_mib(device: torch.device, fn) -> Optional[float]:
+    if device.type != "cuda":
+        fn()
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2**20
+
+
+def run_mode(loaded, layout, backend: str, warmup: int, repeats: int, chunk: int, progress) -> Tuple[ModeResult, torch.Tensor]:
+    """Time one packing of the micro-batch; returns its timings and its response log-probs."""
+    from ps_bridge.logprobs import packed_row_logprobs_chunked
+    from ps_bridge.runtime import forward_logits
+
+    device = loaded.device
+    loaded.config.backend = backend
+    layout = layout.to(device)
+    resp_mask = response_row_mask(layout).to(device)
+    count = float(resp_mask.sum())
+    model = loaded.model
+    timer = _Timer(device)
+    holder = {}
+
+    def logprob_pass():
+        with torch.no_grad():
+            holder["rows"] = packed_row_logprobs_chunked(forward_logits(loaded, layout), layout, chunk)
+
+    def actor_step():
+        rows = packed_row_logprobs_chunked(forward_logits(loaded, layout), layout, chunk)
+        loss = -(rows * resp_mask).sum() / count
+        loss.backward()
+
+    def zero_grad():
+        model.zero_grad(set_to_none=True)
+
+    model.train()
+    for _ in range(warmup):
+        zero_grad()
+        actor_step()
+        logprob_pass()
+        progress(1)
+    zero_grad()
+    actor_peak = _peak_mib(device, actor_step)
+    logprob_peak = _peak_mib(device, logprob_pass)
+    rows = holder["rows"][resp_mask].float().cpu()
+    actor_ms, logprob_ms = [], []
+    for _ in range(repeats):
+        zero_grad()
+        actor_ms.append(timer.time(actor_step))
+        logprob_ms.append(timer.time(logprob_pass))
+        progress(1)
+    zero_grad()
+    return (
+        ModeResult(
+            tokens=layout.tokens_shared if layout.shared else layout.tokens_unshared,
+            actor_ms=statistics.median(actor_ms),
+            logprob_ms=statistics.median(logprob_ms),
+            actor_peak_mib=actor_peak,
+            logprob_peak_mib=logprob_peak,
+        ),
+        rows,
+    )
+
+
+def run_row(loaded, model_name, layers, backends, P, R, n, args, progress) -> List[RowResult]:
+    from ps_bridge.layout import build_layout
+
+    samples = make_samples(P, R, n, args.groups, loaded.vocab_size, args.seed)
+    unshared_layout = build_layout(samples, share=False, vocab_size=loaded.vocab_size)
+    shared_layout = build_layout(samples, share=True, vocab_size=loaded.vocab_size)
+    common = dict(warmup=args.warmup, repeats=args.repeats, chunk=args.logprob_chunk, progress=progress)
+    base, base_rows = run_mode(loaded, unshared_layout, backends[0], **common)
+    results = []
+    for backend in backends:
+        shared, rows = run_mode(loaded, shared_layout, backend, **common)
+        useful = shared_layout.tokens_unshared
+        results.append(
+            RowResult(
+                model=model_name,
+                layers=layers,
+                backend=backend,
+                P=P, R=R, n=n, groups=args.groups,
+                tokens_unshared=shared_layout.tokens_unshared,
+                tokens_shared=shared_layout.tokens_shared,
+                ideal_speedup=ideal_speedup(P, R, n),
+                actor_speedup=base.actor_ms / shared.actor_ms,
+                logprob_speedup=base.logprob_ms / shared.logprob_ms,
+                actor_peak_ratio=(shared.actor_peak_mib / base.actor_peak_mib) if base.actor_peak_mib else None,
+                unshared=base,
+                shared=shared,
+                unshared_tokens_per_s=useful / (base.actor_ms / 1e3),
+                shared_tokens_per_s=useful / (shared.actor_ms / 1e3),
+                max_logprob_diff=float((rows - base_rows).abs().max()),
+            )
+        )
+    return results
+
+
+# ---- reporting ------------------------------------------------------------------------------------
+
+
+def format_table(results: Sequence[RowResult]) -> str:
+    head = ("model", "layers", "backend", "P", "R", "n", "tok unsh", "tok sh", "ideal S", "actor x",
+            "x/S", "logprob x", "peak unsh GiB", "peak sh GiB", "peak ratio", "tok/s unsh", "tok/s sh",
+            "max |dlogp|")
+    lines = []
+    for r in results:
+        if r.error:
+            lines.append((r.model, str(r.layers), r.backend, str(r.P), str(r.R), str(r.n)) + ("-",) * 11 + (f"ERROR {r.error}",))
+            continue
+        gib = lambda m: "-" if m is None else f"{m / 1024:.2f}"  # noqa: E731
+        lines.append((
+            r.model, str(r.layers), r.backend, str(r.P), str(r.R), str(r.n),
+            str(r.tokens_unshared), str(r.tokens_shared), f"{r.ideal_speedup:.2f}", f"{r.actor_speedup:.2f}",
+            f"{r.actor_speedup / r.ideal_speedup:.2f}", f"{r.logprob_speedup:.2f}",
+            gib(r.unshared.actor_peak_mib), gib(r.shared.actor_peak_mib),
+            "-" if r.actor_peak_ratio is None else f"{r.actor_peak_ratio:.2f}",
+            f"{r.unshared_tokens_per_s:,.0f}", f"{r.shared_tokens_per_s:,.0f}", f"{r.max_logprob_diff:.2e}",
+        ))
+    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(head)]
+    fmt = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    out = [fmt(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [fmt(line) for line in lines]
+    return "\n".join(out)
+
+
+def write_plot(results: Sequence[RowResult], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib (pip install matplotlib)") from None
+    ok = [r for r in results if not r.error]
+    labels = [f"{r.model}\n{r.backend}\nP={r.P} R={r.R} n={r.n}" for r in ok]
+    x = range(len(ok))
+    width = 0.27
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(ok)), 4.8))
+    ax.bar([i - width for i in x], [r.ideal_speedup for r in ok], width, label="ideal S = n(P+R)/(P+nR)", color="#bbbbbb")
+    ax.bar(list(x), [r.actor_speedup for r in ok], width, label="actor step (fwd+bwd)", color="#1f77b4")
+    ax.bar([i + width for i in x], [r.logprob_speedup for r in ok], width, label="log-prob pass (fwd)", color="#ff7f0e")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel("speed-up, prefix-shared vs unshared")
+    ax.set_title("ps-bridge bench: measured vs ideal speed-up")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def environment(device: torch.device) -> dict:
+    import importlib.metadata as md
+
+    def version(name):
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+
+    env = dict(
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        triton=version("triton"),
+        megatron_core=version("megatron-core") or version("megatron_core"),
+        megatron_bridge=version("megatron-bridge") or version("megatron_bridge"),
+        flash_attn=version("flash-attn") or version("flash_attn"),
+        transformers=version("transformers"),
+    )
+    return env
+
+
+# ---- entry point ------------------------------------------------------------------------------------
+
+
+def _error(message: str) -> int:
+    print(f"ps-bridge: error: {message}", file=sys.stderr)
+    return 2
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from ps_bridge.config import PrefixSharingConfig
+    from ps_bridge.kernels.attention import BACKENDS
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        return _error(
+            "ps-bridge bench measures GPU speed and needs an NVIDIA GPU, but CUDA is not available "
+            "here; run 'ps-bridge bench --smoke' for a tiny functional run on the CPU"
+        )
+    models = args.models or (["tiny-qwen2.5"] if args.smoke else list(DEFAULT_MODELS))
+    grid = args.grid or list(SMOKE_GRID if args.smoke else DEFAULT_GRID)
+    for name in models:
+        if name not in MODEL_SHAPES:
+            return _error(f"unknown model shape {name!r}; known: {', '.join(MODEL_SHAPES)}")
+        if MODEL_SHAPES[name].family not in FAMILIES:
+            return _error(f"model shape {name!r}: family {MODEL_SHAPES[name].family!r} has no builder yet")
+    for b in args.backends:
+        if b not in BACKENDS:
+            return _error(f"unknown attention backend {b!r}; valid backends: {', '.join(sorted(BACKENDS))}")
+    if args.layers is not None and args.layers < 1:
+        return _error("--layers must be >= 1")
+    if args.groups < 1 or args.repeats < 1 or args.warmup < 0:
+        return _error("--groups and --repeats must be >= 1, --warmup >= 0")
+    warmup, repeats = (min(args.warmup, 1), min(args.repeats, 2)) if args.smoke else (args.warmup, args.repeats)
+    args.warmup, args.repeats = warmup, repeats
+    dtype = torch.bfloat16 if cuda else torch.float32
+
+    from ps_bridge.runtime import default_device, load_model_from_hf_config
+
+    device = default_device()
+    env = environment(device)
+    print(f"ps-bridge bench on {env['device']} (torch {env['torch']}, triton {env['triton']}, "
+          f"megatron-core {env['megatron_core']}, megatron-bridge {env['megatron_bridge']}), {str(dtype)[6:]}, "
+          f"warm-up {warmup}, median of {repeats}", flush=True)
+
+    steps_per_row = 1 + len(args.backends)
+    total = len(models) * len(grid) * steps_per_row * (warmup + repeats)
+    progress_bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        progress_bar = tqdm(total=total, desc="bench", unit="step", file=sys.stderr, dynamic_ncols=True)
+
+    def progress(k):
+        if progress_bar is not None:
+            progress_bar.update(k)
+
+    results: List[RowResult] = []
+    model_info = []
+    for name in models:
+        shape = MODEL_SHAPES[name]
+        layers = args.layers or shape.bench_layers
+        hf_config = FAMILIES[shape.family](shape.dims, layers)
+        config = PrefixSharingConfig(enabled=True, backend=args.backends[0], pad_multiple=1)
+        loaded = load_model_from_hf_config(hf_config, config, dtype=dtype)
+        head_dim = shape.dims["hidden_size"] // shape.dims["num_attention_heads"]
+        info = (f"{name}: {layers} of {shape.full_layers} layers, hidden {shape.dims['hidden_size']}, "
+                f"heads {shape.dims['num_attention_heads']}/{shape.dims['num_key_value_heads']} kv, head dim "
+                f"{head_dim}, vocab {shape.dims['vocab_size']}, random weights")
+        model_info.append(info)
+        (progress_bar.write if progress_bar else print)(info)
+        for P, R, n in grid:
+            try:
+                results += run_row(loaded, name, layers, args.backends, P, R, n, args, progress)
+            except Exception as e:  # keep the other rows (an OOM on one shape is a result too)
+                msg = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                results += [RowResult(name, layers, b, P, R, n, args.groups, 0, 0, ideal_speedup(P, R, n), math.nan,
+                                      math.nan, None, ModeResult(0, math.nan, math.nan, None, None),
+                                      ModeResult(0, math.nan, math.nan, None, None), math.nan, math.nan, math.nan,
+                                      error=msg) for b in args.backends]
+                if cuda:
+                    torch.cuda.empty_cache()
+        del loaded
+        if cuda:
+            torch.cuda.empty_cache()
+    if progress_bar is not None:
+        progress_bar.close()
+
+    print()
+    for info in model_info:
+        print(info)
+    print(format_table(results))
+    if args.json is not None:
+        payload = dict(environment=env, dtype=str(dtype), warmup=warmup, repeats=repeats, groups=args.groups,
+                       models=model_info, rows=[asdict(r) for r in results])
+        text = json.dumps(payload, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    if args.plot:
+        write_plot(results, args.plot)
+        print(f"plot written to {args.plot}")
+    return 1 if any(r.error for r in results) else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Stand-alone entry (`python -m ps_bridge.bench`) until the CLI wires `ps-bridge bench`."""
+    parser = argparse.ArgumentParser(prog="ps-bridge bench", description=__doc__.split("\n\n")[0])
+    add_bench_arguments(parser)
+    return run_bench(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

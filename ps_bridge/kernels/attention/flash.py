@@ -1,0 +1,219 @@
+"""Prefix-shared attention on varlen flash kernels: the cascade (default) and the expand-K/V design.
+
+Both run on the packed layout of ps_bridge.layout: all prompt segments first (the *prompt block*),
+then the responses group by group (the *response block*), each segment padded at its end.
+
+`flash_atten_gpu` -- the cascade, which copies no key/value:
+  1. one causal call over every segment of the pack, with the padded segment offsets: a prompt
+     token sees its prompt causally, a response token its own response causally (padding sits at
+     segment ends, so no valid query ever sees it);
+  2. one non-causal call of the response block's queries against their prompt's keys, one batch
+     element per group: the queries of all responses of group g are contiguous, and so are the keys
+     of prompt g. Prompt padding is skipped with an extra batch element that has keys and no
+     queries, so neither a copy nor a `seqused_k` (which torch's backward lacks) is needed;
+  3. the two partial results of each response token are merged by their log-sum-exp.
+  Backward: each partial's flash backward is run with the *merged* output and log-sum-exp and the
+  gradients are summed. That is exact: a flash backward rebuilds the probabilities as
+  exp(scores - lse) and the row term from (dout * out), so with the merged values each call yields
+  its share of the true gradient, and no gradient through the log-sum-exp is needed.
+
+`flash_atten_gpu_expand` -- one call, bottom-right causal: a response's queries attend to the
+  gathered keys/values `[prompt (valid tokens); response]`. Simple, one kernel launch, but it copies
+  each prompt's key/value once per response (2 * n * P * Hkv * D elements per layer).
+
+Kernels come from ps_bridge.kernels.attention.varlen: flash-attn if installed, else torch's own
+CUDA flash kernels; on a CPU torch's CPU flash op (slow, used by the tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from ps_bridge.kernels.attention.varlen import VarlenCall, VarlenKernel, kernel_for
+from ps_bridge.layout import PackedPrefixLayout
+
+_PLAN_KEY = "_flash_attention_plans"
+
+
+def _plans(layout: PackedPrefixLayout) -> dict:
+    # Plans are derived from host metadata only; they live in `layout.host` so that every layer of a
+    # forward (and `layout.to(device)` copies, which share that dict) builds them once.
+    return layout.host.setdefault(_PLAN_KEY, {})
+
+
+def _check_shapes(q, k, v, layout):
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"expected q [T, Hq, D], k/v [T, Hkv, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[0] != layout.num_tokens or k.shape[0] != layout.num_tokens:
+        raise ValueError(f"q/k have {q.shape[0]}/{k.shape[0]} tokens, the layout {layout.num_tokens}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+
+
+# ---- cascade --------------------------------------------------------------------------------
+
+
+@dataclass
+class CascadePlan:
+    segments: VarlenCall  # causal, every segment of the pack
+    cross: Optional[VarlenCall]  # response block's queries vs prompt block's keys; None without responses
+    prompt_block_end: int
+
+    def forward(self, q, k, v, scale, kernel):
+        return cascade_forward(q, k, v, self, scale, kernel)
+
+    def backward(self, dout, q, k, v, out, lse, scale, kernel, aux):
+        return cascade_backward(dout, q, k, v, out, lse, self, scale, kernel, aux)
+
+
+def cascade_plan(layout: PackedPrefixLayout) -> CascadePlan:
+    plans = _plans(layout)
+    if "cascade" in plans:
+        return plans["cascade"]
+    host = layout.host
+    offsets = host["cu_seqlens_padded"]
+    seg_group = host["segment_group"]
+    num_prompts = layout.num_prompt_segments
+    segments = VarlenCall(cu_q=list(offsets), cu_k=list(offsets), causal=True)
+    block_end = offsets[num_prompts]
+    cross = None
+    if len(offsets) - 1 > num_prompts:
+        # response range of each group inside the response block (responses are stored group by group)
+        first: dict = {}
+        last: dict = {}
+        for s in range(num_prompts, len(offsets) - 1):
+            g = seg_group[s]
+            first.setdefault(g, offsets[s] - block_end)
+            last[g] = offsets[s + 1] - block_end
+        cu_q: List[int] = [0]
+        cu_k: List[int] = [0]
+        for p in range(num_prompts):
+            g = seg_group[p]
+            q_start, q_end = (first[g], last[g]) if g in first else (cu_q[-1], cu_q[-1])
+            if q_start != cu_q[-1]:
+                raise AssertionError("response block is not stored group by group in prompt order")
+            valid_end = offsets[p] + host["valid_lengths"][p]
+            cu_q.append(q_end)
+            cu_k.append(valid_end)
+            if offsets[p + 1] > valid_end:  # prompt padding: keys with no queries
+                cu_q.append(q_end)
+                cu_k.append(offsets[p + 1])
+        cross = VarlenCall(cu_q=cu_q, cu_k=cu_k, causal=False)
+    plan = CascadePlan(segments=segments, cross=cross, prompt_block_end=block_end)
+    plans["cascade"] = plan
+    return plan
+
+
+def merge_partials(out_a, lse_a, out_b, lse_b):
+    """Merge two attention partials over disjoint key sets of the same queries.
+
+    out_* [T, H, D], lse_* [H, T] fp32 -> (out [T, H, D] in out_a's dtype, lse [H, T] fp32)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    w_a = torch.exp(lse_a - lse).transpose(0, 1).unsqueeze(-1)
+    w_b = torch.exp(lse_b - lse).transpose(0, 1).unsqueeze(-1)
+    acc = torch.promote_types(out_a.dtype, torch.float32)  # bf16 partials are merged in float32
+    out = (w_a * out_a.to(acc) + w_b * out_b.to(acc)).to(out_a.dtype)
+    return out, lse
+
+
+def cascade_forward(q, k, v, plan: CascadePlan, scale: float, kernel: VarlenKernel):
+    """-> (out, merged lse, aux of each call)."""
+    out, lse, aux_seg = kernel.forward(q, k, v, plan.segments, scale)
+    aux_cross = None
+    if plan.cross is not None:
+        e = plan.prompt_block_end
+        out_x, lse_x, aux_cross = kernel.forward(q[e:], k[:e], v[:e], plan.cross, scale)
+        merged, merged_lse = merge_partials(out[e:], lse[:, e:], out_x, lse_x)
+        out[e:] = merged  # the kernel's fresh output buffers: updating them in place saves a copy
+        lse[:, e:] = merged_lse
+    return out, lse, (aux_seg, aux_cross)
+
+
+def cascade_backward(dout, q, k, v, out, lse, plan: CascadePlan, scale: float, kernel: VarlenKernel, aux):
+    aux_seg, aux_cross = aux
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, plan.segments, scale, aux_seg)
+    if plan.cross is not None:
+        e = plan.prompt_block_end
+        dq_x, dk_x, dv_x = kernel.backward(
+            dout[e:], q[e:], k[:e], v[:e], out[e:], lse[:, e:].contiguous(), plan.cross, scale, aux_cross
+        )
+        dq[e:] += dq_x
+        dk[:e] += dk_x
+        dv[:e] += dv_x
+    return dq, dk, dv
+
+
+class _PlannedAttention(torch.autograd.Function):
+    """Runs a plan's flash calls forward, and their backwards from the saved (merged) output and lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan, scale, kernel):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out, lse, aux = plan.forward(q, k, v, scale, kernel)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.scale, ctx.kernel, ctx.aux = plan, scale, kernel, aux
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.plan.backward(dout.contiguous(), q, k, v, out, lse, ctx.scale, ctx.kernel, ctx.aux)
+        return dq, dk, dv, None, None, None
+
+
+def prefix_shared_attention_cascade(q, k, v, layout: PackedPrefixLayout, softmax_scale: float) -> torch.Tensor:
+    _check_shapes(q, k, v, layout)
+    return _PlannedAttention.apply(q, k, v, cascade_plan(layout), float(softmax_scale), kernel_for(q.device))
+
+
+# ---- expand K/V -----------------------------------------------------------------------------
+
+
+@dataclass
+class ExpandPlan:
+    call: VarlenCall  # bottom-right causal, queries = the pack, keys = the gathered rows
+    key_rows_host: List[int]  # packed position of each gathered key row
+
+    def forward(self, q, k_rows, v_rows, scale, kernel):
+        return kernel.forward(q, k_rows, v_rows, self.call, scale)
+
+    def backward(self, dout, q, k_rows, v_rows, out, lse, scale, kernel, aux):
+        return kernel.backward(dout, q, k_rows, v_rows, out, lse, self.call, scale, aux)
+
+    def key_rows(self, device) -> torch.Tensor:
+        device = torch.device(device)
+        cached = self.__dict__.setdefault("_rows", {})
+        if device not in cached:
+            cached[device] = torch.tensor(self.key_rows_host, dtype=torch.long, device=device)
+        return cached[device]
+
+
+def expand_plan(layout: PackedPrefixLayout) -> ExpandPlan:
+    plans = _plans(layout)
+    if "expand" in plans:
+        return plans["expand"]
+    host = layout.host
+    offsets = host["cu_seqlens_padded"]
+    rows: List[int] = []
+    cu_k = [0]
+    for s in range(len(offsets) - 1):
+        if not host["segment_is_prompt"][s]:
+            p = host["segment_group"][s]  # group g's prompt is segment g
+            rows.extend(range(offsets[p], offsets[p] + host["valid_lengths"][p]))
+        rows.extend(range(offsets[s], offsets[s + 1]))
+        cu_k.append(len(rows))
+    plan = ExpandPlan(call=VarlenCall(cu_q=list(offsets), cu_k=cu_k, causal=True), key_rows_host=rows)
+    plans["expand"] = plan
+    return plan
+
+
+def prefix_shared_attention_expand(q, k, v, layout: PackedPrefixLayout, softmax_scale: float) -> torch.Tensor:
+    _check_shapes(q, k, v, layout)
+    plan = expand_plan(layout)
+    rows = plan.key_rows(q.device)
+    # index_select's backward scatters (sums) the gathered rows' gradients back onto the pack
+    k_rows, v_rows = k.index_select(0, rows), v.index_select(0, rows)
+    return _PlannedAttention.apply(q, k_rows, v_rows, plan, float(softmax_scale), kernel_for(q.device))

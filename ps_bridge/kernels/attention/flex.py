@@ -1,0 +1,155 @@
+"""Prefix-shared attention with FlexAttention (`flex`) and the device-dependent choice (`auto`).
+
+`flex`: one `flex_attention` call over the whole pack with a block mask built from the layout's
+per-token metadata: key k is visible to query q when both are in the same group, k is valid, and
+either k is a prompt token while q is a response token, or both are in the same segment and k is not
+after q. Blocks where nothing is visible are skipped by the kernel, so the cost follows the shared
+pattern rather than the pack's square.
+
+Recompilation: the compiled kernels and the block mask are specialised on the sequence length. The
+pack is therefore padded up to a *bucket* length (a power of two times 1, 1.25, 1.5 or 1.75, at
+least 256), so micro-batches of varying lengths reuse a handful of compiled variants instead of
+compiling once per length. Bucket padding tokens see nothing and are seen by nothing.
+
+`auto`: `flash_atten_gpu` (the cascade) on CUDA for fp16/bf16 inputs with a head dim the flash
+kernels take (a multiple of 8, at most 256), `torch_ref` otherwise (CPU, float32 runs). The cascade is the default
+because it copies no key/value and was fastest or within a few percent of the fastest in the
+measurements (DESIGN.md section 4, BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ps_bridge.layout import PackedPrefixLayout
+
+_PLAN_KEY = "_flex_attention_plans"
+MIN_BUCKET = 256
+
+
+def bucket_length(n: int) -> int:
+    """Smallest length >= n of the form 2^e * {1, 1.25, 1.5, 1.75} (and >= MIN_BUCKET)."""
+    if n <= MIN_BUCKET:
+        return MIN_BUCKET
+    base = 1 << (n.bit_length() - 1)
+    for num in (4, 5, 6, 7, 8):
+        cand = base * num // 4
+        if cand >= n:
+            return cand
+    raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def _compile_allowed():
+    """FlexAttention is only a fused kernel when compiled. `TORCHDYNAMO_DISABLE=1` (set by the CLI
+    and the test suite to avoid compiling elsewhere) makes `torch.compile` return the function
+    uncompiled, which here would mean an unfused kernel and a dense [T, T] mask. The variable is
+    read when `torch.compile` wraps a function, so it is lifted only around those wrappings."""
+    saved = os.environ.pop("TORCHDYNAMO_DISABLE", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["TORCHDYNAMO_DISABLE"] = saved
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    with _compile_allowed():
+        return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex_for(device: torch.device):
+    """Compiled on CUDA (the eager version is a slow reference); eager elsewhere."""
+    if device.type == "cuda":
+        return _compiled_flex()
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention
+
+
+@dataclass
+class FlexPlan:
+    length: int  # bucketed pack length
+    block_mask: object
+
+
+def _token_metadata(layout: PackedPrefixLayout, length: int, device):
+    """Per-token group / segment / flags, padded to `length`; bucket padding is an invalid token of
+    its own group (-1) so it matches nothing."""
+    T = layout.num_tokens
+
+    def pad(x, fill):
+        x = x.to(device)
+        return torch.cat([x, x.new_full((length - T,), fill)]) if length > T else x
+
+    group = pad(layout.group_ids, -1)
+    segment = pad(layout.segment_ids, -1)
+    prompt = pad(layout.is_prompt, False)
+    valid = pad(layout.valid, False)
+    return group, segment, prompt, valid
+
+
+def flex_plan(layout: PackedPrefixLayout, device) -> FlexPlan:
+    device = torch.device(device)
+    plans = layout.host.setdefault(_PLAN_KEY, {})
+    if device in plans:
+        return plans[device]
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    length = bucket_length(layout.num_tokens)
+    group, segment, prompt, valid = _token_metadata(layout, length, device)
+
+    def prefix_shared_mask(b, h, q_idx, kv_idx):
+        same_group = group[q_idx] == group[kv_idx]
+        own_causal = (segment[q_idx] == segment[kv_idx]) & (kv_idx <= q_idx)
+        prompt_for_response = prompt[kv_idx] & ~prompt[q_idx]
+        return same_group & valid[kv_idx] & (own_causal | prompt_for_response)
+
+    # compiled mask construction never materialises the [length, length] mask
+    with _compile_allowed():
+        block_mask = create_block_mask(
+            prefix_shared_mask, None, None, length, length, device=device, _compile=device.type == "cuda"
+        )
+    plan = FlexPlan(length=length, block_mask=block_mask)
+    plans[device] = plan
+    return plan
+
+
+def prefix_shared_attention_flex(q, k, v, layout: PackedPrefixLayout, softmax_scale: float) -> torch.Tensor:
+    T, Hq, D = q.shape
+    if k.shape[0] != T or T != layout.num_tokens:
+        raise ValueError(f"q/k have {T}/{k.shape[0]} tokens, the layout {layout.num_tokens}")
+    if Hq % k.shape[1]:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({k.shape[1]})")
+    plan = flex_plan(layout, q.device)
+    extra = plan.length - T
+
+    def to_bhsd(x):
+        if extra:
+            x = torch.cat([x, x.new_zeros((extra,) + tuple(x.shape[1:]))])
+        return x.transpose(0, 1).unsqueeze(0)
+
+    out = _flex_for(q.device)(
+        to_bhsd(q), to_bhsd(k), to_bhsd(v),
+        block_mask=plan.block_mask, scale=float(softmax_scale), enable_gqa=Hq != k.shape[1],
+    )
+    # fully masked rows (padding) come out as zeros, which nobody reads
+    return out[0].transpose(0, 1)[:T]
+
+
+def prefix_shared_attention_auto(q, k, v, layout: PackedPrefixLayout, softmax_scale: float) -> torch.Tensor:
+    from ps_bridge.kernels.attention import BACKENDS
+
+    from ps_bridge.kernels.attention.varlen import flash_supports
+
+    # float32 (exactness runs) and unusual head dims are outside the flash kernels: use the reference
+    name = "flash_atten_gpu" if flash_supports(q) else "torch_ref"
+    return BACKENDS[name](q, k, v, layout, softmax_scale)

@@ -1,0 +1,70 @@
+"""`ps-bridge bench --smoke` runs end to end on a CPU; the full bench refuses a CPU clearly."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from ps_bridge import bench
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    bench.add_bench_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.mark.slow
+def test_bench_smoke_runs_and_reports(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["--smoke", "--no-progress", "--json", str(out), "--backends", "auto,flash_atten_gpu"]
+    plot = None
+    try:
+        import matplotlib  # noqa: F401
+
+        plot = tmp_path / "bench.png"
+        argv += ["--plot", str(plot)]
+    except ImportError:
+        pass
+    assert bench.run_bench(parse(argv)) == 0
+    text = capsys.readouterr().out
+    assert "tiny-qwen2.5: 2 of 2 layers" in text
+    assert "ideal S" in text
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert len(rows) == 2 * len(bench.SMOKE_GRID)
+    for r in rows:
+        assert r["error"] is None
+        P, R, n = r["P"], r["R"], r["n"]
+        assert r["tokens_unshared"] == n * (P + R)
+        assert r["tokens_shared"] == P + n * R
+        assert r["ideal_speedup"] == pytest.approx(n * (P + R) / (P + n * R))
+        assert r["actor_speedup"] > 0 and r["logprob_speedup"] > 0
+        # float32 on the CPU: the shared and unshared log-probs agree to rounding (bf16 on a GPU)
+        assert r["max_logprob_diff"] < (1e-4 if not torch.cuda.is_available() else 0.1)
+    if plot is not None:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_bench_refuses_cpu_without_smoke(capsys):
+    assert bench.run_bench(parse([])) == 2
+    err = capsys.readouterr().err
+    assert "needs an NVIDIA GPU" in err and "--smoke" in err
+
+
+def test_bench_rejects_bad_arguments(capsys):
+    with pytest.raises(SystemExit):
+        parse(["--grid", "1,2"])
+    assert bench.run_bench(parse(["--smoke", "--models", "nope"])) == 2
+    assert "unknown model shape" in capsys.readouterr().err
+    assert bench.run_bench(parse(["--smoke", "--backends", "fast"])) == 2
+    assert "unknown attention backend" in capsys.readouterr().err
+
+
+def test_ideal_speedup_examples():
+    assert bench.ideal_speedup(2048, 512, 8) == pytest.approx(3.333, abs=1e-3)
+    assert bench.ideal_speedup(512, 4096, 8) == pytest.approx(8 * 4608 / (512 + 8 * 4096))
