@@ -31,7 +31,12 @@ class ParallelSettings:
         """Raise ValueError naming the setting if prefix sharing or this world cannot run it."""
         from ps_bridge.providers.base import check_parallel_settings
 
-        for name, value in (("tensor_model_parallel_size", self.tp), ("pipeline_model_parallel_size", self.pp)):
+        sizes = (
+            ("tensor_model_parallel_size", self.tp),
+            ("pipeline_model_parallel_size", self.pp),
+            ("context_parallel_size", self.cp),
+        )
+        for name, value in sizes:
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         check_parallel_settings(

@@ -40,6 +40,8 @@ def logprob_pass(
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    if len(micro_batches) == 0:
+        raise ValueError("logprob_pass needs at least one micro-batch")
     backward = loss_weights is not None
     if backward and len(loss_weights) != len(micro_batches):
         raise ValueError(f"{len(loss_weights)} sets of loss weights for {len(micro_batches)} micro-batches")
