@@ -31,7 +31,8 @@ def micro_batch_weights(micro_batches) -> List[List[torch.Tensor]]:
     return [loss_weights(mb, seed=i) for i, mb in enumerate(micro_batches)]
 
 
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+# `torchrun` itself, found through this interpreter (no console script needed on PATH)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 WORKER = str(Path(__file__).with_name("parallel_worker.py"))
 NUM_LAYERS = 2  # tiny Qwen2 checkpoint
 
@@ -43,7 +44,7 @@ def free_port() -> int:
 
 
 def torchrun(nproc: int, argv, timeout: int = 300) -> subprocess.CompletedProcess:
-    cmd = [TORCHRUN, f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}", *argv]
+    cmd = [*TORCHRUN, f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}", *argv]
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
