@@ -17,25 +17,29 @@ from ps_bridge.models.attention import PrefixSharedCoreAttention
 from ps_bridge.models.norms import TorchNormForSequenceParallel
 
 
-def _swap_torch_norms(spec):
+def with_sequence_parallel_norms(spec):
     """Replace megatron's `WrappedTorchNorm` (which refuses sequence parallelism) by
-    `TorchNormForSequenceParallel` everywhere in a spec tree; other norms (TE, Apex) handle SP."""
+    `TorchNormForSequenceParallel` everywhere in a spec tree (a layer `ModuleSpec` or a
+    `TransformerBlockSubmodules`, e.g. a hybrid family's block); other norms (TE, Apex, a family's
+    own) are left alone and must mark their parameters `sequence_parallel` themselves."""
     if spec is WrappedTorchNorm:
         return TorchNormForSequenceParallel
+    if isinstance(spec, list):  # TransformerBlockSubmodules.layer_specs
+        return [with_sequence_parallel_norms(item) for item in spec]
     if isinstance(spec, ModuleSpec):
         if spec.submodules is not None:
-            spec.submodules = _swap_torch_norms(spec.submodules)
+            spec.submodules = with_sequence_parallel_norms(spec.submodules)
         return spec
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         for f in dataclasses.fields(spec):
-            setattr(spec, f.name, _swap_torch_norms(getattr(spec, f.name)))
+            setattr(spec, f.name, with_sequence_parallel_norms(getattr(spec, f.name)))
     return spec
 
 
 def block_spec_for_sequence_parallel(layer_spec: ModuleSpec, config, vp_stage=None) -> TransformerBlockSubmodules:
     """The block megatron would build from `layer_spec` (this stage's layers, then the final norm),
     with norms that accept sequence parallelism. Family-agnostic: any local layer spec fits."""
-    layer_spec = _swap_torch_norms(layer_spec)
+    layer_spec = with_sequence_parallel_norms(layer_spec)
     final_norm = TorchNormForSequenceParallel if LayerNormImpl is WrappedTorchNorm else LayerNormImpl
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=final_norm)

@@ -176,3 +176,28 @@ def test_padding_example_pads_to_the_tensor_parallel_multiple():
     layout = build_layout([PADDING_EXAMPLE], share=True, pad_multiple=2)
     assert layout.host["valid_lengths"] == [5, 2] and layout.host["padded_lengths"] == [6, 2]
     assert layout.num_tokens % 2 == 0
+
+
+def test_sequence_parallel_norms_replace_torch_norms_through_a_block_spec():
+    """A hybrid family's block spec (a list of layer specs) gets SP-capable norms in every layer."""
+    from types import SimpleNamespace
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from ps_bridge.models.norms import TorchNormForSequenceParallel
+    from ps_bridge.models.specs import with_sequence_parallel_norms
+
+    layers = [get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True) for _ in range(2)]
+    block = with_sequence_parallel_norms(TransformerBlockSubmodules(layer_specs=layers, layer_norm=WrappedTorchNorm))
+    assert block.layer_norm is TorchNormForSequenceParallel
+    for layer in block.layer_specs:
+        attention = layer.submodules.self_attention.submodules
+        assert layer.submodules.input_layernorm is TorchNormForSequenceParallel
+        assert layer.submodules.pre_mlp_layernorm is TorchNormForSequenceParallel
+        assert attention.q_layernorm is TorchNormForSequenceParallel and attention.k_layernorm is TorchNormForSequenceParallel
+
+    config = SimpleNamespace(layernorm_zero_centered_gamma=False, normalization="RMSNorm", sequence_parallel=True)
+    norm = TorchNormForSequenceParallel(config, hidden_size=8)
+    assert isinstance(norm, torch.nn.RMSNorm) and norm.weight.sequence_parallel is True
