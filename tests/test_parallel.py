@@ -120,7 +120,7 @@ def test_cli_refuses_context_parallel_under_torchrun(tmp_path, qwen2_checkpoint)
         2,
         ["-m", "ps_bridge.cli", "logprobs", "--hf-path", qwen2_checkpoint[0], "--batch", batch,
          "--out", str(tmp_path / "o.json"), "--cp", "2"],
-        timeout=120,
+        timeout=300,
     )
     assert proc.returncode != 0
     assert "ps-bridge: error: prefix sharing does not support context parallelism: context_parallel_size=2" in proc.stderr
