@@ -1,0 +1,110 @@
+"""Qwen3.5 (dense and MoE): Megatron-Bridge's Qwen3.5 bridges with a prefix-aware provider.
+
+What changes against Megatron-Bridge, and only that:
+- the layer spec: `prefix_shared_qwen35_block_spec` (prefix-aware full attention and Gated DeltaNet,
+  zero-centred RMSNorm without TE), built from the same config (`layer_types` -> pattern);
+- the model class: `PrefixSharedGPTModel` (RoPE at the layout's per-token positions);
+- `gdn_backend` (from `PS_BRIDGE_GDN_BACKEND`, default `auto`), checked when the model is built;
+- MoE experts as megatron's SequentialMLP with unfused permutation (the local spec; Megatron-Bridge's
+  mapping covers that layout), since grouped GEMM and permute fusion need TE; without CUDA the
+  token dispatcher is `allgather` (the stock `alltoall` allocates CUDA streams).
+
+The HF <-> Megatron mapping is Megatron-Bridge's own (`Qwen35Bridge` / `Qwen35MoEBridge`), so
+load, export and refit see the stock names.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Union
+
+import torch
+from megatron.bridge.models.gpt_provider import GPTModelProvider
+from megatron.bridge.models.qwen.qwen35_bridge import Qwen35Bridge, Qwen35MoEBridge
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from ps_bridge.config import ENV_GDN_BACKEND
+from ps_bridge.kernels.gdn import check_gdn_backend_usable
+from ps_bridge.models.qwen35_specs import prefix_shared_qwen35_block_spec
+from ps_bridge.providers.base import PrefixSharedProviderMixin
+
+HF_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+HF_MOE_ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+
+
+def _gdn_backend_from_env() -> str:
+    return os.environ.get(ENV_GDN_BACKEND) or "auto"
+
+
+def _build_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class PrefixSharedQwen35ProviderMixin(PrefixSharedProviderMixin):
+    """Checks the GDN backend where the model is built, before any weights are allocated."""
+
+    def provide(self, pre_process=None, post_process=None, vp_stage=None):
+        check_gdn_backend_usable(self.gdn_backend, _build_device())
+        return super().provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+
+
+@dataclass
+class PrefixSharedQwen35Provider(PrefixSharedQwen35ProviderMixin, GPTModelProvider):
+    transformer_layer_spec: Union[ModuleSpec, Callable] = prefix_shared_qwen35_block_spec
+    gdn_backend: str = field(default_factory=_gdn_backend_from_env)
+    # the local spec has no fused bias+activation / rope kernels on every device
+    apply_rope_fusion: bool = False
+    bias_activation_fusion: bool = False
+    masked_softmax_fusion: bool = False
+    bias_dropout_fusion: bool = False
+    gradient_accumulation_fusion: bool = False
+
+
+def make_prefix_shared(provider) -> None:
+    """What our bridges change on the provider Megatron-Bridge's Qwen3.5 bridge configured."""
+    provider.transformer_layer_spec = prefix_shared_qwen35_block_spec
+    if provider.num_moe_experts:
+        provider.moe_grouped_gemm = False
+        provider.moe_permute_fusion = False
+        if not torch.cuda.is_available():
+            # the alltoall dispatcher allocates CUDA streams at construction; at EP=1 allgather
+            # routes the same tokens to the same experts
+            provider.moe_token_dispatcher_type = "allgather"
+
+
+class PrefixSharedQwen35Bridge(Qwen35Bridge):
+    """Qwen35Bridge (mapping and config translation) building our provider and spec."""
+
+    def provider_bridge(self, hf_pretrained):
+        provider = super().provider_bridge(hf_pretrained)
+        make_prefix_shared(provider)
+        return provider
+
+
+class PrefixSharedQwen35MoEBridge(Qwen35MoEBridge):
+    def provider_bridge(self, hf_pretrained):
+        provider = super().provider_bridge(hf_pretrained)
+        make_prefix_shared(provider)
+        return provider
+
+
+def register() -> None:
+    from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping
+
+    # Megatron-Bridge picks the TP split of an AutoMapping from the owning module's class name;
+    # ours get the kinds of the classes they stand in for (megatron's norms, GatedDeltaNet)
+    AutoMapping.register_module_type("ZeroCenteredRMSNorm", "replicated")
+    AutoMapping.register_module_type("PrefixSharedGatedDeltaNet", "column")
+
+    MegatronModelBridge.register_bridge(
+        source="Qwen3_5ForCausalLM", target=GPTModel, provider=PrefixSharedQwen35Provider, model_type="qwen3_5_text"
+    )(PrefixSharedQwen35Bridge)
+    MegatronModelBridge.register_bridge(
+        source="Qwen3_5MoeForCausalLM",
+        target=GPTModel,
+        provider=PrefixSharedQwen35Provider,
+        model_type="qwen3_5_moe_text",
+    )(PrefixSharedQwen35MoEBridge)
