@@ -22,13 +22,16 @@ from typing import Callable, Union
 import torch
 from megatron.bridge.models.gpt_provider import GPTModelProvider
 from megatron.bridge.models.qwen.qwen35_bridge import Qwen35Bridge, Qwen35MoEBridge
+from megatron.bridge.models.qwen_vl.qwen35_vl_bridge import Qwen35VLBridge, Qwen35VLMoEBridge
+from megatron.bridge.models.qwen_vl.qwen35_vl_provider import Qwen35VLModelProvider, Qwen35VLMoEModelProvider
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ps_bridge.config import ENV_GDN_BACKEND
 from ps_bridge.kernels.gdn import check_gdn_backend_usable
 from ps_bridge.models.qwen35_specs import prefix_shared_qwen35_block_spec
-from ps_bridge.providers.base import PrefixSharedProviderMixin
+from ps_bridge.models.qwen35_vl import PrefixSharedQwen35VLModel, local_vision_tower
+from ps_bridge.providers.base import PrefixSharedProviderMixin, check_parallel_settings
 
 HF_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 HF_MOE_ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
@@ -65,6 +68,8 @@ class PrefixSharedQwen35Provider(PrefixSharedQwen35ProviderMixin, GPTModelProvid
 def make_prefix_shared(provider) -> None:
     """What our bridges change on the provider Megatron-Bridge's Qwen3.5 bridge configured."""
     provider.transformer_layer_spec = prefix_shared_qwen35_block_spec
+    # the fused RoPE kernel ignores the per-token position table (responses continue the prompt)
+    provider.apply_rope_fusion = False
     if provider.num_moe_experts:
         provider.moe_grouped_gemm = False
         provider.moe_permute_fusion = False
@@ -72,6 +77,57 @@ def make_prefix_shared(provider) -> None:
             # the alltoall dispatcher allocates CUDA streams at construction; at EP=1 allgather
             # routes the same tokens to the same experts
             provider.moe_token_dispatcher_type = "allgather"
+
+
+class PrefixSharedQwen35VLProviderMixin:
+    """For the ConditionalGeneration providers (`Qwen3VLModel`): our language spec, the vision tower
+    unchanged (local modules where TE is absent), text positions from the layout."""
+
+    def build_language_spec(self, vp_stage=None, pp_rank=None):
+        return prefix_shared_qwen35_block_spec(self, vp_stage=vp_stage, pp_rank=pp_rank)
+
+    def provide(self, pre_process=None, post_process=None, vp_stage=None):
+        check_parallel_settings(self)
+        check_gdn_backend_usable(self.gdn_backend, _build_device())
+        if self.mtp_num_layers:
+            raise ValueError(
+                f"prefix sharing does not cover multi-token prediction layers (mtp_num_layers={self.mtp_num_layers}); "
+                "set mtp_num_layers=None"
+            )
+        with local_vision_tower():
+            model = super().provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+        # only forward() differs and it adds no state: re-class the stock-built model
+        model.__class__ = PrefixSharedQwen35VLModel
+        return model
+
+
+@dataclass
+class PrefixSharedQwen35VLProvider(PrefixSharedQwen35VLProviderMixin, Qwen35VLModelProvider):
+    gdn_backend: str = field(default_factory=_gdn_backend_from_env)
+
+
+@dataclass
+class PrefixSharedQwen35VLMoEProvider(PrefixSharedQwen35VLProviderMixin, Qwen35VLMoEModelProvider):
+    gdn_backend: str = field(default_factory=_gdn_backend_from_env)
+
+
+def as_prefix_shared_vl(provider, cls):
+    """Megatron-Bridge's VL bridges instantiate their provider class directly; give the configured
+    instance our subclass (which only adds methods and `gdn_backend`)."""
+    provider.__class__ = cls
+    provider.gdn_backend = _gdn_backend_from_env()
+    make_prefix_shared(provider)
+    return provider
+
+
+class PrefixSharedQwen35VLBridge(Qwen35VLBridge):
+    def provider_bridge(self, hf_pretrained):
+        return as_prefix_shared_vl(super().provider_bridge(hf_pretrained), PrefixSharedQwen35VLProvider)
+
+
+class PrefixSharedQwen35VLMoEBridge(Qwen35VLMoEBridge):
+    def provider_bridge(self, hf_pretrained):
+        return as_prefix_shared_vl(super().provider_bridge(hf_pretrained), PrefixSharedQwen35VLMoEProvider)
 
 
 class PrefixSharedQwen35Bridge(Qwen35Bridge):
@@ -108,3 +164,17 @@ def register() -> None:
         provider=PrefixSharedQwen35Provider,
         model_type="qwen3_5_moe_text",
     )(PrefixSharedQwen35MoEBridge)
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model import Qwen3VLModel
+
+    MegatronModelBridge.register_bridge(
+        source="Qwen3_5ForConditionalGeneration",
+        target=Qwen3VLModel,
+        provider=PrefixSharedQwen35VLProvider,
+        model_type="qwen3_5",
+    )(PrefixSharedQwen35VLBridge)
+    MegatronModelBridge.register_bridge(
+        source="Qwen3_5MoeForConditionalGeneration",
+        target=Qwen3VLModel,
+        provider=PrefixSharedQwen35VLMoEProvider,
+        model_type="qwen3_5_moe",
+    )(PrefixSharedQwen35VLMoEBridge)

@@ -1,4 +1,4 @@
-"""Qwen3.5 (dense and MoE, CausalLM) through Megatron-Bridge with prefix sharing, on CPU, fp32.
+"""Qwen3.5 (dense and MoE; CausalLM and ConditionalGeneration) through Megatron-Bridge with prefix sharing, on CPU, fp32.
 
 Tiny random checkpoints with 3 Gated DeltaNet layers and 1 full-attention layer, grouped value
 heads, partial RoPE, uneven prompt/response lengths.
@@ -20,7 +20,8 @@ from ps_bridge.layout import Sample
 from ps_bridge.runtime import forward_logits
 from ps_bridge.testing import hf_sample_logprobs
 
-ARCHS = ["qwen3.5", "qwen3.5-moe"]
+# CausalLM and the ConditionalGeneration architectures the official checkpoints declare
+ARCHS = ["qwen3.5", "qwen3.5-moe", "qwen3.5-vl", "qwen3.5-moe-vl"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -103,3 +104,22 @@ def test_forgetting_the_state_fork_breaks_equality(tiny, monkeypatch):
         monkeypatch.setattr(gdn, "fork_states", lambda states, plan: torch.zeros_like(states).index_select(0, plan.response_prompt))
         broken = per_sample_response_logprobs(loaded, samples, share=True)
     assert max_abs(broken, unshared) > 1e-3
+
+
+def test_conditional_generation_refuses_images(tiny):
+    from ps_bridge.models.packed_seq import PrefixSharedPackedSeqParams
+
+    name, hf, loaded, _ = tiny
+    if not name.endswith("-vl"):
+        pytest.skip("text-only architecture")
+    image_token = hf.config.image_token_id
+    samples = [Sample([5, image_token, 7], [8, 9]), Sample([5, image_token, 7], [3])]
+    layout = layout_for(loaded, samples, share=True)
+    params = PrefixSharedPackedSeqParams.from_layout(layout)
+    with pytest.raises(ValueError, match="text-only batches"):
+        loaded.model(input_ids=layout.tokens[None], position_ids=None, attention_mask=None, packed_seq_params=params)
+    text = layout_for(loaded, samples_for(loaded, num_prompts=1, n=2), share=True)
+    with pytest.raises(ValueError, match="pixel_values"):
+        loaded.model(input_ids=text.tokens[None], position_ids=None, attention_mask=None,
+                     packed_seq_params=PrefixSharedPackedSeqParams.from_layout(text),
+                     pixel_values=torch.zeros(4, 8))
