@@ -7,6 +7,7 @@ it to the HF `layer_types` list: 1 = Gated DeltaNet, 0 = full attention) and the
 - full attention: megatron's `SelfAttention` (attention_output_gate, q/k norm and partial RoPE
   come from the config) with our prefix-aware core attention;
 - Gated DeltaNet: our `PrefixSharedGatedDeltaNet`;
+- MoE layers: megatron's local MoE with `PrefixSharedTopKRouter` (aux-loss token weights);
 - every norm (input, pre-MLP, q/k, GDN out-norm, final) is our zero-centred RMSNorm; the input norm
   is a separate module (`input_layernorm.weight`), which Megatron-Bridge maps to HF's
   `input_layernorm.weight` through its fused/separate norm aliases.
@@ -15,6 +16,7 @@ it to the HF `layer_types` list: 1 = Gated DeltaNet, 0 = full attention) and the
 from __future__ import annotations
 
 import copy
+import functools
 
 from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
     get_linear_attention_pattern,
@@ -29,7 +31,20 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from ps_bridge.models.attention import PrefixSharedCoreAttention
 from ps_bridge.models.gdn import PrefixSharedGatedDeltaNet
+from ps_bridge.models.moe import PrefixSharedTopKRouter
 from ps_bridge.models.norm import ZeroCenteredRMSNorm
+
+
+def _with_router(mlp, router):
+    """The MoE layer spec (a ModuleSpec, or a functools.partial of MoELayer) with `router`."""
+    if isinstance(mlp, functools.partial):
+        submodules = copy.copy(mlp.keywords["submodules"])
+        submodules.router = router
+        return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
+    mlp = copy.copy(mlp)
+    mlp.submodules = copy.copy(mlp.submodules)
+    mlp.submodules.router = router
+    return mlp
 
 
 def _layer_spec(config, moe: bool, gdn: bool) -> ModuleSpec:
@@ -43,6 +58,9 @@ def _layer_spec(config, moe: bool, gdn: bool) -> ModuleSpec:
     sub = spec.submodules
     sub.input_layernorm = ZeroCenteredRMSNorm
     sub.pre_mlp_layernorm = ZeroCenteredRMSNorm
+    if moe:
+        # prompt tokens weighted by their group size in the load-balancing statistics
+        sub.mlp = _with_router(sub.mlp, PrefixSharedTopKRouter)
     if gdn:
         sub.self_attention = ModuleSpec(
             module=PrefixSharedGatedDeltaNet,

@@ -29,6 +29,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ps_bridge.config import ENV_GDN_BACKEND
 from ps_bridge.kernels.gdn import check_gdn_backend_usable
+from ps_bridge.models.moe import install_token_weight_hook
 from ps_bridge.models.qwen35_specs import prefix_shared_qwen35_block_spec
 from ps_bridge.models.qwen35_vl import PrefixSharedQwen35VLModel, local_vision_tower
 from ps_bridge.providers.base import PrefixSharedProviderMixin, check_parallel_settings
@@ -50,7 +51,9 @@ class PrefixSharedQwen35ProviderMixin(PrefixSharedProviderMixin):
 
     def provide(self, pre_process=None, post_process=None, vp_stage=None):
         check_gdn_backend_usable(self.gdn_backend, _build_device())
-        return super().provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+        model = super().provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+        install_token_weight_hook(model)
+        return model
 
 
 @dataclass
@@ -98,6 +101,7 @@ class PrefixSharedQwen35VLProviderMixin:
             model = super().provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
         # only forward() differs and it adds no state: re-class the stock-built model
         model.__class__ = PrefixSharedQwen35VLModel
+        install_token_weight_hook(model)
         return model
 
 
@@ -154,27 +158,16 @@ def register() -> None:
     # ours get the kinds of the classes they stand in for (megatron's norms, GatedDeltaNet)
     AutoMapping.register_module_type("ZeroCenteredRMSNorm", "replicated")
     AutoMapping.register_module_type("PrefixSharedGatedDeltaNet", "column")
+    AutoMapping.register_module_type("PrefixSharedTopKRouter", "replicated")
 
-    MegatronModelBridge.register_bridge(
-        source="Qwen3_5ForCausalLM", target=GPTModel, provider=PrefixSharedQwen35Provider, model_type="qwen3_5_text"
-    )(PrefixSharedQwen35Bridge)
-    MegatronModelBridge.register_bridge(
-        source="Qwen3_5MoeForCausalLM",
-        target=GPTModel,
-        provider=PrefixSharedQwen35Provider,
-        model_type="qwen3_5_moe_text",
-    )(PrefixSharedQwen35MoEBridge)
     from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model import Qwen3VLModel
 
-    MegatronModelBridge.register_bridge(
-        source="Qwen3_5ForConditionalGeneration",
-        target=Qwen3VLModel,
-        provider=PrefixSharedQwen35VLProvider,
-        model_type="qwen3_5",
-    )(PrefixSharedQwen35VLBridge)
-    MegatronModelBridge.register_bridge(
-        source="Qwen3_5MoeForConditionalGeneration",
-        target=Qwen3VLModel,
-        provider=PrefixSharedQwen35VLMoEProvider,
-        model_type="qwen3_5_moe",
-    )(PrefixSharedQwen35VLMoEBridge)
+    # (HF architecture, Megatron model, our provider, HF model_type, our bridge); the last
+    # registration wins in Megatron-Bridge's dispatch, so these replace the stock Qwen3.5 bridges
+    for source, target, provider, model_type, bridge in (
+        ("Qwen3_5ForCausalLM", GPTModel, PrefixSharedQwen35Provider, "qwen3_5_text", PrefixSharedQwen35Bridge),
+        ("Qwen3_5MoeForCausalLM", GPTModel, PrefixSharedQwen35Provider, "qwen3_5_moe_text", PrefixSharedQwen35MoEBridge),
+        ("Qwen3_5ForConditionalGeneration", Qwen3VLModel, PrefixSharedQwen35VLProvider, "qwen3_5", PrefixSharedQwen35VLBridge),
+        ("Qwen3_5MoeForConditionalGeneration", Qwen3VLModel, PrefixSharedQwen35VLMoEProvider, "qwen3_5_moe", PrefixSharedQwen35VLMoEBridge),
+    ):
+        MegatronModelBridge.register_bridge(source=source, target=target, provider=provider, model_type=model_type)(bridge)
