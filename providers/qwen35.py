@@ -5,6 +5,8 @@ What changes against Megatron-Bridge, and only that:
   zero-centred RMSNorm without TE), built from the same config (`layer_types` -> pattern);
 - the model class: `PrefixSharedGPTModel` (RoPE at the layout's per-token positions);
 - `gdn_backend` (from `PS_BRIDGE_GDN_BACKEND`, default `auto`), checked when the model is built;
+- no multi-token-prediction (MTP) head: it is not prefix-aware and not used for log-probs
+  (transformers' Qwen3.5 classes drop it too); `mtp.*` weights are skipped;
 - MoE experts as megatron's SequentialMLP with unfused permutation (the local spec; Megatron-Bridge's
   mapping covers that layout), since grouped GEMM and permute fusion need TE; without CUDA the
   token dispatcher is `allgather` (the stock `alltoall` allocates CUDA streams).
@@ -15,6 +17,7 @@ load, export and refit see the stock names.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Union
@@ -33,6 +36,8 @@ from ps_bridge.models.moe import install_token_weight_hook
 from ps_bridge.models.qwen35_specs import prefix_shared_qwen35_block_spec
 from ps_bridge.models.qwen35_vl import PrefixSharedQwen35VLModel, local_vision_tower
 from ps_bridge.providers.base import PrefixSharedProviderMixin, check_parallel_settings
+
+logger = logging.getLogger("ps_bridge")
 
 HF_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 HF_MOE_ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
@@ -70,6 +75,16 @@ class PrefixSharedQwen35Provider(PrefixSharedQwen35ProviderMixin, GPTModelProvid
 
 def make_prefix_shared(provider) -> None:
     """What our bridges change on the provider Megatron-Bridge's Qwen3.5 bridge configured."""
+    if getattr(provider, "mtp_num_layers", None):
+        # The multi-token-prediction head is not prefix-aware and plays no part in log-probs or
+        # the policy loss; like transformers' Qwen3.5 classes (which ignore `mtp.*`), we do not
+        # build it: its checkpoint weights are not loaded and not exported.
+        logger.warning(
+            "[PS] Qwen3.5: the checkpoint's %d multi-token-prediction layer(s) are not built with prefix "
+            "sharing (their mtp.* weights are neither loaded nor exported)",
+            provider.mtp_num_layers,
+        )
+        provider.mtp_num_layers = None
     provider.transformer_layer_spec = prefix_shared_qwen35_block_spec
     # the fused RoPE kernel ignores the per-token position table (responses continue the prompt)
     provider.apply_rope_fusion = False
@@ -92,11 +107,6 @@ class PrefixSharedQwen35VLProviderMixin:
     def provide(self, pre_process=None, post_process=None, vp_stage=None):
         check_parallel_settings(self)
         check_gdn_backend_usable(self.gdn_backend, _build_device())
-        if self.mtp_num_layers:
-            raise ValueError(
-                f"prefix sharing does not cover multi-token prediction layers (mtp_num_layers={self.mtp_num_layers}); "
-                "set mtp_num_layers=None"
-            )
         with local_vision_tower():
             model = super().provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
         # only forward() differs and it adds no state: re-class the stock-built model

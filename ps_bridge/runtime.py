@@ -111,6 +111,8 @@ def load_model(
     provider.attention_dropout = 0.0
     provider.hidden_dropout = 0.0
     provider.use_cpu_initialization = not torch.cuda.is_available()
+    if hasattr(provider, "gdn_backend"):  # Qwen3.5 providers: the Gated DeltaNet kernels to use
+        provider.gdn_backend = config.gdn_backend
     provider.finalize()
     models = provider.provide_distributed_model(
         wrap_with_ddp=False,
