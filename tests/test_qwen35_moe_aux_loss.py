@@ -12,9 +12,9 @@ from qwen35_helpers import load_tiny, param_grads, samples_for
 from ps_bridge.models.moe import PrefixSharedTopKRouter
 
 
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    _, loaded, _ = load_tiny("qwen3.5-moe", tmp_path_factory)
+@pytest.fixture(scope="module", params=["qwen3.5-moe", "qwen3.5-moe-vl"])
+def moe(request, tmp_path_factory):
+    _, loaded, _ = load_tiny(request.param, tmp_path_factory)
     assert loaded.provider.moe_router_load_balancing_type == "global_aux_loss"
     loaded.provider.moe_aux_loss_coeff = 0.5  # large, so the aux gradient is visible next to the log-prob one
     routers = [m for m in loaded.model.modules() if isinstance(m, PrefixSharedTopKRouter)]
