@@ -39,8 +39,13 @@ from ps_bridge.providers.base import PrefixSharedProviderMixin, check_parallel_s
 
 logger = logging.getLogger("ps_bridge")
 
-HF_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
-HF_MOE_ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+# one module serves both registry entries ("qwen3.5" and "qwen3.5-moe")
+HF_ARCHITECTURES = (
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration",
+)
 
 
 def _gdn_backend_from_env() -> str:
