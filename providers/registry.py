@@ -41,6 +41,22 @@ add_provider(
         description="Qwen2 / Qwen2.5 dense causal LM",
     )
 )
+add_provider(
+    ProviderEntry(
+        name="qwen3.5",
+        module="ps_bridge.providers.qwen35",
+        hf_architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
+        description="Qwen3.5 dense (Gated DeltaNet + gated attention), text and official VL checkpoints",
+    )
+)
+add_provider(
+    ProviderEntry(
+        name="qwen3.5-moe",
+        module="ps_bridge.providers.qwen35",
+        hf_architectures=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+        description="Qwen3.5 MoE (Gated DeltaNet + gated attention), text and official VL checkpoints",
+    )
+)
 
 
 def provider_names() -> List[str]:

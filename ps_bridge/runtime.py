@@ -157,6 +157,8 @@ def _provide_model(bridge, provider_name, config, dtype, tp, pp, sequence_parall
     provider.attention_dropout = 0.0
     provider.hidden_dropout = 0.0
     provider.use_cpu_initialization = not torch.cuda.is_available()
+    if hasattr(provider, "gdn_backend"):  # Qwen3.5 providers: the Gated DeltaNet kernels to use
+        provider.gdn_backend = config.gdn_backend
     provider.finalize()
     if pp > 1:
         # Every micro-batch packs to its own length, so pipeline stages exchange shapes before

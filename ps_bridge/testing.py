@@ -40,8 +40,102 @@ def build_tiny_qwen2(path: str, seed: int = 0, **overrides):
     return model
 
 
-# name -> builder; the Qwen3.5 work adds its own entries
-TINY_BUILDERS: Dict[str, Callable] = {"qwen2.5": build_tiny_qwen2}
+def _tiny_qwen35_text_kwargs(moe: bool) -> dict:
+    kwargs = dict(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=4,
+        # several Gated DeltaNet layers and one full-attention layer, not at the end
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        # 2 key heads, 4 value heads: grouped value heads
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        tie_word_embeddings=False,
+    )
+    if moe:
+        kwargs.update(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
+        )
+    else:
+        kwargs.update(intermediate_size=128)
+    return kwargs
+
+
+def _perturb_qwen35_norms(model, seed: int) -> None:
+    """Random init leaves the (1 + w) norms at w = 0 and the GDN out-norm at 1; give them values so
+    that the zero-centred conversion (and the GDN out-norm's -1 mapping) is exercised."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") and "visual" not in name:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
+def build_tiny_qwen35(path: str, seed: int = 0, moe: bool = False, conditional: bool = False, **overrides):
+    """Tiny Qwen3.5 checkpoint: `Qwen3_5[Moe]ForCausalLM`, or with `conditional=True` the
+    `Qwen3_5[Moe]ForConditionalGeneration` architecture the official checkpoints declare (a tiny
+    vision tower included)."""
+    torch.manual_seed(seed)
+    text = _tiny_qwen35_text_kwargs(moe)
+    text.update(overrides)
+    if moe:
+        from transformers import (
+            Qwen3_5MoeConfig as VLConfig,
+            Qwen3_5MoeForCausalLM as LM,
+            Qwen3_5MoeForConditionalGeneration as VLM,
+            Qwen3_5MoeTextConfig as TextConfig,
+        )
+    else:
+        from transformers import (
+            Qwen3_5Config as VLConfig,
+            Qwen3_5ForCausalLM as LM,
+            Qwen3_5ForConditionalGeneration as VLM,
+            Qwen3_5TextConfig as TextConfig,
+        )
+    if conditional:
+        vision = dict(
+            depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=text["hidden_size"],
+            num_position_embeddings=16,
+        )
+        config = VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                          image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
+        model = VLM(config).eval()
+    else:
+        model = LM(TextConfig(**text)).eval()
+    _perturb_qwen35_norms(model, seed)
+    model.save_pretrained(path)
+    return model
+
+
+def build_tiny_qwen35_moe(path: str, seed: int = 0, **overrides):
+    return build_tiny_qwen35(path, seed=seed, moe=True, **overrides)
+
+
+def build_tiny_qwen35_vl(path: str, seed: int = 0, **overrides):
+    return build_tiny_qwen35(path, seed=seed, conditional=True, **overrides)
+
+
+def build_tiny_qwen35_moe_vl(path: str, seed: int = 0, **overrides):
+    return build_tiny_qwen35(path, seed=seed, moe=True, conditional=True, **overrides)
+
+
+# name -> builder (registry names; the ConditionalGeneration forms carry a "-vl" suffix)
+TINY_BUILDERS: Dict[str, Callable] = {
+    "qwen2.5": build_tiny_qwen2,
+    "qwen3.5": build_tiny_qwen35,
+    "qwen3.5-moe": build_tiny_qwen35_moe,
+    "qwen3.5-vl": build_tiny_qwen35_vl,
+    "qwen3.5-moe-vl": build_tiny_qwen35_moe_vl,
+}
 
 
 def grpo_like_samples(

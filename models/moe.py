@@ -1,0 +1,131 @@
+"""MoE load balancing under prefix sharing: prompt tokens count once per response.
+
+Routing is token-wise, so every log-prob is exact whether a prompt is stored once or n times. What
+changes is the *statistics* over tokens: the load-balancing auxiliary loss (Switch / global aux
+loss) averages expert fractions `f_i` and router probabilities `P_i` over the tokens of the batch,
+and the unshared batch holds each prompt token n times. `PrefixSharedTopKRouter` computes those sums
+with a weight per token: `n` (the group size) for a prompt token, 1 for a response token, 0 for
+padding. The shared run then gives the unshared run's aux loss value and gradient; the unshared run
+itself (weights 1/0) gives megatron's own value whenever the pack has no padding (megatron counts
+padding tokens, we do not: their routing is meaningless).
+
+Weights reach the routers through a forward pre-hook on the model (`install_token_weight_hook`),
+which reads the layout from `packed_seq_params` on every call. Covered: "aux_loss" and
+"global_aux_loss" (Qwen3.5's). Not covered, refused when active with prefix sharing:
+"seq_aux_loss" (per-sequence statistics), the z-loss and expert-bias token counts.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
+from megatron.core.transformer.moe.router import TopKRouter
+
+
+def moe_token_weights(layout, device) -> torch.Tensor:
+    """`[T]` float32: group size for prompt tokens, 1 for response tokens, 0 for padding (cached)."""
+    cache = layout.host.setdefault("moe_token_weights", {})
+    key = str(device)
+    if key not in cache:
+        host = layout.host
+        weights = torch.zeros(host["cu_seqlens_padded"][-1], dtype=torch.float32)
+        for s, (start, n) in enumerate(zip(host["cu_seqlens_padded"][:-1], host["valid_lengths"])):
+            # a prompt segment stands for the prompts of all samples of its group (1 when unshared)
+            w = host["group_size"][host["segment_group"][s]] if host["segment_is_prompt"][s] else 1
+            weights[start : start + n] = float(w)
+        cache[key] = weights.to(device)
+    return cache[key]
+
+
+class PrefixSharedTopKRouter(TopKRouter):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.token_weights: Optional[torch.Tensor] = None
+
+    def _local_weights(self, num_local_tokens: int) -> torch.Tensor:
+        w = self.token_weights
+        if w.numel() == num_local_tokens:
+            return w
+        # sequence parallelism: this rank routes its contiguous shard of the packed tokens
+        size = dist.get_world_size(self.tp_cp_group) if dist.is_initialized() else 1
+        if self.config.sequence_parallel and w.numel() == num_local_tokens * size:
+            return w.view(size, num_local_tokens)[dist.get_rank(self.tp_cp_group)]
+        raise ValueError(
+            f"MoE router got {num_local_tokens} tokens but the prefix-shared token weights cover {w.numel()}"
+        )
+
+    def _weighted_loss(self, scores, routing_map, coeff, reduce_group, accumulate: bool):
+        w = self._local_weights(routing_map.shape[0])
+        local = (routing_map.to(torch.float32) * w[:, None]).sum(0)
+        tokens_per_expert = reduce_from_tensor_model_parallel_region(local, reduce_group)
+        total_tokens = tokens_per_expert.sum() / self.topk  # every token goes to topk experts
+        if accumulate:  # global aux loss: running average over the micro-batches of a step
+            self.global_tokens_per_expert += tokens_per_expert
+            self.ga_steps += 1
+            tokens_per_expert = self.global_tokens_per_expert / self.ga_steps
+        loss = switch_load_balancing_loss_func(
+            probs=scores * w[:, None],
+            tokens_per_expert=tokens_per_expert,
+            total_num_tokens=total_tokens,
+            topk=self.topk,
+            num_experts=self.config.num_moe_experts,
+            moe_aux_loss_coeff=coeff,
+            fused=False,
+        )
+        return loss, w.sum()
+
+    def _apply_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
+        coeff = self.get_aux_loss_coeff("aux_loss")
+        if self.token_weights is None or coeff == 0:
+            return super()._apply_aux_loss(probs, scores_for_aux_loss, routing_map, with_padding_mask)
+        loss, valid = self._weighted_loss(scores_for_aux_loss, routing_map, coeff, self.tp_cp_group, False)
+        return self.attach_and_log_load_balancing_loss(
+            probs, coeff, loss, "load_balancing_loss", self.tp_cp_group, valid_token_count=valid
+        )
+
+    def _apply_global_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
+        coeff = self.get_aux_loss_coeff("global_aux_loss")
+        if self.token_weights is None or coeff == 0:
+            return super()._apply_global_aux_loss(probs, scores_for_aux_loss, routing_map, with_padding_mask)
+        loss, valid = self._weighted_loss(scores_for_aux_loss, routing_map, coeff, self.tp_dp_cp_group, True)
+        return self.attach_and_log_load_balancing_loss(
+            probs, coeff, loss, "global_load_balancing_loss", self.tp_dp_cp_group, needs_dp_avg=False,
+            valid_token_count=valid,
+        )
+
+    def _apply_seq_aux_loss(self, probs, scores_for_aux_loss, routing_map, seq_length, bsz, with_padding_mask=False):
+        if self.token_weights is not None and self.get_aux_loss_coeff("seq_aux_loss") > 0:
+            raise NotImplementedError(
+                "the per-sequence MoE aux loss (seq_aux_loss) is not supported with prefix sharing; "
+                "use aux_loss or global_aux_loss"
+            )
+        return super()._apply_seq_aux_loss(probs, scores_for_aux_loss, routing_map, seq_length, bsz, with_padding_mask)
+
+    def apply_z_loss(self, logits, padding_mask=None):
+        if self.token_weights is not None and self.config.moe_z_loss_coeff and self.training:
+            raise NotImplementedError("the MoE router z-loss is not weighted for prefix sharing; set moe_z_loss_coeff=None")
+        return super().apply_z_loss(logits, padding_mask)
+
+
+def install_token_weight_hook(model) -> int:
+    """Give the model's prefix-shared routers the layout's token weights on every forward call.
+    Returns the number of routers served (0: nothing installed)."""
+    routers = [m for m in model.modules() if isinstance(m, PrefixSharedTopKRouter)]
+    if not routers:
+        return 0
+
+    def set_weights(module, args, kwargs):
+        layout = getattr(kwargs.get("packed_seq_params"), "prefix_layout", None)
+        weights = None
+        if layout is not None:
+            device = next(iter(routers)).weight.device
+            weights = moe_token_weights(layout, device)
+        for router in routers:
+            router.token_weights = weights
+
+    model.register_forward_pre_hook(set_weights, with_kwargs=True)
+    return len(routers)

@@ -1,0 +1,41 @@
+"""Zero-centred RMSNorm that needs no Transformer Engine.
+
+Qwen3.5 stores RMSNorm weights as offsets from one: the scale is `1 + w` (HF `Qwen3_5RMSNorm`
+computes `rmsnorm(x.float()) * (1 + w.float())`, weights initialised to 0). Megatron expresses the
+same with `layernorm_zero_centered_gamma=True`, and Megatron-Bridge's Qwen3.5 mapping copies the
+weights unchanged (AutoMapping) for the decoder norms and q/k norms, and subtracts 1 for the GDN
+output norm, whose HF weight is a plain scale. megatron-core's local `WrappedTorchNorm` refuses
+zero-centred gamma and TE's norm is not available everywhere, hence this module.
+
+The parameter is called `weight`, like megatron's norms, so Megatron-Bridge's names apply
+(`input_layernorm.weight`, `self_attention.q_layernorm.weight`, `self_attention.out_norm.weight`, ...).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **kwargs):
+        super().__init__()
+        if getattr(config, "normalization", "RMSNorm") != "RMSNorm":
+            raise ValueError(f"ZeroCenteredRMSNorm implements RMSNorm only, config asks for {config.normalization}")
+        if not getattr(config, "layernorm_zero_centered_gamma", True):
+            raise ValueError("ZeroCenteredRMSNorm needs layernorm_zero_centered_gamma=True in the config")
+        self.eps = eps
+        self.weight = nn.Parameter(
+            torch.zeros(hidden_size, dtype=config.params_dtype)
+        )
+        # with sequence parallelism each rank sees a shard of the tokens: the weight gradient must be
+        # all-reduced over the TP group, which megatron does for parameters flagged like this
+        setattr(self.weight, "sequence_parallel", bool(getattr(config, "sequence_parallel", False)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, zero_centered_gamma=True"

@@ -1,0 +1,188 @@
+"""Qwen3.5 (dense and MoE): Megatron-Bridge's Qwen3.5 bridges with a prefix-aware provider.
+
+What changes against Megatron-Bridge, and only that:
+- the layer spec: `prefix_shared_qwen35_block_spec` (prefix-aware full attention and Gated DeltaNet,
+  zero-centred RMSNorm without TE), built from the same config (`layer_types` -> pattern);
+- the model class: `PrefixSharedGPTModel` (RoPE at the layout's per-token positions);
+- `gdn_backend` (from `PS_BRIDGE_GDN_BACKEND`, default `auto`), checked when the model is built;
+- no multi-token-prediction (MTP) head: it is not prefix-aware and not used for log-probs
+  (transformers' Qwen3.5 classes drop it too); `mtp.*` weights are skipped;
+- MoE experts as megatron's SequentialMLP with unfused permutation (the local spec; Megatron-Bridge's
+  mapping covers that layout), since grouped GEMM and permute fusion need TE; without CUDA the
+  token dispatcher is `allgather` (the stock `alltoall` allocates CUDA streams).
+
+The HF <-> Megatron mapping is Megatron-Bridge's own (`Qwen35Bridge` / `Qwen35MoEBridge`), so
+load, export and refit see the stock names.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Union
+
+import torch
+from megatron.bridge.models.gpt_provider import GPTModelProvider
+from megatron.bridge.models.qwen.qwen35_bridge import Qwen35Bridge, Qwen35MoEBridge
+from megatron.bridge.models.qwen_vl.qwen35_vl_bridge import Qwen35VLBridge, Qwen35VLMoEBridge
+from megatron.bridge.models.qwen_vl.qwen35_vl_provider import Qwen35VLModelProvider, Qwen35VLMoEModelProvider
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from ps_bridge.config import ENV_GDN_BACKEND
+from ps_bridge.kernels.gdn import check_gdn_backend_usable
+from ps_bridge.models.moe import install_token_weight_hook
+from ps_bridge.models.qwen35_specs import prefix_shared_qwen35_block_spec
+from ps_bridge.models.qwen35_vl import PrefixSharedQwen35VLModel, local_vision_tower
+from ps_bridge.providers.base import PrefixSharedProviderMixin, check_parallel_settings
+
+logger = logging.getLogger("ps_bridge")
+
+# one module serves both registry entries ("qwen3.5" and "qwen3.5-moe")
+HF_ARCHITECTURES = (
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration",
+)
+
+
+def _gdn_backend_from_env() -> str:
+    return os.environ.get(ENV_GDN_BACKEND) or "auto"
+
+
+def _build_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class PrefixSharedQwen35ProviderMixin(PrefixSharedProviderMixin):
+    """Checks the GDN backend where the model is built, before any weights are allocated."""
+
+    def provide(self, pre_process=None, post_process=None, vp_stage=None):
+        check_gdn_backend_usable(self.gdn_backend, _build_device())
+        model = super().provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+        install_token_weight_hook(model)
+        return model
+
+
+@dataclass
+class PrefixSharedQwen35Provider(PrefixSharedQwen35ProviderMixin, GPTModelProvider):
+    transformer_layer_spec: Union[ModuleSpec, Callable] = prefix_shared_qwen35_block_spec
+    gdn_backend: str = field(default_factory=_gdn_backend_from_env)
+    # the local spec has no fused bias+activation / rope kernels on every device
+    apply_rope_fusion: bool = False
+    bias_activation_fusion: bool = False
+    masked_softmax_fusion: bool = False
+    bias_dropout_fusion: bool = False
+    gradient_accumulation_fusion: bool = False
+
+
+def make_prefix_shared(provider) -> None:
+    """What our bridges change on the provider Megatron-Bridge's Qwen3.5 bridge configured."""
+    if getattr(provider, "mtp_num_layers", None):
+        # The multi-token-prediction head is not prefix-aware and plays no part in log-probs or
+        # the policy loss; like transformers' Qwen3.5 classes (which ignore `mtp.*`), we do not
+        # build it: its checkpoint weights are not loaded and not exported.
+        logger.warning(
+            "[PS] Qwen3.5: the checkpoint's %d multi-token-prediction layer(s) are not built with prefix "
+            "sharing (their mtp.* weights are neither loaded nor exported)",
+            provider.mtp_num_layers,
+        )
+        provider.mtp_num_layers = None
+    provider.transformer_layer_spec = prefix_shared_qwen35_block_spec
+    # the fused RoPE kernel ignores the per-token position table (responses continue the prompt)
+    provider.apply_rope_fusion = False
+    if provider.num_moe_experts:
+        provider.moe_grouped_gemm = False
+        provider.moe_permute_fusion = False
+        if not torch.cuda.is_available():
+            # the alltoall dispatcher allocates CUDA streams at construction; at EP=1 allgather
+            # routes the same tokens to the same experts
+            provider.moe_token_dispatcher_type = "allgather"
+
+
+class PrefixSharedQwen35VLProviderMixin:
+    """For the ConditionalGeneration providers (`Qwen3VLModel`): our language spec, the vision tower
+    unchanged (local modules where TE is absent), text positions from the layout."""
+
+    def build_language_spec(self, vp_stage=None, pp_rank=None):
+        return prefix_shared_qwen35_block_spec(self, vp_stage=vp_stage, pp_rank=pp_rank)
+
+    def provide(self, pre_process=None, post_process=None, vp_stage=None):
+        check_parallel_settings(self)
+        check_gdn_backend_usable(self.gdn_backend, _build_device())
+        with local_vision_tower():
+            model = super().provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+        # only forward() differs and it adds no state: re-class the stock-built model
+        model.__class__ = PrefixSharedQwen35VLModel
+        install_token_weight_hook(model)
+        return model
+
+
+@dataclass
+class PrefixSharedQwen35VLProvider(PrefixSharedQwen35VLProviderMixin, Qwen35VLModelProvider):
+    gdn_backend: str = field(default_factory=_gdn_backend_from_env)
+
+
+@dataclass
+class PrefixSharedQwen35VLMoEProvider(PrefixSharedQwen35VLProviderMixin, Qwen35VLMoEModelProvider):
+    gdn_backend: str = field(default_factory=_gdn_backend_from_env)
+
+
+def as_prefix_shared_vl(provider, cls):
+    """Megatron-Bridge's VL bridges instantiate their provider class directly; give the configured
+    instance our subclass (which only adds methods and `gdn_backend`)."""
+    provider.__class__ = cls
+    provider.gdn_backend = _gdn_backend_from_env()
+    make_prefix_shared(provider)
+    return provider
+
+
+class PrefixSharedQwen35VLBridge(Qwen35VLBridge):
+    def provider_bridge(self, hf_pretrained):
+        return as_prefix_shared_vl(super().provider_bridge(hf_pretrained), PrefixSharedQwen35VLProvider)
+
+
+class PrefixSharedQwen35VLMoEBridge(Qwen35VLMoEBridge):
+    def provider_bridge(self, hf_pretrained):
+        return as_prefix_shared_vl(super().provider_bridge(hf_pretrained), PrefixSharedQwen35VLMoEProvider)
+
+
+class PrefixSharedQwen35Bridge(Qwen35Bridge):
+    """Qwen35Bridge (mapping and config translation) building our provider and spec."""
+
+    def provider_bridge(self, hf_pretrained):
+        provider = super().provider_bridge(hf_pretrained)
+        make_prefix_shared(provider)
+        return provider
+
+
+class PrefixSharedQwen35MoEBridge(Qwen35MoEBridge):
+    def provider_bridge(self, hf_pretrained):
+        provider = super().provider_bridge(hf_pretrained)
+        make_prefix_shared(provider)
+        return provider
+
+
+def register() -> None:
+    from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping
+
+    # Megatron-Bridge picks the TP split of an AutoMapping from the owning module's class name;
+    # ours get the kinds of the classes they stand in for (megatron's norms, GatedDeltaNet)
+    AutoMapping.register_module_type("ZeroCenteredRMSNorm", "replicated")
+    AutoMapping.register_module_type("PrefixSharedGatedDeltaNet", "column")
+    AutoMapping.register_module_type("PrefixSharedTopKRouter", "replicated")
+
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model import Qwen3VLModel
+
+    # (HF architecture, Megatron model, our provider, HF model_type, our bridge); the last
+    # registration wins in Megatron-Bridge's dispatch, so these replace the stock Qwen3.5 bridges
+    for source, target, provider, model_type, bridge in (
+        ("Qwen3_5ForCausalLM", GPTModel, PrefixSharedQwen35Provider, "qwen3_5_text", PrefixSharedQwen35Bridge),
+        ("Qwen3_5MoeForCausalLM", GPTModel, PrefixSharedQwen35Provider, "qwen3_5_moe_text", PrefixSharedQwen35MoEBridge),
+        ("Qwen3_5ForConditionalGeneration", Qwen3VLModel, PrefixSharedQwen35VLProvider, "qwen3_5", PrefixSharedQwen35VLBridge),
+        ("Qwen3_5MoeForConditionalGeneration", Qwen3VLModel, PrefixSharedQwen35VLMoEProvider, "qwen3_5_moe", PrefixSharedQwen35VLMoEBridge),
+    ):
+        MegatronModelBridge.register_bridge(source=source, target=target, provider=provider, model_type=model_type)(bridge)

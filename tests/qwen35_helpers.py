@@ -1,0 +1,61 @@
+"""Helpers shared by the Qwen3.5 model tests: load tiny checkpoints, compare runs."""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load_file
+
+from ps_bridge.layout import build_layout
+from ps_bridge.logprobs import response_logprobs
+from ps_bridge.runtime import forward_logits, load_model
+from ps_bridge.testing import TINY_BUILDERS, grpo_like_samples
+
+
+def load_tiny(name, tmp_path_factory, seed=0):
+    path = str(tmp_path_factory.mktemp(name.replace(".", "_")))
+    hf = TINY_BUILDERS[name](path, seed=seed)
+    loaded = load_model(path)
+    return hf, loaded, path
+
+
+def samples_for(loaded, **kw):
+    args = dict(num_prompts=3, n=3, prompt_len=(5, 13), response_len=(1, 7), seed=0)
+    args.update(kw)
+    # stay below the tiny VL checkpoints' image/video/vision special ids (250..253)
+    return grpo_like_samples(min(loaded.vocab_size, 248), **args)
+
+
+def layout_for(loaded, samples, share, pad_multiple=1):
+    return build_layout(samples, share=share, pad_multiple=pad_multiple, vocab_size=loaded.vocab_size).to(loaded.device)
+
+
+def per_sample_response_logprobs(loaded, samples, share, pad_multiple=1):
+    from ps_bridge.logprobs import packed_row_logprobs
+
+    layout = layout_for(loaded, samples, share, pad_multiple)
+    rows = packed_row_logprobs(forward_logits(loaded, layout), layout)
+    return response_logprobs(rows, layout)
+
+
+def max_abs(xs, ys):
+    return max((a.float() - b.float()).abs().max().item() for a, b in zip(xs, ys))
+
+
+def param_grads(loaded, samples, share, weights, pad_multiple=1):
+    """Gradients of sum_i <weights_i, response log-probs_i> for every parameter."""
+    model = loaded.model
+    model.zero_grad(set_to_none=True)
+    lps = per_sample_response_logprobs(loaded, samples, share, pad_multiple)
+    loss = sum((lp * w).sum() for lp, w in zip(lps, weights))
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def export_matches_checkpoint(loaded, path):
+    """(exported names == checkpoint names, max abs difference over all tensors)."""
+    reference = load_file(f"{path}/model.safetensors")
+    exported = {name: t for name, t in loaded.bridge.export_hf_weights([loaded.model], cpu=True, show_progress=False)}
+    diff = max((exported[k].float() - reference[k].float()).abs().max().item() for k in reference if k in exported)
+    return set(exported) == set(reference), diff, set(reference) ^ set(exported)

@@ -1,0 +1,97 @@
+"""Qwen3.5 setup checks: registry names, the fla-on-Hopper guard at model build, MTP handling."""
+
+import logging
+import types
+
+import pytest
+import torch
+
+from ps_bridge.config import PrefixSharingConfig
+from ps_bridge.kernels.gdn import check_gdn_backend_usable, fla_backend
+from ps_bridge.providers.registry import get_provider_entry, resolve_provider
+
+
+def qwen35_module():
+    """ps_bridge.providers.qwen35, imported the supported way (megatron.bridge without TE)."""
+    return get_provider_entry("qwen3.5").load()
+
+
+@pytest.mark.parametrize(
+    "arch, name",
+    [
+        ("Qwen3_5ForCausalLM", "qwen3.5"),
+        ("Qwen3_5ForConditionalGeneration", "qwen3.5"),
+        ("Qwen3_5MoeForCausalLM", "qwen3.5-moe"),
+        ("Qwen3_5MoeForConditionalGeneration", "qwen3.5-moe"),
+    ],
+)
+def test_registry_resolves_all_four_architectures(arch, name):
+    assert resolve_provider(None, [arch]).name == name
+    assert PrefixSharingConfig(provider=name, gdn_backend="torch_ref").provider == name
+
+
+def fake_gpu(monkeypatch, capability=(9, 0), triton_version="3.6.0", tilelang=False):
+    import importlib.util
+
+    import triton
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(triton, "__version__", triton_version)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec",
+        lambda name, *a: types.SimpleNamespace() if (name == "tilelang" and tilelang) else
+        (None if name == "tilelang" else real_find_spec(name, *a)),
+    )
+
+
+def test_fla_backward_refused_on_hopper_with_old_triton(monkeypatch):
+    fake_gpu(monkeypatch)
+    with pytest.raises(RuntimeError) as err:
+        check_gdn_backend_usable("auto", torch.device("cuda", 0))
+    assert "Triton to >= 3.7.1" in str(err.value) and "pip install tilelang" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(tilelang=True), dict(triton_version="3.7.1"), dict(capability=(8, 0)), dict(triton_version="3.3.1")]
+)
+def test_fla_backward_allowed_otherwise(monkeypatch, kw):
+    fake_gpu(monkeypatch, **kw)
+    assert fla_backend.hopper_backward_problem(torch.device("cuda", 0)) is None
+    check_gdn_backend_usable("fla", torch.device("cuda", 0))
+    # torch_ref never needs fla
+    check_gdn_backend_usable("torch_ref", torch.device("cuda", 0))
+
+
+def test_check_runs_when_the_model_is_built(monkeypatch, tmp_path):
+    """The guard fires in the provider's provide(), before any forward pass."""
+    qwen35 = qwen35_module()
+    from ps_bridge.runtime import load_model
+    from ps_bridge.testing import build_tiny_qwen35
+
+    build_tiny_qwen35(str(tmp_path))
+    monkeypatch.setattr(qwen35, "_build_device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(fla_backend, "hopper_backward_problem", lambda device: "Triton >= 3.7.1 or tilelang needed")
+    with pytest.raises(RuntimeError, match="tilelang"):
+        load_model(str(tmp_path), PrefixSharingConfig(gdn_backend="fla"))
+
+
+def test_mtp_layers_are_dropped_with_a_warning(caplog):
+    make_prefix_shared = qwen35_module().make_prefix_shared
+
+    provider = types.SimpleNamespace(mtp_num_layers=1, num_moe_experts=None)
+    with caplog.at_level(logging.WARNING, logger="ps_bridge"):
+        make_prefix_shared(provider)
+    assert provider.mtp_num_layers is None
+    assert "multi-token-prediction" in caplog.text
+
+
+def test_gdn_backend_from_environment(monkeypatch):
+    _gdn_backend_from_env = qwen35_module()._gdn_backend_from_env
+
+    monkeypatch.setenv("PS_BRIDGE_GDN_BACKEND", "torch_ref")
+    assert _gdn_backend_from_env() == "torch_ref"
+    monkeypatch.delenv("PS_BRIDGE_GDN_BACKEND")
+    assert _gdn_backend_from_env() == "auto"
