@@ -43,11 +43,19 @@ def qwen2_hf_config(dims: dict, num_layers: int):
     return cfg
 
 
+def qwen35_hf_config(dims: dict, num_layers: int):
+    """Qwen3.5 text model (`Qwen3_5ForCausalLM`): the hybrid pattern of the real checkpoint
+    (three Gated DeltaNet layers, then one full-attention layer) cut to `num_layers`."""
+    from transformers import Qwen3_5TextConfig
+
+    layer_types = [("full_attention" if (i + 1) % 4 == 0 else "linear_attention") for i in range(num_layers)]
+    cfg = Qwen3_5TextConfig(**dict(dims, num_hidden_layers=num_layers, layer_types=layer_types))
+    cfg.architectures = ["Qwen3_5ForCausalLM"]
+    return cfg
+
+
 # family -> builder(real dims, number of layers) -> transformers config our provider registry serves.
-# Qwen3.5 plugs in here once its provider exists: a builder returning the text config (architectures
-# ["Qwen3_5ForCausalLM"], `layer_types` cut to the layer count) and MODEL_SHAPES entries
-# "qwen3.5-0.8b" / "qwen3.5-9b" with that checkpoint's config.json values.
-FAMILIES: Dict[str, Callable] = {"qwen2.5": qwen2_hf_config}
+FAMILIES: Dict[str, Callable] = {"qwen2.5": qwen2_hf_config, "qwen3.5": qwen35_hf_config}
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,12 @@ class ModelShape:
 
 
 _QWEN25_COMMON = dict(rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=32768)
+
+_QWEN35_COMMON = dict(
+    vocab_size=248320, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    rms_norm_eps=1e-6, max_position_embeddings=262144,
+    rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25),
+)
 
 MODEL_SHAPES: Dict[str, ModelShape] = {
     "qwen2.5-1.5b": ModelShape(
@@ -75,6 +89,29 @@ MODEL_SHAPES: Dict[str, ModelShape] = {
         full_layers=28,
         bench_layers=4,
     ),
+    # Qwen3.5 text models (values of the released config.json files; GDN + gated attention)
+    "qwen3.5-0.8b": ModelShape(
+        "qwen3.5",
+        dict(_QWEN35_COMMON, hidden_size=1024, intermediate_size=3584, num_attention_heads=8,
+             num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=16, tie_word_embeddings=True),
+        full_layers=24,
+        bench_layers=8,
+    ),
+    "qwen3.5-9b": ModelShape(
+        "qwen3.5",
+        dict(_QWEN35_COMMON, hidden_size=4096, intermediate_size=12288, num_attention_heads=16,
+             num_key_value_heads=4, linear_num_key_heads=16, linear_num_value_heads=32, tie_word_embeddings=False),
+        full_layers=32,
+        bench_layers=4,
+    ),
+    "tiny-qwen3.5": ModelShape(
+        "qwen3.5",
+        dict(_QWEN35_COMMON, vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=512, tie_word_embeddings=False),
+        full_layers=4,
+        bench_layers=4,
+    ),
     # --smoke: Qwen2-shaped and tiny
     "tiny-qwen2.5": ModelShape(
         "qwen2.5",
@@ -85,7 +122,7 @@ MODEL_SHAPES: Dict[str, ModelShape] = {
     ),
 }
 
-DEFAULT_MODELS = ("qwen2.5-1.5b", "qwen2.5-7b")
+DEFAULT_MODELS = ("qwen2.5-1.5b", "qwen2.5-7b", "qwen3.5-0.8b", "qwen3.5-9b")
 DEFAULT_GRID: Tuple[Tuple[int, int, int], ...] = ((2048, 512, 8), (4096, 256, 16), (1024, 1024, 8), (512, 4096, 8))
 SMOKE_GRID: Tuple[Tuple[int, int, int], ...] = ((24, 8, 4), (8, 24, 2))
 
@@ -121,7 +158,7 @@ def _parse_list(text: str) -> List[str]:
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", type=_parse_list, default=None,
                         help=f"comma-separated model shapes ({', '.join(MODEL_SHAPES)}); default "
-                        f"{','.join(DEFAULT_MODELS)} (tiny-qwen2.5 with --smoke)")
+                        f"{','.join(DEFAULT_MODELS)} (tiny-qwen2.5,tiny-qwen3.5 with --smoke)")
     parser.add_argument("--layers", type=int, default=None,
                         help="decoder layers of every model (default: each shape's bench default, printed)")
     parser.add_argument("--grid", type=_parse_grid, default=None,
@@ -415,7 +452,7 @@ def run_bench(args: argparse.Namespace) -> int:
             "ps-bridge bench measures GPU speed and needs an NVIDIA GPU, but CUDA is not available "
             "here; run 'ps-bridge bench --smoke' for a tiny functional run on the CPU"
         )
-    models = args.models or (["tiny-qwen2.5"] if args.smoke else list(DEFAULT_MODELS))
+    models = args.models or (["tiny-qwen2.5", "tiny-qwen3.5"] if args.smoke else list(DEFAULT_MODELS))
     grid = args.grid or list(SMOKE_GRID if args.smoke else DEFAULT_GRID)
     for name in models:
         if name not in MODEL_SHAPES:
