@@ -184,7 +184,10 @@ def test_response_logprobs_match_hugging_face(engines, checkpoints):
 
 
 def policy_loss(model_output, data, dp_group=None):
-    """A PPO clipped surrogate plus an entropy bonus, on verl's padded response view."""
+    """A PPO clipped surrogate plus an entropy bonus, on verl's padded response view, token-mean
+    over the whole mini-batch (`batch_num_tokens`, as verl's own losses normalise), so the total does
+    not depend on how samples are cut into micro-batches."""
+    batch_num_tokens = data["batch_num_tokens"]
     log_prob = no_padding_2_padding(model_output["log_probs"], data)
     entropy = no_padding_2_padding(model_output["entropy"], data)
     padded = data.select("response_mask", "old_log_probs", "advantages").to_padded_tensor()
@@ -192,7 +195,7 @@ def policy_loss(model_output, data, dp_group=None):
     ratio = torch.exp(log_prob - padded["old_log_probs"])
     adv = padded["advantages"]
     surrogate = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
-    loss = ((surrogate - 0.01 * entropy) * mask).sum() / mask.sum()
+    loss = ((surrogate - 0.01 * entropy) * mask).sum() / batch_num_tokens
     return loss, {}
 
 
@@ -229,3 +232,27 @@ def test_group_run_length():
     assert group_run_length(["a", "b", "a", "b"]) == 1
     assert group_run_length(["a", "b"]) == 1
     assert group_run_length([]) == 1
+
+
+@pytest.mark.parametrize("fmt,batching", [("thd", "dynamic"), ("bshd", "static")])
+def test_train_batch_step_matches_stock_engine(checkpoints, fmt, batching):
+    """One full `train_batch` (zero grad, forward-backward, optimizer step) on fresh engines: the
+    updated weights agree."""
+    path, hf = checkpoints("qwen2.5")
+    samples = grouped_samples(hf.config.vocab_size, num_prompts=4, n=4, seed=5)
+    rmpad = fmt == "thd"
+    with vt.stock_bridges():
+        stock = vt.build_engine(MegatronEngineWithLMHead, path, use_remove_padding=rmpad, forward_only=False,
+                                overrides={"transformer_layer_spec": vt.reference_gpt_layer_spec})
+    ours = vt.build_engine(PrefixSharedMegatronEngine, path, use_remove_padding=rmpad, forward_only=False)
+    before = {n: p.detach().clone() for n, p in stock.module[0].named_parameters()}
+    for engine in (stock, ours):
+        with vt.cuda_factories_on_cpu(), engine.train_mode():
+            engine.train_batch(vt.grpo_micro_batch(samples, **BATCHINGS[batching]), policy_loss)
+    p_stock = dict(stock.module[0].named_parameters())
+    p_ours = dict(ours.module[0].named_parameters())
+    moved = min((p_stock[n] - before[n]).abs().max().item() for n in before)
+    diff = max((p_ours[n] - p_stock[n]).abs().max().item() for n in before)
+    print(f"train_batch {fmt} {batching}: smallest update {moved:.2e}, max weight diff {diff:.2e}")
+    assert moved > 1e-6  # every tensor was updated (lr 1e-3, Adam)
+    assert diff < TOL * 1e-1

@@ -29,7 +29,10 @@ from typing import List, Optional, Sequence
 import torch
 
 # verl imports these on the engine's import path without using them there.
-VERL_IMPORT_ONLY_MODULES = ("ray", "peft", "accelerate", "datasets", "pandas", "PIL", "dill", "wandb", "torchdata")
+VERL_IMPORT_ONLY_MODULES = ("ray", "peft", "accelerate", "datasets", "pandas", "PIL", "dill", "wandb", "torchdata",
+                            # Megatron-Bridge's training config (verl builds its DDP config with it)
+                            # imports its data loaders
+                            "megatron.energon")
 
 
 class _ImportOnly:
@@ -55,7 +58,7 @@ class _PlaceholderFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self.roots = set(roots)
 
     def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in self.roots:
+        if any(name == root or name.startswith(root + ".") for root in self.roots):
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None
 
@@ -95,6 +98,28 @@ def prepare_cpu_process() -> None:
     import_megatron_bridge()
     use_cpu_platform()
     _megatron_rng_tracker_on_cpu()
+    _cuda_streams_on_cpu()
+
+
+class _CPUStream:
+    """What megatron's DDP wrapper does with its initialisation stream, on the CPU: nothing."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _cuda_streams_on_cpu() -> None:
+    if torch.cuda.is_available():
+        return
+    torch.cuda.Stream = _CPUStream
+    torch.cuda.current_stream = lambda device=None: _CPUStream()
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
 
 
 def _megatron_rng_tracker_on_cpu() -> None:
@@ -272,9 +297,10 @@ def build_engine(engine_cls, ckpt: str, *, use_remove_padding: bool = True, forw
     object.__setattr__(engine_config, "dtype", "float32")
     object.__setattr__(engine_config, "use_remove_padding", use_remove_padding)
     object.__setattr__(engine_config, "use_fused_kernels", use_fused_kernels)
-    optimizer_config = McoreOptimizerConfig(lr=1e-3, clip_grad=1e9, weight_decay=0.0)
+    optimizer_config = McoreOptimizerConfig(lr=1e-3, clip_grad=0.0, weight_decay=0.0, total_training_steps=10, lr_warmup_steps=0)
     engine = engine_cls(model_config, engine_config, optimizer_config, CheckpointConfig())
-    engine.initialize()
+    with cuda_factories_on_cpu():  # megatron's optimizer keeps scalars on device="cuda"
+        engine.initialize()
     return engine
 
 
