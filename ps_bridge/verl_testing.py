@@ -1,5 +1,8 @@
 """Run verl 0.9.1's real Megatron engines on a CPU, for the tests (DESIGN.md section 8).
 
+Kept outside the `ps_bridge.verl` package on purpose: importing that package activates the plugin,
+which needs verl importable, and on a CPU test machine verl only imports after the placeholders below.
+
 Everything here only makes verl's own engine code runnable on a machine without an accelerator;
 none of it changes what the engines compute:
 - `install_absent_module_placeholders`: modules verl imports on the engine path but never runs
@@ -278,7 +281,8 @@ STOCK_TEST_OVERRIDES = dict(
 
 
 def build_engine(engine_cls, ckpt: str, *, use_remove_padding: bool = True, forward_only: bool = True,
-                 overrides: Optional[dict] = None, use_fused_kernels: bool = False):
+                 overrides: Optional[dict] = None, use_fused_kernels: bool = False,
+                 external_lib: Optional[str] = None, vanilla_mbridge: bool = False):
     """verl's own constructor and `initialize()` for `engine_cls`, fp32, one CPU process."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
@@ -286,11 +290,12 @@ def build_engine(engine_cls, ckpt: str, *, use_remove_padding: bool = True, forw
     from ps_bridge.runtime import init_parallel
 
     init_parallel()
-    model_config = HFModelConfig(path=ckpt, use_remove_padding=use_remove_padding, load_tokenizer=True)
+    model_config = HFModelConfig(path=ckpt, use_remove_padding=use_remove_padding, external_lib=external_lib)
     engine_config = McoreEngineConfig(
         forward_only=forward_only,
         sequence_parallel=False,
         use_distributed_optimizer=False,
+        vanilla_mbridge=vanilla_mbridge,
         override_transformer_config=dict(STOCK_TEST_OVERRIDES, **(overrides or {})),
     )
     # McoreEngineConfig accepts only bf16/fp16 at construction; fp32 makes the comparison exact.
