@@ -392,3 +392,23 @@ def stock_bridges():
             d._exact_types.clear()
             d._exact_types.update(saved[name])
             d._dispatch_cache.clear()
+
+
+def prepare_plugin_test_process() -> None:
+    """CPU preparation, the stock bridges remembered, then the plugin activated (sharing on)."""
+    prepare_cpu_process()
+    remember_stock_bridges()
+    import ps_bridge.verl as plugin
+    from ps_bridge.config import PrefixSharingConfig
+
+    plugin.activate(PrefixSharingConfig(enabled=True))
+
+
+def build_stock_engine(ckpt: str, **kwargs):
+    """verl's stock `MegatronEngineWithLMHead` on Megatron-Bridge's stock provider, with the
+    reference core attention (the only non-stock module, needed because none runs on a CPU)."""
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+
+    overrides = dict(kwargs.pop("overrides", None) or {}, transformer_layer_spec=reference_gpt_layer_spec)
+    with stock_bridges():
+        return build_engine(MegatronEngineWithLMHead, ckpt, overrides=overrides, **kwargs)

@@ -24,18 +24,11 @@ import torch  # noqa: E402
 
 import ps_bridge.verl_testing as vt  # noqa: E402
 
-vt.prepare_cpu_process()
-vt.remember_stock_bridges()
+vt.prepare_plugin_test_process()
 
-from ps_bridge.config import PrefixSharingConfig  # noqa: E402
 from ps_bridge.layout import Sample  # noqa: E402
 from ps_bridge.providers.registry import provider_names  # noqa: E402
 from ps_bridge.testing import TINY_BUILDERS, grpo_like_samples  # noqa: E402
-import ps_bridge.verl as plugin  # noqa: E402
-
-plugin.activate(PrefixSharingConfig(enabled=True))
-
-from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead  # noqa: E402
 from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
 
 from ps_bridge.verl.engine import PrefixSharedMegatronEngine, group_run_length  # noqa: E402
@@ -78,11 +71,7 @@ def engines(checkpoints):
             path, _ = checkpoints(family)
             rmpad = fmt == "thd"
             if kind == "stock":
-                with vt.stock_bridges():
-                    built[key] = vt.build_engine(
-                        MegatronEngineWithLMHead, path, use_remove_padding=rmpad, forward_only=forward_only,
-                        overrides={"transformer_layer_spec": vt.reference_gpt_layer_spec},
-                    )
+                built[key] = vt.build_stock_engine(path, use_remove_padding=rmpad, forward_only=forward_only)
             else:
                 built[key] = vt.build_engine(PrefixSharedMegatronEngine, path, use_remove_padding=rmpad,
                                              forward_only=forward_only)
@@ -243,9 +232,7 @@ def test_train_batch_step_matches_stock_engine(checkpoints, fmt, batching):
     path, hf = checkpoints("qwen2.5")
     samples = grouped_samples(hf.config.vocab_size, num_prompts=4, n=4, seed=5)
     rmpad = fmt == "thd"
-    with vt.stock_bridges():
-        stock = vt.build_engine(MegatronEngineWithLMHead, path, use_remove_padding=rmpad, forward_only=False,
-                                overrides={"transformer_layer_spec": vt.reference_gpt_layer_spec})
+    stock = vt.build_stock_engine(path, use_remove_padding=rmpad, forward_only=False)
     ours = vt.build_engine(PrefixSharedMegatronEngine, path, use_remove_padding=rmpad, forward_only=False)
     before = {n: p.detach().clone() for n, p in stock.module[0].named_parameters()}
     for engine in (stock, ours):

@@ -19,16 +19,9 @@ import torch  # noqa: E402
 
 import ps_bridge.verl_testing as vt  # noqa: E402
 
-vt.prepare_cpu_process()
-vt.remember_stock_bridges()
-
-import ps_bridge.verl as plugin  # noqa: E402
-from ps_bridge.config import PrefixSharingConfig  # noqa: E402
-
-plugin.activate(PrefixSharingConfig(enabled=True))
+vt.prepare_plugin_test_process()
 
 from verl.workers.engine.base import EngineRegistry  # noqa: E402
-from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead  # noqa: E402
 
 from ps_bridge.verl.engine import PrefixSharedMegatronEngine, npu_engine_class  # noqa: E402
 
@@ -69,9 +62,7 @@ def test_weight_export_equals_stock_provider(qwen2_checkpoint):
     provider's export (and as the checkpoint)."""
     from safetensors.torch import load_file
 
-    with vt.stock_bridges():
-        stock = vt.build_engine(MegatronEngineWithLMHead, qwen2_checkpoint,
-                                overrides={"transformer_layer_spec": vt.reference_gpt_layer_spec})
+    stock = vt.build_stock_engine(qwen2_checkpoint)
     ours = vt.build_engine(PrefixSharedMegatronEngine, qwen2_checkpoint)
     with vt.cuda_factories_on_cpu():
         exported_stock = {n: t.detach().clone() for n, t in stock.get_per_tensor_param()[0]}
