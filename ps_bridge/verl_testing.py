@@ -8,8 +8,8 @@ none of it changes what the engines compute:
 - `install_absent_module_placeholders`: modules verl imports on the engine path but never runs
   there (ray, peft, datasets, ...), placed in `sys.modules` only when they are not installed.
 - `use_cpu_platform`: verl's device platform reporting "cpu", so verl allocates on the CPU.
-- `cuda_factories_on_cpu`: megatron-core's schedule allocates one counter with a hard-coded
-  `device="cuda"`; inside this context such factory calls land on the CPU.
+- `engine_call_on_cpu`: megatron-core allocates a few scalars with a hard-coded `device="cuda"`;
+  inside this context such factory calls land on the CPU (and torch.compile is off).
 - `ReferenceCoreAttention`: plain causal softmax attention for the *stock* engine's model, in both
   of verl's input formats (megatron's local core attention refuses them).
 - `tiny_checkpoint`, `build_engine`, `grpo_micro_batch`: the model, the engine and a batch built the
@@ -92,7 +92,6 @@ def install_absent_module_placeholders(names: Sequence[str] = VERL_IMPORT_ONLY_M
 
 def prepare_cpu_process() -> None:
     """Imports in the order that works without TE and without an accelerator, then verl."""
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # verl's entropy is torch.compile'd otherwise
     install_absent_module_placeholders()
     from ps_bridge.compat import cuda_on_cpu
     from ps_bridge.compat.te_placeholder import import_megatron_bridge
@@ -176,12 +175,18 @@ class _CudaFactoriesOnCpu(torch.overrides.TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def cuda_factories_on_cpu():
-    if torch.cuda.is_available():
-        yield
-        return
-    with _CudaFactoriesOnCpu():
-        yield
+def engine_call_on_cpu():
+    """Around every engine call in the tests: megatron's `device="cuda"` factory calls land on the
+    CPU, and verl's `torch.compile`d entropy runs eagerly (compiling takes 10-14 s and a C++
+    compiler; scoped here rather than TORCHDYNAMO_DISABLE so other tests keep torch.compile)."""
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(disable=True):
+        if torch.cuda.is_available():
+            yield
+            return
+        with _CudaFactoriesOnCpu():
+            yield
 
 
 # ---- the stock engine's attention ----------------------------------------------------------
@@ -304,7 +309,7 @@ def build_engine(engine_cls, ckpt: str, *, use_remove_padding: bool = True, forw
     object.__setattr__(engine_config, "use_fused_kernels", use_fused_kernels)
     optimizer_config = McoreOptimizerConfig(lr=1e-3, clip_grad=0.0, weight_decay=0.0, total_training_steps=10, lr_warmup_steps=0)
     engine = engine_cls(model_config, engine_config, optimizer_config, CheckpointConfig())
-    with cuda_factories_on_cpu():  # megatron's optimizer keeps scalars on device="cuda"
+    with engine_call_on_cpu():  # megatron's optimizer keeps scalars on device="cuda"
         engine.initialize()
     return engine
 

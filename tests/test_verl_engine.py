@@ -16,7 +16,6 @@ import re
 
 import pytest
 
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 if importlib.util.find_spec("verl") is None:
     pytest.skip("verl 0.9.1 is not installed (requirements-verl*.txt)", allow_module_level=True)
 
@@ -86,7 +85,7 @@ def grouped_samples(vocab, num_prompts=3, n=4, seed=0):
 
 
 def infer(engine, td):
-    with vt.cuda_factories_on_cpu(), engine.eval_mode():
+    with vt.engine_call_on_cpu(), engine.eval_mode():
         return engine.infer_batch(td)["model_output"]
 
 
@@ -191,7 +190,7 @@ def policy_loss(model_output, data, dp_group=None):
 
 
 def grads_after_backward(engine, td):
-    with vt.cuda_factories_on_cpu(), engine.train_mode():
+    with vt.engine_call_on_cpu(), engine.train_mode():
         engine.optimizer_zero_grad()
         engine.forward_backward_batch(td, policy_loss, forward_only=False)
         grads = {n: p.main_grad.detach().clone() for n, p in engine.module[0].named_parameters()}
@@ -236,7 +235,7 @@ def test_train_batch_step_matches_stock_engine(checkpoints, fmt, batching):
     ours = vt.build_engine(PrefixSharedMegatronEngine, path, use_remove_padding=rmpad, forward_only=False)
     before = {n: p.detach().clone() for n, p in stock.module[0].named_parameters()}
     for engine in (stock, ours):
-        with vt.cuda_factories_on_cpu(), engine.train_mode():
+        with vt.engine_call_on_cpu(), engine.train_mode():
             engine.train_batch(vt.grpo_micro_batch(samples, **BATCHINGS[batching]), policy_loss)
     p_stock = dict(stock.module[0].named_parameters())
     p_ours = dict(ours.module[0].named_parameters())

@@ -11,7 +11,6 @@ import textwrap
 
 import pytest
 
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 if importlib.util.find_spec("verl") is None:
     pytest.skip("verl 0.9.1 is not installed (requirements-verl*.txt)", allow_module_level=True)
 
@@ -64,7 +63,7 @@ def test_weight_export_equals_stock_provider(qwen2_checkpoint):
 
     stock = vt.build_stock_engine(qwen2_checkpoint)
     ours = vt.build_engine(PrefixSharedMegatronEngine, qwen2_checkpoint)
-    with vt.cuda_factories_on_cpu():
+    with vt.engine_call_on_cpu():
         exported_stock = {n: t.detach().clone() for n, t in stock.get_per_tensor_param()[0]}
         exported_ours = {n: t.detach().clone() for n, t in ours.get_per_tensor_param()[0]}
     checkpoint = load_file(os.path.join(qwen2_checkpoint, "model.safetensors"))
@@ -94,7 +93,7 @@ END_TO_END = textwrap.dedent(
         result["model"] = type(engine._unwrapped_model()).__name__
         result["provider"] = type(engine.provider).__name__
         td = vt.grpo_micro_batch(grpo_like_samples(256, num_prompts=2, n=4, shuffle=False), micro_batch_size=8)
-        with vt.cuda_factories_on_cpu(), engine.eval_mode():
+        with vt.engine_call_on_cpu(), engine.eval_mode():
             out = engine.infer_batch(td)["model_output"]
         result["rows"] = len(out["log_probs"].unbind())
     print("RESULT " + json.dumps(result))
@@ -108,7 +107,7 @@ def test_external_lib_switches_engine_and_model(qwen2_checkpoint, enabled):
     engine registry picks the engine, the engine builds its model through Megatron-Bridge."""
     inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env = dict(inherited, ENABLE_PREFIX_SHARING=enabled, PS_BRIDGE_PROVIDER="qwen2.5",
-               VERL_ENGINE_DEVICE="cuda", VERL_ENGINE_VENDOR="nvidia", TORCHDYNAMO_DISABLE="1")
+               VERL_ENGINE_DEVICE="cuda", VERL_ENGINE_VENDOR="nvidia")
     proc = subprocess.run([sys.executable, "-c", END_TO_END, qwen2_checkpoint], env=env,
                           capture_output=True, text=True, timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
