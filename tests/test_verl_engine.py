@@ -25,6 +25,7 @@ import ps_bridge.verl_testing as vt  # noqa: E402
 
 vt.prepare_plugin_test_process()
 
+from ps_bridge.config import PrefixSharingConfig  # noqa: E402
 from ps_bridge.layout import Sample  # noqa: E402
 from ps_bridge.providers.registry import provider_names  # noqa: E402
 from ps_bridge.testing import TINY_BUILDERS, grpo_like_samples  # noqa: E402
@@ -44,6 +45,9 @@ def _family_param(name):
 
 
 FAMILIES = [_family_param("qwen2.5"), _family_param("qwen3.5")]
+# families whose stock Megatron-Bridge model runs on a CPU in verl's formats (with the reference core
+# attention); Qwen3.5's stock hybrid spec needs Transformer Engine and fla's GPU kernels
+STOCK_ENGINE_ON_CPU = {"qwen2.5"}
 FORMATS = ["thd", "bshd"]
 
 
@@ -69,8 +73,14 @@ def engines(checkpoints):
         if key not in built:
             path, _ = checkpoints(family)
             rmpad = fmt == "thd"
-            if kind == "stock":
+            if kind == "stock" and family in STOCK_ENGINE_ON_CPU:
                 built[key] = vt.build_stock_engine(path, use_remove_padding=rmpad, forward_only=forward_only)
+            elif kind == "stock":
+                # verl's stock engine needs the family's stock (TE / GPU-kernel) model: compare with our
+                # engine packing one sequence per sample instead, the unshared computation
+                built[key] = vt.build_engine(PrefixSharedMegatronEngine, path, use_remove_padding=rmpad,
+                                             forward_only=forward_only)
+                built[key].prefix_sharing_config = PrefixSharingConfig(enabled=False)
             else:
                 built[key] = vt.build_engine(PrefixSharedMegatronEngine, path, use_remove_padding=rmpad,
                                              forward_only=forward_only)
@@ -114,6 +124,7 @@ def test_infer_batch_matches_stock_engine(engines, checkpoints, family, fmt, bat
     _, hf = checkpoints(family)
     samples = grouped_samples(hf.config.vocab_size, num_prompts=4, n=4)
     stock = infer(engines(family, fmt, "stock"), vt.grpo_micro_batch(samples, **BATCHINGS[batching]))
+    caplog.clear()  # only our engine's lines below
     with caplog.at_level(logging.INFO, logger="ps_bridge"):
         ours = infer(engines(family, fmt, "ours"), vt.grpo_micro_batch(samples, **BATCHINGS[batching]))
     # static micro-batches are the same for both engines: rows must agree everywhere; dynamic ones
@@ -135,6 +146,7 @@ def test_split_group_is_still_exact(engines, checkpoints, caplog):
     samples = grouped_samples(hf.config.vocab_size, num_prompts=3, n=4, seed=1)
     td_args = dict(micro_batch_size=6)
     stock = infer(engines("qwen2.5", "thd", "stock"), vt.grpo_micro_batch(samples, **td_args))
+    caplog.clear()  # only our engine's lines below
     with caplog.at_level(logging.INFO, logger="ps_bridge"):
         ours = infer(engines("qwen2.5", "thd", "ours"), vt.grpo_micro_batch(samples, **td_args))
     assert "groups=2, samples=6" in caplog.text  # [4 of p0, 2 of p1] then [2 of p1, 4 of p2]
@@ -148,6 +160,7 @@ def test_no_sharing_falls_back_to_unshared_packing(engines, checkpoints, caplog)
     samples = [Sample(s.prompt, s.response, uid=f"u{i}") for i, s in
                enumerate(grouped_samples(hf.config.vocab_size, num_prompts=5, n=1, seed=2))]
     stock = infer(engines("qwen2.5", "thd", "stock"), vt.grpo_micro_batch(samples, micro_batch_size=5))
+    caplog.clear()  # only our engine's lines below
     with caplog.at_level(logging.INFO, logger="ps_bridge"):
         ours = infer(engines("qwen2.5", "thd", "ours"), vt.grpo_micro_batch(samples, micro_batch_size=5))
     assert "PATH 5: no sharing detected" in caplog.text and "PATH 6" not in caplog.text
@@ -155,14 +168,15 @@ def test_no_sharing_falls_back_to_unshared_packing(engines, checkpoints, caplog)
     assert diff < TOL
 
 
-def test_response_logprobs_match_hugging_face(engines, checkpoints):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_response_logprobs_match_hugging_face(engines, checkpoints, family):
     """Independent of verl's stock engine: the response slice verl's loss uses equals HF's."""
     from ps_bridge.testing import hf_sample_logprobs
 
-    _, hf = checkpoints("qwen2.5")
+    _, hf = checkpoints(family)
     samples = grouped_samples(hf.config.vocab_size, num_prompts=2, n=3, seed=3)
     td = vt.grpo_micro_batch(samples, micro_batch_size=6)
-    ours = infer(engines("qwen2.5", "thd", "ours"), td)
+    ours = infer(engines(family, "thd", "ours"), td)
     padded = no_padding_2_padding(ours["log_probs"], td)
     with torch.no_grad():
         ref = hf_sample_logprobs(hf, samples)
