@@ -287,18 +287,21 @@ STOCK_TEST_OVERRIDES = dict(
 
 def build_engine(engine_cls, ckpt: str, *, use_remove_padding: bool = True, forward_only: bool = True,
                  overrides: Optional[dict] = None, use_fused_kernels: bool = False,
-                 external_lib: Optional[str] = None, vanilla_mbridge: bool = False):
-    """verl's own constructor and `initialize()` for `engine_cls`, fp32, one CPU process."""
+                 external_lib: Optional[str] = None, vanilla_mbridge: bool = False, tp: int = 1,
+                 sequence_parallel: bool = False):
+    """verl's own constructor and `initialize()` for `engine_cls`, fp32, on the CPU (one process per
+    tensor-parallel rank under torchrun, gloo)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
 
     from ps_bridge.runtime import init_parallel
 
-    init_parallel()
+    init_parallel(tp=tp)
     model_config = HFModelConfig(path=ckpt, use_remove_padding=use_remove_padding, external_lib=external_lib)
     engine_config = McoreEngineConfig(
         forward_only=forward_only,
-        sequence_parallel=False,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=sequence_parallel,
         use_distributed_optimizer=False,
         vanilla_mbridge=vanilla_mbridge,
         override_transformer_config=dict(STOCK_TEST_OVERRIDES, **(overrides or {})),
@@ -417,3 +420,58 @@ def build_stock_engine(ckpt: str, **kwargs):
     overrides = dict(kwargs.pop("overrides", None) or {}, transformer_layer_spec=reference_gpt_layer_spec)
     with stock_bridges():
         return build_engine(MegatronEngineWithLMHead, ckpt, overrides=overrides, **kwargs)
+
+
+# ---- tensor parallelism: one process per rank ---------------------------------------------------
+
+
+def tensor_parallel_comparison(ckpt: str, tp: int = 2) -> dict:
+    """On this TP rank (under torch.distributed.run, gloo): our engine vs the stock engine, THD and
+    BSHD, for `infer_batch` rows and the local shards of the policy-loss gradients (`grad_loss`)."""
+    import torch.distributed as dist
+
+    prepare_plugin_test_process()
+    from ps_bridge.testing import grpo_like_samples
+    from ps_bridge.verl.engine import PrefixSharedMegatronEngine
+
+    samples = grpo_like_samples(256, num_prompts=3, n=4, seed=7, shuffle=False)
+    result = {}
+    for fmt in ("thd", "bshd"):
+        kw = dict(use_remove_padding=fmt == "thd", forward_only=False, tp=tp)
+        engines = {"stock": build_stock_engine(ckpt, **kw), "ours": build_engine(PrefixSharedMegatronEngine, ckpt, **kw)}
+        rows, grads = {}, {}
+        for name, engine in engines.items():
+            with engine_call_on_cpu(), engine.eval_mode():
+                rows[name] = engine.infer_batch(grpo_micro_batch(samples, micro_batch_size=4))["model_output"]
+            with engine_call_on_cpu(), engine.train_mode():
+                engine.optimizer_zero_grad()
+                engine.forward_backward_batch(grpo_micro_batch(samples, micro_batch_size=4), grad_loss, forward_only=False)
+                grads[name] = {n: p.main_grad.detach().clone() for n, p in engine.module[0].named_parameters()}
+        for key in ("log_probs", "entropy"):
+            result[f"{fmt}_{key}"] = max((a - b).abs().max().item()
+                                         for a, b in zip(rows["ours"][key].unbind(), rows["stock"][key].unbind()))
+        result[f"{fmt}_grad_rel"] = max(((grads["ours"][n] - g).abs().max() / g.abs().max().clamp(min=1e-12)).item()
+                                        for n, g in grads["stock"].items())
+    from megatron.core import parallel_state
+
+    result["rank"] = dist.get_rank()
+    result["tp_size"] = parallel_state.get_tensor_model_parallel_world_size()
+    return result
+
+
+def grad_loss(model_output, data, dp_group=None):
+    """Response log-probs weighted by the advantages plus entropy, token mean over the mini-batch."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    log_prob = no_padding_2_padding(model_output["log_probs"], data)
+    entropy = no_padding_2_padding(model_output["entropy"], data)
+    padded = data.select("response_mask", "advantages").to_padded_tensor()
+    mask = padded["response_mask"].bool()
+    loss = (-(log_prob * padded["advantages"]) - 0.01 * entropy)[mask].sum() / data["batch_num_tokens"]
+    return loss, {}
+
+
+if __name__ == "__main__":
+    import json
+
+    print("RESULT " + json.dumps(tensor_parallel_comparison(sys.argv[1])), flush=True)

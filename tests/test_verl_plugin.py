@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -123,3 +124,21 @@ def test_external_lib_switches_engine_and_model(qwen2_checkpoint, enabled):
     else:
         assert result == {"engine": "MegatronEngineWithLMHead"}
         assert "config.enable_prefix_sharing=False" in log
+
+
+def test_tensor_parallel_two_ranks_match_stock_engine(qwen2_checkpoint):
+    """TP=2 on two CPU processes (gloo): vocab-parallel log-probs / entropy on the packed logits,
+    segments padded to the TP size, and the gradient shards, against the stock engine at TP=2."""
+    inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "ps_bridge.verl_testing", qwen2_checkpoint],
+        env=inherited, capture_output=True, text=True, timeout=300,
+    )
+    # the two ranks share stdout, so their lines can interleave: pick the JSON objects out
+    results = [json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", proc.stdout)]
+    assert proc.returncode == 0 and len(results) == 2, proc.stderr[-3000:]
+    assert sorted(r["rank"] for r in results) == [0, 1] and all(r["tp_size"] == 2 for r in results)
+    for r in results:
+        print(r)
+        assert all(v < 1e-5 for k, v in r.items() if k not in ("rank", "tp_size")), r

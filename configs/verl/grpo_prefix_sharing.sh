@@ -17,6 +17,10 @@ VAL_FILES=${VAL_FILES:-$HOME/data/gsm8k/test.parquet}
 NNODES=${NNODES:-1}
 NGPUS_PER_NODE=${NGPUS_PER_NODE:-8}
 TP=${TP:-1}
+# With TP > 1 sequence parallelism must be off on this branch: the prefix-aware layer spec uses
+# megatron's local norms, which refuse sequence_parallel without Apex ("sequence parallel not
+# supported by torch LayerNorm"). verl turns it on by default; TP=1 switches it off by itself.
+SEQUENCE_PARALLEL=${SEQUENCE_PARALLEL:-False}
 PP=${PP:-1}
 N_RESPONSES=${N_RESPONSES:-8}
 TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-128}      # prompts per step
@@ -54,6 +58,8 @@ python3 -m verl.trainer.main_ppo --config-path=config --config-name=ppo_megatron
     actor_rollout_ref.actor.megatron.tensor_model_parallel_size="$TP" \
     actor_rollout_ref.actor.megatron.pipeline_model_parallel_size="$PP" \
     actor_rollout_ref.actor.megatron.context_parallel_size=1 \
+    actor_rollout_ref.actor.megatron.sequence_parallel="$SEQUENCE_PARALLEL" \
+    actor_rollout_ref.ref.megatron.sequence_parallel="$SEQUENCE_PARALLEL" \
     actor_rollout_ref.ref.megatron.tensor_model_parallel_size="$TP" \
     actor_rollout_ref.ref.megatron.pipeline_model_parallel_size="$PP" \
     actor_rollout_ref.ref.megatron.context_parallel_size=1 \
