@@ -425,8 +425,8 @@ def build_stock_engine(ckpt: str, **kwargs):
 # ---- tensor parallelism: one process per rank ---------------------------------------------------
 
 
-def tensor_parallel_comparison(ckpt: str, tp: int = 2) -> dict:
-    """On this TP rank (under torch.distributed.run, gloo): our engine vs the stock engine, THD and
+def engine_comparison(ckpt: str, tp: int = 2) -> dict:
+    """On this TP rank (under torch.distributed.run; gloo on a CPU): our engine vs the stock engine, THD and
     BSHD, for `infer_batch` rows and the local shards of the policy-loss gradients (`grad_loss`)."""
     import torch.distributed as dist
 
@@ -474,4 +474,4 @@ def grad_loss(model_output, data, dp_group=None):
 if __name__ == "__main__":
     import json
 
-    print("RESULT " + json.dumps(tensor_parallel_comparison(sys.argv[1])), flush=True)
+    print("RESULT " + json.dumps(engine_comparison(sys.argv[1])), flush=True)

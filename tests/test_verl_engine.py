@@ -141,10 +141,11 @@ def test_infer_batch_matches_stock_engine(engines, checkpoints, family, fmt, bat
 
 
 def test_split_group_is_still_exact(engines, checkpoints, caplog):
-    """Static micro-batches of 6 over groups of 4: groups 1 and 2 are cut in two."""
+    """Static micro-batches of 6 over groups of 4: groups 1 and 2 are cut in two (and a sampling
+    temperature other than 1, which both engines divide the logits by)."""
     _, hf = checkpoints("qwen2.5")
     samples = grouped_samples(hf.config.vocab_size, num_prompts=3, n=4, seed=1)
-    td_args = dict(micro_batch_size=6)
+    td_args = dict(micro_batch_size=6, temperature=0.7)
     stock = infer(engines("qwen2.5", "thd", "stock"), vt.grpo_micro_batch(samples, **td_args))
     caplog.clear()  # only our engine's lines below
     with caplog.at_level(logging.INFO, logger="ps_bridge"):
@@ -166,6 +167,20 @@ def test_no_sharing_falls_back_to_unshared_packing(engines, checkpoints, caplog)
     assert "PATH 5: no sharing detected" in caplog.text and "PATH 6" not in caplog.text
     diff = max(max_row_diff(ours[k], stock[k]) for k in ("log_probs", "entropy"))
     assert diff < TOL
+
+
+def test_different_temperatures_in_a_group_are_not_shared(engines, checkpoints, caplog):
+    _, hf = checkpoints("qwen2.5")
+    samples = grouped_samples(hf.config.vocab_size, num_prompts=2, n=4, seed=6)
+    tds = [vt.grpo_micro_batch(samples, micro_batch_size=8) for _ in range(2)]
+    for td in tds:
+        td["temperature"] = torch.linspace(0.5, 1.5, len(samples))
+    stock = infer(engines("qwen2.5", "thd", "stock"), tds[0])
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ps_bridge"):
+        ours = infer(engines("qwen2.5", "thd", "ours"), tds[1])
+    assert "carry different temperatures: not shared" in caplog.text and "PATH 5" in caplog.text
+    assert max(max_row_diff(ours[k], stock[k]) for k in ("log_probs", "entropy")) < TOL
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -69,20 +69,27 @@ def samples_from_micro_batch(batch) -> List[Sample]:
     return samples
 
 
-def stock_row_labels(engine, batch, data_format: str, pre_process: bool = True) -> torch.Tensor:
+def stock_row_labels(engine, model, batch, data_format: str) -> torch.Tensor:
     """The label of every row position, flattened in sample order, exactly as the stock engine
-    forms it: `input_ids` rolled by one with verl's own preprocess function for `data_format`."""
+    forms it: `input_ids` rolled by one with verl's own preprocess function for `data_format`, with
+    the same padding options (they decide what the unlabelled last position of a row reads)."""
     from verl.models.mcore.util import preprocess_bshd_engine, preprocess_thd_engine
     from verl.utils import tensordict_utils as tu
+    from verl.utils.megatron_utils import unwrap_model
 
     labels = batch["input_ids"]
     lengths = labels.offsets().diff().tolist()
+    use_fp8_padding = unwrap_model(model).config.fp8 in ["e4m3", "hybrid"]
     if data_format == "thd":
-        rolled, params, _ = preprocess_thd_engine(labels, pre_process=True, need_roll=True)
+        cfg = engine.engine_config
+        bucket = cfg.pad_to_length_bucket if cfg.pad_to_length else None
+        rolled, params, _ = preprocess_thd_engine(labels, pre_process=True, need_roll=True,
+                                                  use_fp8_padding=use_fp8_padding, pad_to_length_bucket=bucket)
         starts = params.cu_seqlens_q_padded.tolist()
         return torch.cat([rolled[0, s : s + n] for s, n in zip(starts, lengths)])
     forced = tu.get_non_tensor_data(data=batch, key="forced_max_seqlen", default=None)
-    rolled, _, _ = preprocess_bshd_engine(labels, pre_process=True, need_roll=True, forced_max_seqlen=forced)
+    rolled, _, _ = preprocess_bshd_engine(labels, pre_process=True, need_roll=True,
+                                          use_fp8_padding=use_fp8_padding, forced_max_seqlen=forced)
     return torch.cat([rolled[i, :n] for i, n in enumerate(lengths)])
 
 
@@ -229,9 +236,13 @@ class PrefixSharingEngineMixin:
         temperature = per_sample_temperature(batch, len(samples), device)
         pad = cfg.pad_multiple or mpu.get_tensor_model_parallel_world_size()
         layout = build_layout(samples, share=cfg.enabled, pad_multiple=pad)
-        if layout.shared and (not layout.has_sharing or not temperatures_agree_within_groups(layout, temperature)):
-            # nothing to share (or samples of one prompt sampled at different temperatures):
-            # one THD sequence per sample, the stock engine's computation
+        if layout.shared and layout.has_sharing and not temperatures_agree_within_groups(layout, temperature):
+            # a shared prompt position is scaled by one temperature; samples of one prompt with
+            # different temperatures cannot share it
+            logger.info("[PS][prepare] samples of one prompt carry different temperatures: not shared")
+            layout = build_layout(samples, share=False, pad_multiple=pad)
+        elif layout.shared and not layout.has_sharing:
+            # nothing to share: one THD sequence per sample, the stock engine's computation
             layout = build_layout(samples, share=False, pad_multiple=pad)
         log_layout(layout, f"[{rank_tag()}]")
         layout = layout.to(device)
@@ -245,7 +256,7 @@ class PrefixSharingEngineMixin:
         )
         if unwrapped.post_process:
             data_format = "thd" if self.engine_config.use_remove_padding else "bshd"
-            row_labels = stock_row_labels(self, batch, data_format).to(device)
+            row_labels = stock_row_labels(self, model, batch, data_format).to(device)
             row_temperature = temperature.repeat_interleave(layout.row_offsets.diff().to(device))
             rows = PackedRowMap(layout, row_labels, row_temperature)
             output = self._packed_outputs(output, rows, calculate_entropy, calculate_sum_pi_squared)
