@@ -156,6 +156,21 @@ def test_split_group_is_still_exact(engines, checkpoints, caplog):
     assert diff < TOL
 
 
+def test_dynamic_budget_smaller_than_a_group_still_exact(engines, checkpoints, caplog):
+    """Groups of 4 longer than the token budget cannot be forced whole (verl would refuse): they are
+    split by verl's balancing and the results stay exact."""
+    _, hf = checkpoints("qwen2.5")
+    samples = grouped_samples(hf.config.vocab_size, num_prompts=4, n=4, seed=8)
+    budget = max(len(s.prompt) + len(s.response) for s in samples) + 8
+    stock = infer(engines("qwen2.5", "thd", "stock"), vt.grpo_micro_batch(samples, max_token_len=budget))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ps_bridge"):
+        ours = infer(engines("qwen2.5", "thd", "ours"), vt.grpo_micro_batch(samples, max_token_len=budget))
+    assert "more than the micro-batch budget" in caplog.text
+    assert max_row_diff(ours["log_probs"], stock["log_probs"], labelled_only=True) < TOL
+    assert max_row_diff(ours["entropy"], stock["entropy"]) < TOL
+
+
 def test_no_sharing_falls_back_to_unshared_packing(engines, checkpoints, caplog):
     _, hf = checkpoints("qwen2.5")
     samples = [Sample(s.prompt, s.response, uid=f"u{i}") for i, s in

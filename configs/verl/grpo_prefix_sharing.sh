@@ -27,7 +27,9 @@ TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-128}      # prompts per step
 PPO_MINI_BATCH_SIZE=${PPO_MINI_BATCH_SIZE:-32} # prompts per mini-batch
 MAX_PROMPT_LEN=${MAX_PROMPT_LEN:-1024}
 MAX_RESPONSE_LEN=${MAX_RESPONSE_LEN:-2048}
-MAX_TOKENS_PER_GPU=${MAX_TOKENS_PER_GPU:-24576}
+# verl counts a group's tokens unshared; to keep groups of n whole the budget must hold
+# n * (prompt + response) tokens (the packed micro-batch itself is smaller by the sharing factor)
+MAX_TOKENS_PER_GPU=${MAX_TOKENS_PER_GPU:-$(( N_RESPONSES * (MAX_PROMPT_LEN + MAX_RESPONSE_LEN) ))}
 ROLLOUT_NAME=${ROLLOUT_NAME:-vllm}
 PROJECT=${PROJECT:-ps_bridge_grpo}
 EXPERIMENT=${EXPERIMENT:-$(basename "$MODEL_PATH")-${DEVICE}-prefix-sharing}

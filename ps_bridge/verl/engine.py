@@ -311,29 +311,50 @@ def group_run_length(uids) -> int:
     return 1
 
 
-_warned_split = False
+_warned: set = set()
+
+
+def _warn_once(key: str, message: str, *args) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message, *args)
 
 
 def keep_groups_whole(data) -> None:
     """Keep the n responses of a prompt in one micro-batch: verl's `force_group_size` for dynamic
-    batch sizes; for static ones a micro-batch size that is a multiple of n already does it."""
-    global _warned_split
+    batch sizes; for static ones a micro-batch size that is a multiple of n already does it.
+
+    verl refuses a forced group longer than the micro-batch token budget, and counts a group's
+    tokens unshared, so groups that do not fit are left to be split (exact, shares less)."""
     from verl.utils import tensordict_utils as tu
 
     n = group_run_length(uid_list(data))
     if n == 1:
         return
     if tu.get_non_tensor_data(data, key="use_dynamic_bsz", default=True):
-        if tu.get_non_tensor_data(data, key="force_group_size", default=1) == 1:
+        if tu.get_non_tensor_data(data, key="force_group_size", default=1) != 1:
+            return
+        lengths = data["input_ids"].offsets().diff()
+        longest_group = int(lengths.view(-1, n).sum(dim=1).max())
+        budget = int(data["max_token_len_per_gpu"]) * int(tu.get_non_tensor_data(data, key="sp_size", default=1))
+        if longest_group <= budget:
             tu.assign_non_tensor(data, force_group_size=n)
+        else:
+            _warn_once(
+                "budget",
+                "[PS][prepare] a group of %d responses has %d tokens (counted unshared), more than the micro-batch "
+                "budget max_token_len_per_gpu=%d: groups may be split across micro-batches (results stay exact, "
+                "less is shared); raise the *_max_token_len_per_gpu settings to keep them whole",
+                n, longest_group, budget,
+            )
     else:
         mbs = tu.get_non_tensor_data(data, key="micro_batch_size_per_gpu", default=None)
-        if mbs is not None and mbs % n and not _warned_split:
-            logger.warning(
+        if mbs is not None and mbs % n:
+            _warn_once(
+                "static",
                 "[PS][prepare] micro_batch_size_per_gpu=%s is not a multiple of the group size %d: groups are "
                 "split across micro-batches (results stay exact, less is shared)", mbs, n,
             )
-            _warned_split = True
 
 
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead  # noqa: E402
