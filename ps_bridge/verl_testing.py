@@ -240,12 +240,20 @@ def _reference_core_attention_class():
     return ReferenceCoreAttention
 
 
-def reference_gpt_layer_spec(config):
-    """Our layer spec with the reference core attention: the stock engine's stock-format model."""
+def reference_gpt_layer_spec(config, vp_stage=None):
+    """Our layer spec with the reference core attention: the stock engine's stock-format model.
+    Takes the spec as a single layer `ModuleSpec` or as a block (`layer_specs`), whichever the
+    prefix-aware spec builder returns."""
+    import inspect
+
     from ps_bridge.models.specs import prefix_shared_gpt_layer_spec
 
-    spec = prefix_shared_gpt_layer_spec(config)
-    spec.submodules.self_attention.submodules.core_attention = _reference_core_attention_class()
+    if "vp_stage" in inspect.signature(prefix_shared_gpt_layer_spec).parameters:
+        spec = prefix_shared_gpt_layer_spec(config, vp_stage=vp_stage)
+    else:
+        spec = prefix_shared_gpt_layer_spec(config)
+    for layer in getattr(spec, "layer_specs", None) or [spec]:
+        layer.submodules.self_attention.submodules.core_attention = _reference_core_attention_class()
     return spec
 
 
@@ -425,7 +433,7 @@ def build_stock_engine(ckpt: str, **kwargs):
 # ---- tensor parallelism: one process per rank ---------------------------------------------------
 
 
-def engine_comparison(ckpt: str, tp: int = 2) -> dict:
+def engine_comparison(ckpt: str, tp: int = 2, sequence_parallel: bool = False) -> dict:
     """On this TP rank (under torch.distributed.run; gloo on a CPU): our engine vs the stock engine, THD and
     BSHD, for `infer_batch` rows and the local shards of the policy-loss gradients (`grad_loss`)."""
     import torch.distributed as dist
@@ -437,7 +445,7 @@ def engine_comparison(ckpt: str, tp: int = 2) -> dict:
     samples = grpo_like_samples(256, num_prompts=3, n=4, seed=7, shuffle=False)
     result = {}
     for fmt in ("thd", "bshd"):
-        kw = dict(use_remove_padding=fmt == "thd", forward_only=False, tp=tp)
+        kw = dict(use_remove_padding=fmt == "thd", forward_only=False, tp=tp, sequence_parallel=sequence_parallel)
         engines = {"stock": build_stock_engine(ckpt, **kw), "ours": build_engine(PrefixSharedMegatronEngine, ckpt, **kw)}
         rows, grads = {}, {}
         for name, engine in engines.items():
@@ -474,4 +482,5 @@ def grad_loss(model_output, data, dp_group=None):
 if __name__ == "__main__":
     import json
 
-    print("RESULT " + json.dumps(engine_comparison(sys.argv[1])), flush=True)
+    sp = len(sys.argv) > 2 and sys.argv[2] == "sequence_parallel"
+    print("RESULT " + json.dumps(engine_comparison(sys.argv[1], sequence_parallel=sp)), flush=True)

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -27,7 +28,7 @@ from ps_bridge.verl.engine import PrefixSharedMegatronEngine, npu_engine_class  
 
 
 @pytest.fixture(scope="module")
-def qwen2_checkpoint(tmp_path_factory):
+def qwen2_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("qwen2"))
     vt.tiny_checkpoint(path, "qwen2.5")
     return path
@@ -47,32 +48,38 @@ def test_engine_registered_under_vendor_keys(monkeypatch):
     assert EngineRegistry.get_engine_cls("value_model", "megatron").__name__ == "MegatronEngineWithValueHead"
 
 
-def test_fused_kernels_refused(qwen2_checkpoint):
+def test_fused_kernels_refused(qwen2_dir):
     with pytest.raises(NotImplementedError, match="use_fused_kernels=False"):
-        vt.build_engine(PrefixSharedMegatronEngine, qwen2_checkpoint, use_fused_kernels=True)
+        vt.build_engine(PrefixSharedMegatronEngine, qwen2_dir, use_fused_kernels=True)
 
 
-def test_vanilla_mbridge_refused(qwen2_checkpoint):
+def test_vanilla_mbridge_refused(qwen2_dir):
     with pytest.raises(ValueError, match="vanilla_mbridge=False"):
-        vt.build_engine(PrefixSharedMegatronEngine, qwen2_checkpoint, vanilla_mbridge=True)
+        vt.build_engine(PrefixSharedMegatronEngine, qwen2_dir, vanilla_mbridge=True)
 
 
-def test_weight_export_equals_stock_provider(qwen2_checkpoint):
+def test_weight_export_equals_stock_provider(qwen2_dir):
     """What verl streams to the rollout engine: same HF names, shapes and values as the stock
     provider's export (and as the checkpoint)."""
     from safetensors.torch import load_file
 
-    stock = vt.build_stock_engine(qwen2_checkpoint)
-    ours = vt.build_engine(PrefixSharedMegatronEngine, qwen2_checkpoint)
+    stock = vt.build_stock_engine(qwen2_dir)
+    ours = vt.build_engine(PrefixSharedMegatronEngine, qwen2_dir)
     with vt.engine_call_on_cpu():
         exported_stock = {n: t.detach().clone() for n, t in stock.get_per_tensor_param()[0]}
         exported_ours = {n: t.detach().clone() for n, t in ours.get_per_tensor_param()[0]}
-    checkpoint = load_file(os.path.join(qwen2_checkpoint, "model.safetensors"))
+    checkpoint = load_file(os.path.join(qwen2_dir, "model.safetensors"))
     assert sorted(exported_ours) == sorted(exported_stock) == sorted(checkpoint)
     for name, tensor in exported_ours.items():
         assert tensor.shape == exported_stock[name].shape
         assert torch.equal(tensor, exported_stock[name]), name
         assert torch.equal(tensor, checkpoint[name]), name
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 END_TO_END = textwrap.dedent(
@@ -103,13 +110,13 @@ END_TO_END = textwrap.dedent(
 
 
 @pytest.mark.parametrize("enabled", ["1", "0"])
-def test_external_lib_switches_engine_and_model(qwen2_checkpoint, enabled):
+def test_external_lib_switches_engine_and_model(qwen2_dir, enabled):
     """A fresh process does what a verl worker does: HFModelConfig imports external_lib, the
     engine registry picks the engine, the engine builds its model through Megatron-Bridge."""
     inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env = dict(inherited, ENABLE_PREFIX_SHARING=enabled, PS_BRIDGE_PROVIDER="qwen2.5",
+    env = dict(inherited, MASTER_PORT=str(free_port()), ENABLE_PREFIX_SHARING=enabled, PS_BRIDGE_PROVIDER="qwen2.5",
                VERL_ENGINE_DEVICE="cuda", VERL_ENGINE_VENDOR="nvidia")
-    proc = subprocess.run([sys.executable, "-c", END_TO_END, qwen2_checkpoint], env=env,
+    proc = subprocess.run([sys.executable, "-c", END_TO_END, qwen2_dir], env=env,
                           capture_output=True, text=True, timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
@@ -126,13 +133,26 @@ def test_external_lib_switches_engine_and_model(qwen2_checkpoint, enabled):
         assert "config.enable_prefix_sharing=False" in log
 
 
-def test_tensor_parallel_two_ranks_match_stock_engine(qwen2_checkpoint):
+def _spine_has_sequence_parallel_norms() -> bool:
+    from ps_bridge.models import specs
+
+    return hasattr(specs, "with_sequence_parallel_norms")
+
+
+@pytest.mark.parametrize("sequence_parallel", [
+    False,
+    pytest.param(True, marks=pytest.mark.skipif(
+        not _spine_has_sequence_parallel_norms(),
+        reason="the prefix-aware layer spec on this branch has no sequence-parallel norms (main has them)")),
+])
+def test_tensor_parallel_two_ranks_match_stock_engine(qwen2_dir, sequence_parallel):
     """TP=2 on two CPU processes (gloo): vocab-parallel log-probs / entropy on the packed logits,
-    segments padded to the TP size, and the gradient shards, against the stock engine at TP=2."""
+    segments padded to the TP size, and the gradient shards, against the stock engine at TP=2
+    (with sequence parallelism: the same, for both engines)."""
     inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "ps_bridge.verl_testing", qwen2_checkpoint],
+         "-m", "ps_bridge.verl_testing", qwen2_dir] + (["sequence_parallel"] if sequence_parallel else []),
         env=inherited, capture_output=True, text=True, timeout=300,
     )
     # the two ranks share stdout, so their lines can interleave: pick the JSON objects out

@@ -17,10 +17,10 @@ VAL_FILES=${VAL_FILES:-$HOME/data/gsm8k/test.parquet}
 NNODES=${NNODES:-1}
 NGPUS_PER_NODE=${NGPUS_PER_NODE:-8}
 TP=${TP:-1}
-# With TP > 1 sequence parallelism must be off on this branch: the prefix-aware layer spec uses
-# megatron's local norms, which refuse sequence_parallel without Apex ("sequence parallel not
-# supported by torch LayerNorm"). verl turns it on by default; TP=1 switches it off by itself.
-SEQUENCE_PARALLEL=${SEQUENCE_PARALLEL:-False}
+# Sequence parallelism (verl's default; TP=1 switches it off by itself) needs the prefix-aware spec's
+# sequence-parallel norms (ps_bridge.models.specs.with_sequence_parallel_norms); without them set
+# SEQUENCE_PARALLEL=False for TP > 1 ("sequence parallel not supported by torch LayerNorm").
+SEQUENCE_PARALLEL=${SEQUENCE_PARALLEL:-True}
 PP=${PP:-1}
 N_RESPONSES=${N_RESPONSES:-8}
 TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-128}      # prompts per step
