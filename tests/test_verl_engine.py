@@ -29,6 +29,7 @@ from ps_bridge.config import PrefixSharingConfig  # noqa: E402
 from ps_bridge.layout import Sample  # noqa: E402
 from ps_bridge.providers.registry import provider_names  # noqa: E402
 from ps_bridge.testing import TINY_BUILDERS, grpo_like_samples  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
 
 from ps_bridge.verl.engine import PrefixSharedMegatronEngine, group_run_length  # noqa: E402
@@ -146,12 +147,15 @@ def test_split_group_is_still_exact(engines, checkpoints, caplog):
     _, hf = checkpoints("qwen2.5")
     samples = grouped_samples(hf.config.vocab_size, num_prompts=3, n=4, seed=1)
     td_args = dict(micro_batch_size=6, temperature=0.7)
-    stock = infer(engines("qwen2.5", "thd", "stock"), vt.grpo_micro_batch(samples, **td_args))
+    tds = [vt.grpo_micro_batch(samples, **td_args) for _ in range(2)]
+    for td in tds:  # verl's Σπ² output too (rollout-correction metrics)
+        tu.assign_non_tensor(td, calculate_sum_pi_squared=True)
+    stock = infer(engines("qwen2.5", "thd", "stock"), tds[0])
     caplog.clear()  # only our engine's lines below
     with caplog.at_level(logging.INFO, logger="ps_bridge"):
-        ours = infer(engines("qwen2.5", "thd", "ours"), vt.grpo_micro_batch(samples, **td_args))
+        ours = infer(engines("qwen2.5", "thd", "ours"), tds[1])
     assert "groups=2, samples=6" in caplog.text  # [4 of p0, 2 of p1] then [2 of p1, 4 of p2]
-    diff = max(max_row_diff(ours[k], stock[k]) for k in ("log_probs", "entropy"))
+    diff = max(max_row_diff(ours[k], stock[k]) for k in ("log_probs", "entropy", "sum_pi_squared"))
     print(f"split group: max diff {diff:.2e}")
     assert diff < TOL
 
