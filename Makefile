@@ -9,12 +9,14 @@ STAMP := $(VENV)/.ps-bridge-installed
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt requirements-nodeps.txt requirements-dev.txt pyproject.toml
+$(STAMP): requirements.txt requirements-nodeps.txt requirements-dev.txt requirements-verl.txt requirements-verl-nodeps.txt pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "Python 3.12 not found: install it or run 'make PYTHON312=/path/to/python3.12'"; exit 1; }
 	@test -x $(PY) || $(PYTHON312) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt
 	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
+	$(PY) -m pip install -q -r requirements-verl.txt
+	$(PY) -m pip install -q --no-deps -r requirements-verl-nodeps.txt
 	$(PY) -m pip install -q --no-deps -e .
 	@touch $(STAMP)
 

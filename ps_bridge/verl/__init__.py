@@ -1,0 +1,76 @@
+"""verl plugin: `actor_rollout_ref.model.external_lib=ps_bridge.verl` switches prefix sharing on.
+
+verl imports this module in every worker (when it builds `HFModelConfig`) before any engine exists.
+With `ENABLE_PREFIX_SHARING=1` the import
+- registers our Megatron-Bridge bridges, so `AutoBridge` builds the prefix-aware model for the actor
+  and the ref (verl's Megatron-Bridge path: `actor_rollout_ref.actor.megatron.vanilla_mbridge=False`);
+- registers `PrefixSharedMegatronEngine` in verl's `EngineRegistry` under ("cuda", "nvidia") and the
+  NPU engine under ("npu", "huawei"), the vendor keys verl looks up before its stock engines.
+With it unset or 0 the import registers nothing and verl runs unchanged.
+
+Backend and provider come from `PS_BRIDGE_BACKEND` and `PS_BRIDGE_PROVIDER`: verl 0.9.1's configs are
+structured dataclasses that reject unknown keys such as `actor.prefix_sharing_config.backend`, and the
+engine is not handed the actor config anyway (see docs/verl.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+from ps_bridge.config import PrefixSharingConfig
+
+logger = logging.getLogger("ps_bridge")
+
+ENGINE_KEYS = (("cuda", "nvidia"), ("npu", "huawei"))
+
+
+def _ensure_log_handler() -> None:
+    """verl configures the root logger at WARNING; the `[PS]` lines are INFO and must reach the log."""
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(os.environ.get("PS_BRIDGE_LOG_LEVEL", "INFO").upper())
+
+
+def register_engines(config: PrefixSharingConfig) -> None:
+    """Our engine under verl's vendor keys (idempotent); the engine reads `config`."""
+    from verl.workers.engine.base import EngineRegistry
+
+    from ps_bridge.verl.engine import PrefixSharedMegatronEngine, npu_engine_class
+
+    PrefixSharedMegatronEngine.prefix_sharing_config = config
+    npu = npu_engine_class()
+    if npu is not None:
+        npu.prefix_sharing_config = config
+    table = EngineRegistry._engines.setdefault("language_model", {}).setdefault("megatron", {})
+    for (device, vendor), cls in zip(ENGINE_KEYS, (PrefixSharedMegatronEngine, npu)):
+        if cls is None or table.get((device, vendor)) is cls:
+            continue
+        table.pop((device, vendor), None)
+        EngineRegistry.register(model_type="language_model", backend="megatron", device=device, vendor=vendor)(cls)
+
+
+def activate(config: Optional[PrefixSharingConfig] = None) -> PrefixSharingConfig:
+    """Register bridges and engines for `config` (default: from the environment)."""
+    from ps_bridge.compat.te_placeholder import import_megatron_bridge
+    from ps_bridge.providers.registry import register_all
+
+    config = config or PrefixSharingConfig.from_env()
+    _ensure_log_handler()
+    logger.info(
+        "[PS][prepare] config.enable_prefix_sharing=%s backend=%s provider=%s (ps_bridge.verl)",
+        config.enabled, config.backend, config.provider,
+    )
+    if not config.enabled:
+        return config
+    import_megatron_bridge()
+    register_all()
+    register_engines(config)
+    return config
+
+
+ACTIVE_CONFIG = activate()

@@ -1,0 +1,385 @@
+"""verl Megatron engine whose forward step packs each micro-batch prefix-shared.
+
+`PrefixSharingEngineMixin.forward_step` replaces `MegatronEngineWithLMHead.forward_step` only; model
+building (through Megatron-Bridge and our provider), optimizer, weight export, micro-batching and the
+loss all stay verl's. Per micro-batch it
+
+1. rebuilds every sample `prompt + response` from verl's nested `input_ids` and the prompt lengths,
+2. packs them with `build_layout` (one prompt per group, `pad_multiple` = TP size),
+3. runs the prefix-aware model on the packed THD sequence, whatever verl's data format
+   (`use_remove_padding` only changes how the *stock* engine pads; our model always takes the pack),
+4. computes log-probs / entropy with verl's own vocab-parallel functions on the packed logits, plus
+   one extra "fork" row per sample for `log p(r_i[0] | prompt)` at the shared last prompt position,
+5. hands back the nested per-sample rows of length `P_i + R_i` that the stock engine returns.
+
+Labels are taken from verl's own label roll for the stock data format, so even the unlabelled
+last position of every row holds what the stock engine puts there.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import List, Optional, Tuple
+
+import torch
+
+from ps_bridge.config import PrefixSharingConfig
+from ps_bridge.layout import PackedPrefixLayout, Sample, build_layout, log_layout
+from ps_bridge.parallel_info import rank_tag
+
+logger = logging.getLogger("ps_bridge")
+
+UNSUPPORTED_BATCH_KEYS = {
+    "distillation_use_topk": "top-k distillation",
+    "distillation_only": "distillation",
+}
+
+
+def _refuse(what: str) -> None:
+    raise NotImplementedError(
+        f"prefix sharing (ps_bridge.verl) does not support {what}; turn it off for this run "
+        "(ENABLE_PREFIX_SHARING=0) or disable that feature"
+    )
+
+
+def uid_list(batch) -> Optional[list]:
+    """verl's per-sample `uid` (a non-tensor column of the TensorDict), or None."""
+    if "uid" not in batch.keys():
+        return None
+    return [str(u) for u in batch["uid"]]
+
+
+def samples_from_micro_batch(batch) -> List[Sample]:
+    """Each sample's own tokens from verl's nested `input_ids` (the exact tokens the stock engine
+    feeds), cut at the prompt length given by the left-padded `prompts` block of `attention_mask`."""
+    input_ids = batch["input_ids"]
+    prompts = batch["prompts"]
+    if prompts.is_nested:
+        prompt_lengths = prompts.offsets().diff().tolist()
+    else:
+        prompt_lengths = batch["attention_mask"][:, : prompts.shape[1]].sum(dim=1).tolist()
+    uids = uid_list(batch)
+    offsets = input_ids.offsets().tolist()
+    flat = input_ids.values().tolist()
+    samples = []
+    for i, P in enumerate(prompt_lengths):
+        tokens = flat[offsets[i] : offsets[i + 1]]
+        samples.append(Sample(tokens[:P], tokens[P:], None if uids is None else uids[i]))
+    return samples
+
+
+def stock_row_labels(engine, model, batch, data_format: str) -> torch.Tensor:
+    """The label of every row position, flattened in sample order, exactly as the stock engine
+    forms it: `input_ids` rolled by one with verl's own preprocess function for `data_format`, with
+    the same padding options (they decide what the unlabelled last position of a row reads)."""
+    from verl.models.mcore.util import preprocess_bshd_engine, preprocess_thd_engine
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.megatron_utils import unwrap_model
+
+    labels = batch["input_ids"]
+    lengths = labels.offsets().diff().tolist()
+    use_fp8_padding = unwrap_model(model).config.fp8 in ["e4m3", "hybrid"]
+    if data_format == "thd":
+        cfg = engine.engine_config
+        bucket = cfg.pad_to_length_bucket if cfg.pad_to_length else None
+        rolled, params, _ = preprocess_thd_engine(labels, pre_process=True, need_roll=True,
+                                                  use_fp8_padding=use_fp8_padding, pad_to_length_bucket=bucket)
+        starts = params.cu_seqlens_q_padded.tolist()
+        return torch.cat([rolled[0, s : s + n] for s, n in zip(starts, lengths)])
+    forced = tu.get_non_tensor_data(data=batch, key="forced_max_seqlen", default=None)
+    rolled, _, _ = preprocess_bshd_engine(labels, pre_process=True, need_roll=True,
+                                          use_fp8_padding=use_fp8_padding, forced_max_seqlen=forced)
+    return torch.cat([rolled[i, :n] for i, n in enumerate(lengths)])
+
+
+def per_sample_temperature(batch, num_samples: int, device) -> torch.Tensor:
+    temperature = batch["temperature"]
+    if not isinstance(temperature, torch.Tensor):
+        temperature = torch.tensor([float(temperature)] * num_samples)
+    temperature = temperature.to(device=device, dtype=torch.float32).reshape(-1).clone()
+    if temperature.numel() == 1:
+        temperature = temperature.expand(num_samples).clone()
+    temperature[temperature <= 0] = 1e-8  # as the stock engine: padding may carry 0
+    return temperature
+
+
+class PackedRowMap:
+    """Where each row position of each sample reads its packed output.
+
+    Entropy (and Σπ²) of row position t is the packed value at `layout.row_source[t]`. Log-probs
+    also need the row's label; all rows reading a shared prompt position have the same label
+    except the fork rows (row position `P_i - 1`, label `r_i[0]`), which get their own gathered
+    logits row appended after the T packed rows.
+    """
+
+    def __init__(self, layout: PackedPrefixLayout, row_labels: torch.Tensor, row_temperature: torch.Tensor):
+        device = row_labels.device
+        source = layout.row_source.to(device)
+        starts = layout.row_offsets[:-1].to(device)
+        fork = torch.zeros(source.numel(), dtype=torch.bool, device=device)
+        if layout.shared:
+            fork[starts + layout.sample_prompt_length.to(device) - 1] = True
+        T = layout.num_tokens
+        self.source = source
+        self.fork_source = source[fork]
+        self.fork_labels = row_labels[fork]
+        self.packed_labels = torch.zeros(T, dtype=row_labels.dtype, device=device)
+        self.packed_labels[source[~fork]] = row_labels[~fork]
+        self.packed_temperature = torch.ones(T, dtype=torch.float32, device=device)
+        self.packed_temperature[source] = row_temperature
+        self.logprob_index = source.clone()
+        self.logprob_index[fork] = T + torch.arange(int(fork.sum()), device=device)
+        self.offsets = layout.row_offsets.tolist()
+
+    def nested(self, values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        rows = values.index_select(0, index)
+        pieces = [rows[a:b] for a, b in zip(self.offsets[:-1], self.offsets[1:])]
+        return torch.nested.as_nested_tensor(pieces, layout=torch.jagged)
+
+
+def temperatures_agree_within_groups(layout: PackedPrefixLayout, temperature: torch.Tensor) -> bool:
+    group = layout.sample_group.to(temperature.device)
+    first = torch.full((layout.num_groups,), float("nan"), device=temperature.device)
+    first.scatter_(0, group.flip(0), temperature.flip(0))  # any member's value per group
+    return bool((first[group] == temperature).all())
+
+
+class PrefixSharingEngineMixin:
+    """Mixed in before verl's `MegatronEngineWithLMHead` (or its NPU subclass)."""
+
+    prefix_sharing_config: Optional[PrefixSharingConfig] = None
+
+    # ---- configuration checks -----------------------------------------------------------------
+    def _prefix_sharing(self) -> PrefixSharingConfig:
+        if self.prefix_sharing_config is None:
+            self.prefix_sharing_config = PrefixSharingConfig.from_env(enabled=True)
+        return self.prefix_sharing_config
+
+    def _check_prefix_sharing_support(self) -> None:
+        cfg = self.engine_config
+        if cfg.use_fused_kernels:
+            raise NotImplementedError(
+                "prefix sharing (ps_bridge.verl) computes log-probs from the packed logits and does not "
+                "support verl's fused kernels: set actor_rollout_ref.model.use_fused_kernels=False"
+            )
+        if cfg.context_parallel_size > 1 or cfg.dynamic_context_parallel:
+            _refuse(f"context parallelism (context_parallel_size={cfg.context_parallel_size})")
+        if cfg.virtual_pipeline_model_parallel_size not in (None, 1):
+            _refuse("virtual pipeline stages")
+        if self.engine_config.router_replay.mode != "disabled":
+            _refuse("MoE router replay")
+        if self.model_config.mtp.enable:
+            _refuse("multi-token prediction")
+        if self.model_config.model_type != "language_model":
+            _refuse(f"model_type={self.model_config.model_type!r}")
+        if cfg.vanilla_mbridge:
+            raise ValueError(
+                "prefix sharing builds its model through Megatron-Bridge providers: set "
+                "actor_rollout_ref.actor.megatron.vanilla_mbridge=False (and for the ref model too)"
+            )
+        from ps_bridge.providers.registry import resolve_provider
+
+        archs = list(self.model_config.architectures or getattr(self.model_config.hf_config, "architectures", []) or [])
+        resolve_provider(self._prefix_sharing().provider, archs)  # unsupported architecture -> clear error
+
+    def initialize(self):
+        self._check_prefix_sharing_support()
+        super().initialize()
+        model = self._unwrapped_model()
+        if not any(type(m).__module__.startswith("ps_bridge.") for m in model.modules()):
+            raise RuntimeError(
+                f"the engine built a {type(model).__name__} without prefix-aware modules: Megatron-Bridge did "
+                "not dispatch to a ps-bridge provider (was ps_bridge.verl imported before the model was built?)"
+            )
+        cfg = self._prefix_sharing()
+        logger.info(
+            "[PS][prepare][%s] config.enable_prefix_sharing=%s backend=%s provider=%s engine=%s model=%s",
+            rank_tag(), cfg.enabled, cfg.backend, cfg.provider, type(self).__name__,
+            type(self._unwrapped_model()).__name__,
+        )
+
+    def _unwrapped_model(self):
+        from verl.utils.megatron_utils import unwrap_model
+
+        return unwrap_model(self.module[0])
+
+    # ---- keeping groups whole -----------------------------------------------------------------
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        keep_groups_whole(data)
+        return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+
+    # ---- the forward step -----------------------------------------------------------------------
+    def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
+        from megatron.core import parallel_state as mpu
+        from verl.utils import tensordict_utils as tu
+        from verl.utils.device import get_device_id
+        from verl.utils.megatron_utils import unwrap_model
+
+        from ps_bridge.models.packed_seq import PrefixSharedPackedSeqParams
+
+        batch = next(batch_iter)
+        batch = batch.to(get_device_id())
+        for key, what in UNSUPPORTED_BATCH_KEYS.items():
+            if tu.get_non_tensor_data(batch, key=key, default=False):
+                _refuse(what)
+        if tu.get_non_tensor_data(batch, key="use_fused_kernels", default=False):
+            _refuse("per-batch use_fused_kernels=True")
+        if batch.get("multi_modal_inputs", None) is not None:
+            _refuse("multi-modal inputs")
+        calculate_entropy = tu.get_non_tensor_data(batch, key="calculate_entropy", default=False)
+        calculate_sum_pi_squared = tu.get_non_tensor_data(batch, key="calculate_sum_pi_squared", default=False)
+
+        cfg = self._prefix_sharing()
+        samples = samples_from_micro_batch(batch)
+        device = batch["input_ids"].device
+        temperature = per_sample_temperature(batch, len(samples), device)
+        pad = cfg.pad_multiple or mpu.get_tensor_model_parallel_world_size()
+        layout = build_layout(samples, share=cfg.enabled, pad_multiple=pad)
+        if layout.shared and layout.has_sharing and not temperatures_agree_within_groups(layout, temperature):
+            # a shared prompt position is scaled by one temperature; samples of one prompt with
+            # different temperatures cannot share it
+            logger.info("[PS][prepare] samples of one prompt carry different temperatures: not shared")
+            layout = build_layout(samples, share=False, pad_multiple=pad)
+        elif layout.shared and not layout.has_sharing:
+            # nothing to share: one THD sequence per sample, the stock engine's computation
+            layout = build_layout(samples, share=False, pad_multiple=pad)
+        log_layout(layout, f"[{rank_tag()}]")
+        layout = layout.to(device)
+
+        unwrapped = unwrap_model(model)
+        output = model(
+            input_ids=layout.tokens.unsqueeze(0),
+            position_ids=layout.positions.unsqueeze(0),
+            attention_mask=None,
+            packed_seq_params=PrefixSharedPackedSeqParams.from_layout(layout, backend=cfg.backend),
+        )
+        if unwrapped.post_process:
+            data_format = "thd" if self.engine_config.use_remove_padding else "bshd"
+            row_labels = stock_row_labels(self, model, batch, data_format).to(device)
+            row_temperature = temperature.repeat_interleave(layout.row_offsets.diff().to(device))
+            rows = PackedRowMap(layout, row_labels, row_temperature)
+            output = self._packed_outputs(output, rows, calculate_entropy, calculate_sum_pi_squared)
+        return output, partial(postprocess_micro_batch_func, data=batch, local_cp_size=None)
+
+    def _packed_outputs(self, logits, rows: PackedRowMap, calculate_entropy: bool, calculate_sum_pi_squared: bool):
+        """verl's own vocab-parallel functions on the packed (TP-sharded) logits, back to rows."""
+        from verl.utils.megatron.tensor_parallel import (
+            vocab_parallel_entropy,
+            vocab_parallel_entropy_with_chunking,
+            vocab_parallel_log_probs_from_logits,
+            vocab_parallel_sum_pi_squared,
+        )
+
+        logits = logits.reshape(-1, logits.shape[-1])
+        logits = logits / rows.packed_temperature.unsqueeze(-1).to(logits.dtype)
+        out = {}
+        if calculate_sum_pi_squared:
+            out["sum_pi_squared"] = rows.nested(vocab_parallel_sum_pi_squared(logits), rows.source)
+        if calculate_entropy:
+            if self.engine_config.entropy_from_logits_with_chunking:
+                entropy = vocab_parallel_entropy_with_chunking(
+                    logits, chunk_size=self.engine_config.entropy_from_logits_chunk_size
+                )
+            else:
+                entropy = vocab_parallel_entropy(logits)
+            out["entropy"] = rows.nested(entropy, rows.source)
+        # the cross entropy works in place on its input: give it a fresh tensor (packed + fork rows)
+        ce_logits = torch.cat([logits, logits.index_select(0, rows.fork_source)])
+        ce_labels = torch.cat([rows.packed_labels, rows.fork_labels])
+        log_probs = vocab_parallel_log_probs_from_logits(ce_logits, ce_labels)
+        out["log_probs"] = rows.nested(log_probs, rows.logprob_index)
+        return out
+
+
+def group_run_length(uids) -> int:
+    """n when `uids` come in equal runs of n adjacent samples with n > 1 (verl's
+    `repeat(n, interleave=True)`), else 1."""
+    if uids is None or len(uids) == 0:
+        return 1
+    runs = []
+    count = 1
+    for a, b in zip(uids[:-1], uids[1:]):
+        if a == b:
+            count += 1
+        else:
+            runs.append(count)
+            count = 1
+    runs.append(count)
+    if len(set(runs)) == 1 and runs[0] > 1 and len(set(uids)) == len(runs):
+        return runs[0]
+    return 1
+
+
+_warned: set = set()
+
+
+def _warn_once(key: str, message: str, *args) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message, *args)
+
+
+def keep_groups_whole(data) -> None:
+    """Keep the n responses of a prompt in one micro-batch: verl's `force_group_size` for dynamic
+    batch sizes; for static ones a micro-batch size that is a multiple of n already does it.
+
+    verl refuses a forced group longer than the micro-batch token budget, and counts a group's
+    tokens unshared, so groups that do not fit are left to be split (exact, shares less)."""
+    from verl.utils import tensordict_utils as tu
+
+    n = group_run_length(uid_list(data))
+    if n == 1:
+        return
+    if tu.get_non_tensor_data(data, key="use_dynamic_bsz", default=True):
+        if tu.get_non_tensor_data(data, key="force_group_size", default=1) != 1:
+            return
+        lengths = data["input_ids"].offsets().diff()
+        longest_group = int(lengths.view(-1, n).sum(dim=1).max())
+        budget = int(data["max_token_len_per_gpu"]) * int(tu.get_non_tensor_data(data, key="sp_size", default=1))
+        if longest_group <= budget:
+            tu.assign_non_tensor(data, force_group_size=n)
+        else:
+            _warn_once(
+                "budget",
+                "[PS][prepare] a group of %d responses has %d tokens (counted unshared), more than the micro-batch "
+                "budget max_token_len_per_gpu=%d: groups may be split across micro-batches (results stay exact, "
+                "less is shared); raise the *_max_token_len_per_gpu settings to keep them whole",
+                n, longest_group, budget,
+            )
+    else:
+        mbs = tu.get_non_tensor_data(data, key="micro_batch_size_per_gpu", default=None)
+        if mbs is not None and mbs % n:
+            _warn_once(
+                "static",
+                "[PS][prepare] micro_batch_size_per_gpu=%s is not a multiple of the group size %d: groups are "
+                "split across micro-batches (results stay exact, less is shared)", mbs, n,
+            )
+
+
+from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead  # noqa: E402
+
+
+class PrefixSharedMegatronEngine(PrefixSharingEngineMixin, MegatronEngineWithLMHead):
+    """verl's Megatron LM-head engine (GPU) with the prefix-shared forward step."""
+
+
+def npu_engine_class() -> Optional[type]:
+    """verl's MindSpeed (NPU) engine with the prefix-shared forward step, or None where verl's
+    MindSpeed engine module cannot be imported. Unverified on an NPU."""
+    global _NPU_ENGINE
+    if _NPU_ENGINE is None:
+        try:
+            from verl.workers.engine.mindspeed.transformer_impl import MindspeedEngineWithLMHead
+        except ImportError as e:
+            logger.warning("[PS][prepare] verl's NPU (MindSpeed) engine is not importable (%s); NPU not registered", e)
+            return None
+
+        class PrefixSharedMindspeedEngine(PrefixSharingEngineMixin, MindspeedEngineWithLMHead):
+            """verl's MindSpeed (NPU) engine with the prefix-shared forward step."""
+
+        _NPU_ENGINE = PrefixSharedMindspeedEngine
+    return _NPU_ENGINE
+
+
+_NPU_ENGINE: Optional[type] = None

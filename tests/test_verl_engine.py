@@ -1,0 +1,294 @@
+"""verl 0.9.1's real Megatron engine vs our prefix-sharing engine, on the CPU, fp32.
+
+Same tiny checkpoint, same micro-batch built the way verl's trainer builds it (n responses per
+prompt, left-padded prompts, right-padded responses, uid). The stock engine runs verl's own
+forward path on a standard (unshared) model; ours packs every group once. Log-probs and entropy
+(`infer_batch`) and the gradients of a policy loss (`forward_backward_batch`, then one `train_batch`
+step) must agree to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+
+import pytest
+
+if importlib.util.find_spec("verl") is None:
+    pytest.skip("verl 0.9.1 is not installed (requirements-verl*.txt)", allow_module_level=True)
+
+import torch  # noqa: E402
+
+import ps_bridge.verl_testing as vt  # noqa: E402
+
+vt.prepare_plugin_test_process()
+
+from ps_bridge.config import PrefixSharingConfig  # noqa: E402
+from ps_bridge.layout import Sample  # noqa: E402
+from ps_bridge.providers.registry import provider_names  # noqa: E402
+from ps_bridge.testing import TINY_BUILDERS, grpo_like_samples  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
+
+from ps_bridge.verl.engine import PrefixSharedMegatronEngine, group_run_length  # noqa: E402
+
+TOL = 1e-5
+
+
+def _family_param(name):
+    available = name in provider_names() and name in TINY_BUILDERS
+    return pytest.param(
+        name,
+        marks=pytest.mark.skipif(not available, reason=f"the {name!r} provider or tiny builder is not registered on this branch"),
+    )
+
+
+FAMILIES = [_family_param("qwen2.5"), _family_param("qwen3.5")]
+# families whose stock Megatron-Bridge model runs on a CPU in verl's formats (with the reference core
+# attention); Qwen3.5's stock hybrid spec needs Transformer Engine and fla's GPU kernels
+STOCK_ENGINE_ON_CPU = {"qwen2.5"}
+FORMATS = ["thd", "bshd"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    made = {}
+
+    def get(family):
+        if family not in made:
+            path = str(tmp_path_factory.mktemp(family.replace(".", "_")))
+            made[family] = (path, vt.tiny_checkpoint(path, family))
+        return made[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoints):
+    built = {}
+
+    def get(family, fmt, kind, forward_only=True):
+        key = (family, fmt, kind, forward_only)
+        if key not in built:
+            path, _ = checkpoints(family)
+            rmpad = fmt == "thd"
+            if kind == "stock" and family in STOCK_ENGINE_ON_CPU:
+                built[key] = vt.build_stock_engine(path, use_remove_padding=rmpad, forward_only=forward_only)
+            elif kind == "stock":
+                # verl's stock engine needs the family's stock (TE / GPU-kernel) model: compare with our
+                # engine packing one sequence per sample instead, the unshared computation
+                built[key] = vt.build_engine(PrefixSharedMegatronEngine, path, use_remove_padding=rmpad,
+                                             forward_only=forward_only)
+                built[key].prefix_sharing_config = PrefixSharingConfig(enabled=False)
+            else:
+                built[key] = vt.build_engine(PrefixSharedMegatronEngine, path, use_remove_padding=rmpad,
+                                             forward_only=forward_only)
+        return built[key]
+
+    return get
+
+
+def grouped_samples(vocab, num_prompts=3, n=4, seed=0):
+    """n adjacent responses per prompt, as verl's `repeat(n, interleave=True)` leaves them."""
+    return grpo_like_samples(vocab, num_prompts=num_prompts, n=n, seed=seed, shuffle=False)
+
+
+def infer(engine, td):
+    with vt.engine_call_on_cpu(), engine.eval_mode():
+        return engine.infer_batch(td)["model_output"]
+
+
+def max_row_diff(a, b, labelled_only=False):
+    """Largest difference over all samples' rows (same nested shapes required). With
+    `labelled_only`, each row's last position is left out: it has no label, and the stock engine
+    fills it with the log-prob of whatever token follows in its own packing (the next sample of its
+    micro-batch), which verl slices away and which differs whenever micro-batches differ."""
+    assert a.is_nested and b.is_nested
+    ra, rb = a.unbind(), b.unbind()
+    assert [x.shape for x in ra] == [x.shape for x in rb]
+    cut = -1 if labelled_only else None
+    return max((x[:cut].float() - y[:cut].float()).abs().max().item() for x, y in zip(ra, rb))
+
+
+BATCHINGS = {
+    "static": dict(micro_batch_size=8),     # 2 groups of 4 per micro-batch
+    "dynamic": dict(max_token_len=160),     # verl's token-balanced micro-batches, groups kept whole
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("batching", sorted(BATCHINGS))
+def test_infer_batch_matches_stock_engine(engines, checkpoints, family, fmt, batching, caplog):
+    _, hf = checkpoints(family)
+    samples = grouped_samples(hf.config.vocab_size, num_prompts=4, n=4)
+    stock = infer(engines(family, fmt, "stock"), vt.grpo_micro_batch(samples, **BATCHINGS[batching]))
+    caplog.clear()  # only our engine's lines below
+    with caplog.at_level(logging.INFO, logger="ps_bridge"):
+        ours = infer(engines(family, fmt, "ours"), vt.grpo_micro_batch(samples, **BATCHINGS[batching]))
+    # static micro-batches are the same for both engines: rows must agree everywhere; dynamic ones
+    # differ (ours keeps groups whole), which only moves the stock engine's unlabelled last position
+    lp = max_row_diff(ours["log_probs"], stock["log_probs"], labelled_only=batching == "dynamic")
+    ent = max_row_diff(ours["entropy"], stock["entropy"])
+    print(f"{family} {fmt} {batching}: log_probs max diff {lp:.2e}, entropy max diff {ent:.2e}")
+    assert lp < TOL and ent < TOL
+    assert "PATH 5" not in caplog.text
+    packed = [(int(g), int(n)) for g, n in re.findall(r"PATH 6: sharing detected \(groups=(\d+), samples=(\d+)\)", caplog.text)]
+    assert len(packed) >= 2, "the batch should span several micro-batches"
+    assert sum(n for _, n in packed) == len(samples)
+    assert all(n == 4 * g for g, n in packed), f"a group of 4 was split across micro-batches: {packed}"
+
+
+def test_split_group_is_still_exact(engines, checkpoints, caplog):
+    """Static micro-batches of 6 over groups of 4: groups 1 and 2 are cut in two (and a sampling
+    temperature other than 1, which both engines divide the logits by)."""
+    _, hf = checkpoints("qwen2.5")
+    samples = grouped_samples(hf.config.vocab_size, num_prompts=3, n=4, seed=1)
+    td_args = dict(micro_batch_size=6, temperature=0.7)
+    tds = [vt.grpo_micro_batch(samples, **td_args) for _ in range(2)]
+    for td in tds:  # verl's Σπ² output too (rollout-correction metrics)
+        tu.assign_non_tensor(td, calculate_sum_pi_squared=True)
+    stock = infer(engines("qwen2.5", "thd", "stock"), tds[0])
+    caplog.clear()  # only our engine's lines below
+    with caplog.at_level(logging.INFO, logger="ps_bridge"):
+        ours = infer(engines("qwen2.5", "thd", "ours"), tds[1])
+    assert "groups=2, samples=6" in caplog.text  # [4 of p0, 2 of p1] then [2 of p1, 4 of p2]
+    diff = max(max_row_diff(ours[k], stock[k]) for k in ("log_probs", "entropy", "sum_pi_squared"))
+    print(f"split group: max diff {diff:.2e}")
+    assert diff < TOL
+
+
+def test_dynamic_budget_smaller_than_a_group_still_exact(engines, checkpoints, caplog):
+    """Groups of 4 longer than the token budget cannot be forced whole (verl would refuse): they are
+    split by verl's balancing and the results stay exact."""
+    _, hf = checkpoints("qwen2.5")
+    samples = grouped_samples(hf.config.vocab_size, num_prompts=4, n=4, seed=8)
+    budget = max(len(s.prompt) + len(s.response) for s in samples) + 8
+    stock = infer(engines("qwen2.5", "thd", "stock"), vt.grpo_micro_batch(samples, max_token_len=budget))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ps_bridge"):
+        ours = infer(engines("qwen2.5", "thd", "ours"), vt.grpo_micro_batch(samples, max_token_len=budget))
+    assert "more than the micro-batch budget" in caplog.text
+    assert max_row_diff(ours["log_probs"], stock["log_probs"], labelled_only=True) < TOL
+    assert max_row_diff(ours["entropy"], stock["entropy"]) < TOL
+
+
+def test_no_sharing_falls_back_to_unshared_packing(engines, checkpoints, caplog):
+    _, hf = checkpoints("qwen2.5")
+    samples = [Sample(s.prompt, s.response, uid=f"u{i}") for i, s in
+               enumerate(grouped_samples(hf.config.vocab_size, num_prompts=5, n=1, seed=2))]
+    stock = infer(engines("qwen2.5", "thd", "stock"), vt.grpo_micro_batch(samples, micro_batch_size=5))
+    caplog.clear()  # only our engine's lines below
+    with caplog.at_level(logging.INFO, logger="ps_bridge"):
+        ours = infer(engines("qwen2.5", "thd", "ours"), vt.grpo_micro_batch(samples, micro_batch_size=5))
+    assert "PATH 5: no sharing detected" in caplog.text and "PATH 6" not in caplog.text
+    diff = max(max_row_diff(ours[k], stock[k]) for k in ("log_probs", "entropy"))
+    assert diff < TOL
+
+
+def test_different_temperatures_in_a_group_are_not_shared(engines, checkpoints, caplog):
+    _, hf = checkpoints("qwen2.5")
+    samples = grouped_samples(hf.config.vocab_size, num_prompts=2, n=4, seed=6)
+    tds = [vt.grpo_micro_batch(samples, micro_batch_size=8) for _ in range(2)]
+    for td in tds:
+        td["temperature"] = torch.linspace(0.5, 1.5, len(samples))
+    stock = infer(engines("qwen2.5", "thd", "stock"), tds[0])
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ps_bridge"):
+        ours = infer(engines("qwen2.5", "thd", "ours"), tds[1])
+    assert "carry different temperatures: not shared" in caplog.text and "PATH 5" in caplog.text
+    assert max(max_row_diff(ours[k], stock[k]) for k in ("log_probs", "entropy")) < TOL
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_response_logprobs_match_hugging_face(engines, checkpoints, family):
+    """Independent of verl's stock engine: the response slice verl's loss uses equals HF's."""
+    from ps_bridge.testing import hf_sample_logprobs
+
+    _, hf = checkpoints(family)
+    samples = grouped_samples(hf.config.vocab_size, num_prompts=2, n=3, seed=3)
+    td = vt.grpo_micro_batch(samples, micro_batch_size=6)
+    ours = infer(engines(family, "thd", "ours"), td)
+    padded = no_padding_2_padding(ours["log_probs"], td)
+    with torch.no_grad():
+        ref = hf_sample_logprobs(hf, samples)
+    diff = max((padded[i, : len(r)] - r).abs().max().item() for i, r in enumerate(ref))
+    assert diff < TOL
+
+
+# ---- training ----------------------------------------------------------------------------------
+
+
+def policy_loss(model_output, data, dp_group=None):
+    """A PPO clipped surrogate plus an entropy bonus, on verl's padded response view, token-mean
+    over the whole mini-batch (`batch_num_tokens`, as verl's own losses normalise), so the total does
+    not depend on how samples are cut into micro-batches."""
+    batch_num_tokens = data["batch_num_tokens"]
+    log_prob = no_padding_2_padding(model_output["log_probs"], data)
+    entropy = no_padding_2_padding(model_output["entropy"], data)
+    padded = data.select("response_mask", "old_log_probs", "advantages").to_padded_tensor()
+    mask = padded["response_mask"].bool()
+    ratio = torch.exp(log_prob - padded["old_log_probs"])
+    adv = padded["advantages"]
+    surrogate = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    loss = ((surrogate - 0.01 * entropy) * mask).sum() / batch_num_tokens
+    return loss, {}
+
+
+def grads_after_backward(engine, td):
+    with vt.engine_call_on_cpu(), engine.train_mode():
+        engine.optimizer_zero_grad()
+        engine.forward_backward_batch(td, policy_loss, forward_only=False)
+        grads = {n: p.main_grad.detach().clone() for n, p in engine.module[0].named_parameters()}
+        engine.optimizer_zero_grad()
+    return grads
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("batching", sorted(BATCHINGS))
+def test_policy_loss_gradients_match_stock_engine(engines, checkpoints, family, fmt, batching):
+    _, hf = checkpoints(family)
+    samples = grouped_samples(hf.config.vocab_size, num_prompts=4, n=4, seed=4)
+    td_stock = vt.grpo_micro_batch(samples, **BATCHINGS[batching])
+    td_ours = vt.grpo_micro_batch(samples, **BATCHINGS[batching])
+    g_stock = grads_after_backward(engines(family, fmt, "stock", forward_only=False), td_stock)
+    g_ours = grads_after_backward(engines(family, fmt, "ours", forward_only=False), td_ours)
+    assert g_stock.keys() == g_ours.keys()
+    worst = max(((g_ours[n] - g_stock[n]).abs().max() / g_stock[n].abs().max().clamp(min=1e-12)).item() for n in g_stock)
+    nonzero = sum(int(g.abs().max() > 0) for g in g_stock.values())
+    print(f"{family} {fmt} {batching}: worst relative grad diff {worst:.2e} over {len(g_stock)} tensors")
+    assert nonzero == len(g_stock)
+    assert worst < TOL
+
+
+def test_group_run_length():
+    assert group_run_length(["a", "a", "b", "b"]) == 2
+    assert group_run_length(["a", "a", "b"]) == 1
+    assert group_run_length(["a", "b", "a", "b"]) == 1
+    assert group_run_length(["a", "b"]) == 1
+    assert group_run_length([]) == 1
+
+
+@pytest.mark.parametrize("fmt,batching", [("thd", "dynamic"), ("bshd", "static")])
+def test_train_batch_step_matches_stock_engine(checkpoints, fmt, batching):
+    """One full `train_batch` (zero grad, forward-backward, optimizer step) on fresh engines: the
+    updated weights agree."""
+    path, hf = checkpoints("qwen2.5")
+    samples = grouped_samples(hf.config.vocab_size, num_prompts=4, n=4, seed=5)
+    rmpad = fmt == "thd"
+    stock = vt.build_stock_engine(path, use_remove_padding=rmpad, forward_only=False)
+    ours = vt.build_engine(PrefixSharedMegatronEngine, path, use_remove_padding=rmpad, forward_only=False)
+    before = {n: p.detach().clone() for n, p in stock.module[0].named_parameters()}
+    for engine in (stock, ours):
+        with vt.engine_call_on_cpu(), engine.train_mode():
+            engine.train_batch(vt.grpo_micro_batch(samples, **BATCHINGS[batching]), policy_loss)
+    p_stock = dict(stock.module[0].named_parameters())
+    p_ours = dict(ours.module[0].named_parameters())
+    moved = min((p_stock[n] - before[n]).abs().max().item() for n in before)
+    diff = max((p_ours[n] - p_stock[n]).abs().max().item() for n in before)
+    print(f"train_batch {fmt} {batching}: smallest update {moved:.2e}, max weight diff {diff:.2e}")
+    assert moved > 1e-6  # every tensor was updated (lr 1e-3, Adam)
+    assert diff < TOL * 1e-1

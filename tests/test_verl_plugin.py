@@ -1,0 +1,164 @@
+"""The plugin as verl loads it (`external_lib=ps_bridge.verl`), its refusals, and weight export."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+if importlib.util.find_spec("verl") is None:
+    pytest.skip("verl 0.9.1 is not installed (requirements-verl*.txt)", allow_module_level=True)
+
+import torch  # noqa: E402
+
+import ps_bridge.verl_testing as vt  # noqa: E402
+
+vt.prepare_plugin_test_process()
+
+from verl.workers.engine.base import EngineRegistry  # noqa: E402
+
+from ps_bridge.verl.engine import PrefixSharedMegatronEngine, npu_engine_class  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("qwen2"))
+    vt.tiny_checkpoint(path, "qwen2.5")
+    return path
+
+
+def test_engine_registered_under_vendor_keys(monkeypatch):
+    monkeypatch.setenv("VERL_ENGINE_DEVICE", "cuda")
+    monkeypatch.setenv("VERL_ENGINE_VENDOR", "nvidia")
+    assert EngineRegistry.get_engine_cls("language_model", "megatron") is PrefixSharedMegatronEngine
+    npu = npu_engine_class()
+    assert npu is not None, "verl's MindSpeed engine module should import (MindSpeed itself is optional)"
+    monkeypatch.setenv("VERL_ENGINE_DEVICE", "npu")
+    monkeypatch.setenv("VERL_ENGINE_VENDOR", "huawei")
+    assert EngineRegistry.get_engine_cls("language_model", "megatron") is npu
+    # the value-model engine stays verl's
+    monkeypatch.setenv("VERL_ENGINE_DEVICE", "cuda")
+    assert EngineRegistry.get_engine_cls("value_model", "megatron").__name__ == "MegatronEngineWithValueHead"
+
+
+def test_fused_kernels_refused(qwen2_dir):
+    with pytest.raises(NotImplementedError, match="use_fused_kernels=False"):
+        vt.build_engine(PrefixSharedMegatronEngine, qwen2_dir, use_fused_kernels=True)
+
+
+def test_vanilla_mbridge_refused(qwen2_dir):
+    with pytest.raises(ValueError, match="vanilla_mbridge=False"):
+        vt.build_engine(PrefixSharedMegatronEngine, qwen2_dir, vanilla_mbridge=True)
+
+
+def test_weight_export_equals_stock_provider(qwen2_dir):
+    """What verl streams to the rollout engine: same HF names, shapes and values as the stock
+    provider's export (and as the checkpoint)."""
+    from safetensors.torch import load_file
+
+    stock = vt.build_stock_engine(qwen2_dir)
+    ours = vt.build_engine(PrefixSharedMegatronEngine, qwen2_dir)
+    with vt.engine_call_on_cpu():
+        exported_stock = {n: t.detach().clone() for n, t in stock.get_per_tensor_param()[0]}
+        exported_ours = {n: t.detach().clone() for n, t in ours.get_per_tensor_param()[0]}
+    checkpoint = load_file(os.path.join(qwen2_dir, "model.safetensors"))
+    assert sorted(exported_ours) == sorted(exported_stock) == sorted(checkpoint)
+    for name, tensor in exported_ours.items():
+        assert tensor.shape == exported_stock[name].shape
+        assert torch.equal(tensor, exported_stock[name]), name
+        assert torch.equal(tensor, checkpoint[name]), name
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+END_TO_END = textwrap.dedent(
+    """
+    import json, sys
+    import ps_bridge.verl_testing as vt
+    vt.prepare_cpu_process()
+    from ps_bridge.runtime import init_parallel
+    init_parallel()
+    from verl.workers.config import HFModelConfig
+    from verl.workers.engine.base import EngineRegistry
+    ckpt = sys.argv[1]
+    HFModelConfig(path=ckpt, external_lib="ps_bridge.verl")  # where verl imports external_lib
+    cls = EngineRegistry.get_engine_cls("language_model", "megatron")
+    result = {"engine": cls.__name__}
+    if cls.__name__ == "PrefixSharedMegatronEngine":
+        from ps_bridge.testing import grpo_like_samples
+        engine = vt.build_engine(cls, ckpt)
+        result["model"] = type(engine._unwrapped_model()).__name__
+        result["provider"] = type(engine.provider).__name__
+        td = vt.grpo_micro_batch(grpo_like_samples(256, num_prompts=2, n=4, shuffle=False), micro_batch_size=8)
+        with vt.engine_call_on_cpu(), engine.eval_mode():
+            out = engine.infer_batch(td)["model_output"]
+        result["rows"] = len(out["log_probs"].unbind())
+    print("RESULT " + json.dumps(result))
+    """
+)
+
+
+@pytest.mark.parametrize("enabled", ["1", "0"])
+def test_external_lib_switches_engine_and_model(qwen2_dir, enabled):
+    """A fresh process does what a verl worker does: HFModelConfig imports external_lib, the
+    engine registry picks the engine, the engine builds its model through Megatron-Bridge."""
+    inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = dict(inherited, MASTER_PORT=str(free_port()), ENABLE_PREFIX_SHARING=enabled, PS_BRIDGE_PROVIDER="qwen2.5",
+               VERL_ENGINE_DEVICE="cuda", VERL_ENGINE_VENDOR="nvidia")
+    proc = subprocess.run([sys.executable, "-c", END_TO_END, qwen2_dir], env=env,
+                          capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    log = proc.stdout + proc.stderr
+    if enabled == "1":
+        assert result == {"engine": "PrefixSharedMegatronEngine", "model": "PrefixSharedGPTModel",
+                          "provider": "PrefixSharedQwen2Provider", "rows": 8}
+        assert "[PS][prepare] config.enable_prefix_sharing=True" in log
+        assert "PATH 6: sharing detected" in log and "packed_batch_layout" in log
+        assert "[PS][attention]" in log and "enter prefix-sharing path" in log
+    else:
+        assert result == {"engine": "MegatronEngineWithLMHead"}
+        assert "config.enable_prefix_sharing=False" in log
+
+
+def _spine_has_sequence_parallel_norms() -> bool:
+    from ps_bridge.models import specs
+
+    return hasattr(specs, "with_sequence_parallel_norms")
+
+
+@pytest.mark.parametrize("sequence_parallel", [
+    False,
+    pytest.param(True, marks=pytest.mark.skipif(
+        not _spine_has_sequence_parallel_norms(),
+        reason="the prefix-aware layer spec on this branch has no sequence-parallel norms (main has them)")),
+])
+def test_tensor_parallel_two_ranks_match_stock_engine(qwen2_dir, sequence_parallel):
+    """TP=2 on two CPU processes (gloo): vocab-parallel log-probs / entropy on the packed logits,
+    segments padded to the TP size, and the gradient shards, against the stock engine at TP=2
+    (with sequence parallelism: the same, for both engines)."""
+    inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "ps_bridge.verl_testing", qwen2_dir] + (["sequence_parallel"] if sequence_parallel else []),
+        env=inherited, capture_output=True, text=True, timeout=300,
+    )
+    # the two ranks share stdout, so their lines can interleave: pick the JSON objects out
+    results = [json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", proc.stdout)]
+    assert proc.returncode == 0 and len(results) == 2, proc.stderr[-3000:]
+    assert sorted(r["rank"] for r in results) == [0, 1] and all(r["tp_size"] == 2 for r in results)
+    for r in results:
+        print(r)
+        assert all(v < 1e-5 for k, v in r.items() if k not in ("rank", "tp_size")), r
