@@ -498,7 +498,7 @@ def run_bench(args: argparse.Namespace) -> int:
         hf_config = FAMILIES[shape.family](shape.dims, layers)
         config = PrefixSharingConfig(enabled=True, backend=args.backends[0], pad_multiple=1)
         loaded = load_model_from_hf_config(hf_config, config, dtype=dtype)
-        head_dim = shape.dims["hidden_size"] // shape.dims["num_attention_heads"]
+        head_dim = int(loaded.provider.kv_channels)  # Qwen3.5 sets head_dim apart from hidden/heads
         info = (f"{name}: {layers} of {shape.full_layers} layers, hidden {shape.dims['hidden_size']}, "
                 f"heads {shape.dims['num_attention_heads']}/{shape.dims['num_key_value_heads']} kv, head dim "
                 f"{head_dim}, vocab {shape.dims['vocab_size']}, random weights")
