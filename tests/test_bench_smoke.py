@@ -32,10 +32,13 @@ def test_bench_smoke_runs_and_reports(tmp_path, capsys):
     assert bench.run_bench(parse(argv)) == 0
     text = capsys.readouterr().out
     assert "tiny-qwen2.5: 2 of 2 layers" in text
+    assert "tiny-qwen3.5: 4 of 4 layers" in text  # the Gated DeltaNet family runs too
     assert "ideal S" in text
     data = json.loads(out.read_text())
     rows = data["rows"]
-    assert len(rows) == 2 * len(bench.SMOKE_GRID)
+    # two smoke models x the smoke grid x two backends
+    assert len(rows) == 2 * 2 * len(bench.SMOKE_GRID)
+    assert {r["model"] for r in rows} == {"tiny-qwen2.5", "tiny-qwen3.5"}
     for r in rows:
         assert r["error"] is None
         P, R, n = r["P"], r["R"], r["n"]
