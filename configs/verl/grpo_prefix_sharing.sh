@@ -39,7 +39,9 @@ EXPERIMENT=${EXPERIMENT:-$(basename "$MODEL_PATH")-${DEVICE}-prefix-sharing}
 # +ray_kwargs.ray_init.runtime_env.env_vars.<NAME>=... as well (see docs/verl.md).
 export ENABLE_PREFIX_SHARING=${ENABLE_PREFIX_SHARING:-1}
 export PS_BRIDGE_PROVIDER=$PS_PROVIDER
-export PS_BRIDGE_BACKEND=${PS_BRIDGE_BACKEND:-torch_ref}
+# attention backend: the flash cascade on NVIDIA GPUs (auto), the expand design on Ascend (unverified)
+if [ "${DEVICE:-cuda}" = npu ]; then DEFAULT_BACKEND=flash_atten_npu; else DEFAULT_BACKEND=auto; fi
+export PS_BRIDGE_BACKEND=${PS_BRIDGE_BACKEND:-$DEFAULT_BACKEND}
 
 python3 -m verl.trainer.main_ppo --config-path=config --config-name=ppo_megatron_trainer.yaml \
     algorithm.adv_estimator=grpo \

@@ -10,6 +10,8 @@ queries produce finite values that nobody reads). Output `[T, Hq, D]`.
 - `flash_atten_gpu_expand`: one bottom-right causal flash call over gathered `[prompt; response]`
   keys/values, see flash.py;
 - `flex`: FlexAttention with a prefix-sharing block mask, see flex.py;
+- `flash_atten_npu`: the expand design on Ascend's `npu_fusion_attention` (UNVERIFIED: no NPU
+  here; tested only against a stand-in that follows the op's documented semantics), see npu.py;
 - `auto`: `flash_atten_gpu` on CUDA in fp16/bf16, `torch_ref` elsewhere (CPU, float32).
 """
 
@@ -19,6 +21,7 @@ from typing import Callable, Dict
 
 from ps_bridge.kernels.attention.flash import prefix_shared_attention_cascade, prefix_shared_attention_expand
 from ps_bridge.kernels.attention.flex import prefix_shared_attention_auto, prefix_shared_attention_flex
+from ps_bridge.kernels.attention.npu import prefix_shared_attention_npu
 from ps_bridge.kernels.attention.torch_ref import prefix_shared_attention_torch_ref
 
 BACKENDS: Dict[str, Callable] = {
@@ -26,6 +29,7 @@ BACKENDS: Dict[str, Callable] = {
     "flash_atten_gpu": prefix_shared_attention_cascade,
     "flash_atten_gpu_expand": prefix_shared_attention_expand,
     "flex": prefix_shared_attention_flex,
+    "flash_atten_npu": prefix_shared_attention_npu,
     "auto": prefix_shared_attention_auto,
 }
 
