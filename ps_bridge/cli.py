@@ -85,8 +85,11 @@ def cmd_logprobs(args) -> int:
         args.hf_path, config, dtype=DTYPES[args.dtype], tp=parallel.tp, pp=parallel.pp,
         sequence_parallel=parallel.sequence_parallel,
     )
-    with torch.no_grad():
-        [per_sample] = logprob_pass(loaded, [samples], share=config.enabled)
+    try:
+        with torch.no_grad():
+            [per_sample] = logprob_pass(loaded, [samples], share=config.enabled)
+    except ValueError as e:  # refusals that depend on the model, e.g. image tokens for a VLM
+        raise UsageError(str(e)) from None
     if not is_output_rank():
         return 0
     layout = build_layout(samples, share=config.enabled)  # token and group counts for the report

@@ -113,3 +113,32 @@ def test_demo_json_in_a_fresh_process():
     assert result["max_logprob_diff_shared_vs_hf"] <= 1e-5
     assert result["max_logprob_diff_shared_vs_unshared"] <= 1e-5
     assert result["max_rel_grad_diff_shared_vs_unshared"] <= 1e-5
+
+
+def test_qwen35_vl_checkpoint_through_the_cli(tmp_path, capsys):
+    """An official-style Qwen3.5 ConditionalGeneration checkpoint: text batches give HF's log-probs,
+    a batch with an image placeholder token is refused with a one-line error."""
+    from ps_bridge.testing import TINY_BUILDERS
+
+    ckpt = tmp_path / "q35vl"
+    hf_model = TINY_BUILDERS["qwen3.5-vl"](str(ckpt))
+    image_token = hf_model.config.image_token_id
+    text = [{"prompt": [1, 2, 3, 4], "response": [5, 6]}, {"prompt": [1, 2, 3, 4], "response": [7]}]
+    batch = tmp_path / "text.json"
+    batch.write_text(json.dumps({"samples": text}))
+    out = tmp_path / "out.json"
+    assert main(["logprobs", "--hf-path", str(ckpt), "--batch", str(batch), "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["groups"] == 1 and got["tokens_shared"] == 7
+    with torch.no_grad():
+        for s, row in zip(text, got["samples"]):
+            ids = torch.tensor([s["prompt"] + s["response"]])
+            lp = torch.log_softmax(hf_model(input_ids=ids).logits[0].float(), -1)
+            P = len(s["prompt"])
+            ref = lp[P - 1 : -1].gather(1, ids[0, P:, None]).squeeze(1)
+            assert max(abs(a - b) for a, b in zip(row["logprobs"], ref.tolist())) <= 1e-5
+    capsys.readouterr()
+    image = tmp_path / "image.json"
+    image.write_text(json.dumps({"samples": [{"prompt": [1, image_token, 3], "response": [5]}]}))
+    err = run_error(capsys, ["logprobs", "--hf-path", str(ckpt), "--batch", str(image), "--out", str(out)])
+    assert "text-only batches" in err
