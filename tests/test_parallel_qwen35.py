@@ -25,6 +25,8 @@ GDN_LAYERS = frozenset({1, 2, 4})  # ps_bridge.testing's tiny Qwen3.5: layer 3 i
 # name: (processes, worker flags, tp, pp)
 CONFIGS = {
     "tp2": (2, ["--tp", "2"], 2, 1),
+    "tp2_sp": (2, ["--tp", "2", "--sp"], 2, 1),
+    "pp2": (2, ["--pp", "2"], 1, 2),
 }
 
 
