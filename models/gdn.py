@@ -21,6 +21,7 @@ from typing import List
 import torch
 import torch.nn.functional as F
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
 from ps_bridge.kernels.gdn import plan_from_layout, plan_from_rows, prefix_shared_gated_delta_net, resolve_gdn_backend
 from ps_bridge.models.packed_seq import require_prefix_layout
@@ -47,6 +48,18 @@ class PrefixSharedGatedDeltaNet(GatedDeltaNet):
                 f"prefix sharing does not support context parallelism in Gated DeltaNet layers (cp={self.cp_size})"
             )
         self._announced = False
+        # The output norm is replicated across TP ranks but each rank normalises only its own value
+        # heads, so its weight gradient is a partial sum over heads. megatron's
+        # finalize_model_grads sums replicated gradients across TP only for `sequence_parallel`
+        # parameters (and q/k norms), i.e. not at all with SP off (stock megatron leaves this
+        # gradient partial then), and with SP on only because the flag happens to be set. We make
+        # the gradient complete in the backward pass itself (`forward`), which holds with and
+        # without SP and whoever finishes the gradients (our `finish_gradients` or megatron's DDP
+        # in verl), so the flag must be off or SP would add the TP ranks' sums a second time.
+        self._out_norm_tp_reduce = self.tp_size > 1
+        if self._out_norm_tp_reduce:
+            for param in self.out_norm.parameters():
+                param.sequence_parallel = False
 
     def forward(
         self,
@@ -109,6 +122,18 @@ class PrefixSharedGatedDeltaNet(GatedDeltaNet):
             activation=self.activation,
         )  # [B * S, HV_local, V]
         # gated output norm per value head: out_norm(o) * silu(z)
-        y = self.out_norm(core.reshape(-1, self.value_head_dim))
+        y = self._out_norm(core.reshape(-1, self.value_head_dim))
         y = (y * F.silu(z.reshape(-1, self.value_head_dim).float())).to(core.dtype)
         return self.out_proj(y.reshape(B, S, -1).transpose(0, 1).contiguous())
+
+    def _out_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """`out_norm(x)`; at TP > 1 with its parameters passed through megatron's copy-to-TP region
+        (identity forward, all-reduce over TP backward), so their gradients sum the heads of every
+        TP rank (see `__init__`)."""
+        if not self._out_norm_tp_reduce:
+            return self.out_norm(x)
+        params = {
+            name: copy_to_tensor_model_parallel_region(p, group=self.tp_group)
+            for name, p in self.out_norm.named_parameters()
+        }
+        return torch.func.functional_call(self.out_norm, params, (x,))

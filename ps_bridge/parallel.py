@@ -125,16 +125,26 @@ def hf_named_gradients(bridge, model: torch.nn.Module) -> Dict[str, torch.Tensor
     stages (fused QKV, gated MLP halves, GDN heads), so the gradients are exported as if they were
     the weights: swap each parameter's data for its gradient, export, swap back. Every rank must
     call this (the export gathers across TP and PP).
+
+    Some mappings are affine, not linear: Qwen3.5's GDN output norm is zero-centred in megatron and
+    a plain scale in HF, so its export adds 1. The gradient is therefore export(grad) - export(0),
+    both computed in float64 so that adding and removing the 1 loses nothing of a small gradient.
     """
     params = list(model.parameters())
     saved = [p.data for p in params]
-    try:
+
+    def export(fill) -> Dict[str, torch.Tensor]:
         for p in params:
-            p.data = p.grad.detach() if p.grad is not None else torch.zeros_like(p.data)
-        return {name: t.detach().float().cpu().clone() for name, t in bridge.export_hf_weights([model], cpu=True, show_progress=False)}
+            p.data = fill(p)
+        return {name: t.detach().double().cpu().clone() for name, t in bridge.export_hf_weights([model], cpu=True, show_progress=False)}
+
+    try:
+        grads = export(lambda p: p.grad.detach().double() if p.grad is not None else torch.zeros_like(p.data, dtype=torch.float64))
+        offsets = export(lambda p: torch.zeros_like(p.data, dtype=torch.float64))
     finally:
         for p, data in zip(params, saved):
             p.data = data
+    return {name: (g - offsets[name]).float() for name, g in grads.items()}
 
 
 # ---- command line --------------------------------------------------------------------------------

@@ -95,14 +95,16 @@ def relative_grad_diffs(got: dict, ref: dict) -> dict:
     return {name: float((got[name] - r).norm() / r.norm()) for name, r in ref.items()}
 
 
-def expected_layers(rank: int, tp: int, pp: int):
+def expected_layers(rank: int, tp: int, pp: int, num_layers: int = NUM_LAYERS):
     """Layers (1-based) held by `rank`: megatron orders ranks TP fastest, PP slowest."""
     stage = rank // tp
-    per_stage = NUM_LAYERS // pp
+    per_stage = num_layers // pp
     return set(range(stage * per_stage + 1, (stage + 1) * per_stage + 1))
 
 
-def check_rank_logs(stderr: str, tp: int, pp: int) -> None:
+def check_rank_logs(stderr: str, tp: int, pp: int, num_layers: int = NUM_LAYERS, gdn_layers=frozenset()) -> None:
+    """Every rank logs its six layouts and enters the prefix-sharing path in each of its layers:
+    `[PS][attention]` for attention layers, `[PS][gdn]` for Gated DeltaNet layers (1-based)."""
     for rank in range(tp * pp):
         tag = f"global_rank={rank} tp_rank={rank % tp}/tp_size={tp}"
         layout_lines = [l for l in stderr.splitlines() if f"[PS][prepare][{tag} cp_rank=0/cp_size=1] packed_batch_layout:" in l]
@@ -110,10 +112,32 @@ def check_rank_logs(stderr: str, tp: int, pp: int) -> None:
         assert len(layout_lines) == 6, f"rank {rank}: {len(layout_lines)} packed_batch_layout lines\n{stderr[-3000:]}"
         padded = "[6, 2]" if tp == 2 else "[5, 2]"
         assert any(f"valid_lengths=[5, 2], padded_lengths={padded}" in l for l in layout_lines), layout_lines
-        layers = {
-            int(m.group(1))
-            for m in re.finditer(rf"\[PS\]\[attention\]\[{re.escape(tag)} layer=(\d+)\] enter prefix-sharing path:", stderr)
-        }
-        assert layers == expected_layers(rank, tp, pp), f"rank {rank}: attention lines for layers {layers}"
+        held = expected_layers(rank, tp, pp, num_layers)
+        for kind, expected in (("attention", held - set(gdn_layers)), ("gdn", held & set(gdn_layers))):
+            layers = {
+                int(m.group(1))
+                for m in re.finditer(rf"\[PS\]\[{kind}\]\[{re.escape(tag)}(?: cp_rank=0/cp_size=1)? layer=(\d+)\] enter prefix-sharing path:", stderr)
+            }
+            assert layers == expected, f"rank {rank}: {kind} lines for layers {layers}, expected {expected}"
     assert "[PS][prepare] PATH 6: sharing detected" in stderr
     assert "[PS][prepare] PATH 5: no sharing detected" in stderr  # the padding example is alone
+
+
+def run_and_compare(name: str, nproc: int, flags, tp: int, pp: int, hf_path: str, ref: dict, tmp_path, **log_checks) -> None:
+    """Launch the worker under torchrun and require the single-rank unshared log-probs (with and
+    without backward) and HF-named gradients, and every rank's `[PS]` lines."""
+    out = tmp_path / "result.pt"
+    proc = torchrun(nproc, [WORKER, "--hf-path", hf_path, "--out", str(out), *flags])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = torch.load(out)
+
+    logprob_diff = max_logprob_diff(got["logprobs"], ref["logprobs"])
+    grad_diffs = relative_grad_diffs(got["grads"], ref["grads"])
+    print(f"{name}: max |logp| diff {logprob_diff:.2e}, max relative grad diff {max(grad_diffs.values()):.2e}")
+    assert logprob_diff <= 1e-5
+    assert max_logprob_diff(got["forward_only"], ref["logprobs"]) <= 1e-5
+    wrong = {hf_name: f"{rel:.2e}" for hf_name, rel in grad_diffs.items() if not rel <= 1e-5}
+    assert not wrong, f"{name}: gradients differ (relative): {wrong}"
+    check_rank_logs(proc.stderr, tp, pp, **log_checks)
+    for rank in range(nproc):
+        assert f"[parallel_worker] global_rank={rank} backend=gloo device=cpu" in proc.stderr

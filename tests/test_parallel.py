@@ -17,10 +17,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from parallel_cases import (  # noqa: E402
     PADDING_EXAMPLE,
     WORKER,
-    check_rank_logs,
     max_logprob_diff,
     parallel_micro_batches,
     relative_grad_diffs,
+    run_and_compare,
     tied_checkpoint,  # noqa: F401 (fixture)
     tied_unshared_reference,  # noqa: F401 (fixture)
     torchrun,
@@ -44,21 +44,7 @@ def test_parallel_run_equals_single_rank_unshared(name, tmp_path, request):
         assert "lm_head.weight" not in ref["grads"]
     else:
         hf_path, ref = request.getfixturevalue("qwen2_checkpoint")[0], request.getfixturevalue("unshared_reference")
-    out = tmp_path / "result.pt"
-    proc = torchrun(nproc, [WORKER, "--hf-path", hf_path, "--out", str(out), *flags])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = torch.load(out)
-
-    logprob_diff = max_logprob_diff(got["logprobs"], ref["logprobs"])
-    grad_diffs = relative_grad_diffs(got["grads"], ref["grads"])
-    print(f"{name}: max |logp| diff {logprob_diff:.2e}, max relative grad diff {max(grad_diffs.values()):.2e}")
-    assert logprob_diff <= 1e-5
-    assert max_logprob_diff(got["forward_only"], ref["logprobs"]) <= 1e-5
-    for hf_name, rel in grad_diffs.items():
-        assert rel <= 1e-5, f"{name}: gradient of {hf_name} differs by {rel:.2e} (relative)"
-    check_rank_logs(proc.stderr, tp, pp)
-    for rank in range(nproc):
-        assert f"[parallel_worker] global_rank={rank} backend=gloo device=cpu" in proc.stderr
+    run_and_compare(name, nproc, flags, tp, pp, hf_path, ref, tmp_path)
 
 
 def test_unfinished_sequence_parallel_gradients_are_detected(tmp_path, qwen2_checkpoint, unshared_reference):
