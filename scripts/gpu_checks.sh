@@ -5,6 +5,7 @@
 # unpacked cp312 wheels of megatron-core 0.19.2, megatron-bridge 0.6.2, fla-core 0.6.0, omegaconf,
 # antlr4, and tilelang 0.1.15 with apache-tvm-ffi, torch-c-dlpack-ext and z3-solver (fla's GDN
 # backward on Hopper with Triton < 3.7.1 needs tilelang). xz fits them in one call's 64 MiB.
+# Build it with scripts/build_gpu_site.sh.
 #
 # Usage (repository root): scripts/gpu_checks.sh [pytest selection...] [-- bench args...]
 # Results land in $OUT: versions.txt, gpu_tests.log, bench.json / bench.png / bench.log.
