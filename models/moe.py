@@ -27,18 +27,15 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 
 def moe_token_weights(layout, device) -> torch.Tensor:
-    """`[T]` float32: group size for prompt tokens, 1 for response tokens, 0 for padding (cached)."""
-    cache = layout.host.setdefault("moe_token_weights", {})
-    key = str(device)
-    if key not in cache:
-        host = layout.host
-        weights = torch.zeros(host["cu_seqlens_padded"][-1], dtype=torch.float32)
-        for s, (start, n) in enumerate(zip(host["cu_seqlens_padded"][:-1], host["valid_lengths"])):
-            # a prompt segment stands for the prompts of all samples of its group (1 when unshared)
-            w = host["group_size"][host["segment_group"][s]] if host["segment_is_prompt"][s] else 1
-            weights[start : start + n] = float(w)
-        cache[key] = weights.to(device)
-    return cache[key]
+    """`[T]` float32: group size for prompt tokens, 1 for response tokens, 0 for padding (cached).
+
+    A prompt segment stands for the prompts of all samples of its group (1 when unshared)."""
+
+    def build():
+        per_token = torch.where(layout.is_prompt, layout.group_size[layout.group_ids], 1)
+        return torch.where(layout.valid, per_token, 0).to(device=device, dtype=torch.float32)
+
+    return layout.derived(("moe_token_weights", str(device)), build)
 
 
 class PrefixSharedTopKRouter(TopKRouter):

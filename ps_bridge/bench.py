@@ -313,7 +313,7 @@ def run_mode(loaded, layout, backend: str, warmup: int, repeats: int, chunk: int
     zero_grad()
     return (
         ModeResult(
-            tokens=layout.tokens_shared if layout.shared else layout.tokens_unshared,
+            tokens=layout.tokens_shared,  # the packed token count (equals tokens_unshared when unshared)
             actor_ms=statistics.median(actor_ms),
             logprob_ms=statistics.median(logprob_ms),
             actor_peak_mib=actor_peak,

@@ -51,9 +51,8 @@ def read_batch(path: str):
     return samples
 
 
-def _hf_vocab_size(hf_path: str) -> int:
-    cfg = json.loads((Path(hf_path) / "config.json").read_text())
-    vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+def _hf_vocab_size(hf_config: dict, hf_path: str) -> int:
+    vocab = hf_config.get("vocab_size") or (hf_config.get("text_config") or {}).get("vocab_size")
     if vocab is None:
         raise UsageError(f"{hf_path}/config.json has no vocab_size")
     return int(vocab)
@@ -66,18 +65,19 @@ def cmd_logprobs(args) -> int:
     from ps_bridge.layout import build_layout
     from ps_bridge.parallel import is_output_rank, settings_from_args
     from ps_bridge.providers.registry import resolve_provider
-    from ps_bridge.runtime import DTYPES, load_model, read_hf_architectures
+    from ps_bridge.runtime import DTYPES, load_model, read_hf_config
     from ps_bridge.schedule import logprob_pass
 
     samples = read_batch(args.batch)
     try:
         parallel = settings_from_args(args)
         parallel.check()  # before any process group exists: every rank fails alike, nothing hangs
-        archs = read_hf_architectures(args.hf_path)
+        hf_config = read_hf_config(args.hf_path)
+        archs = list(hf_config.get("architectures") or [])
         config = PrefixSharingConfig(enabled=not args.no_prefix_sharing, backend=args.backend, provider=args.provider)
         resolve_provider(config.provider, archs)
         # validate ids before the (slow) conversion, so a bad batch fails at once
-        build_layout(samples, share=False, vocab_size=_hf_vocab_size(args.hf_path))
+        build_layout(samples, share=False, vocab_size=_hf_vocab_size(hf_config, args.hf_path))
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(str(e)) from None
 

@@ -28,13 +28,21 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from itertools import accumulate
+from typing import Callable, Hashable, Iterable, List, Optional, Sequence, TypeVar
 
 import torch
 
 logger = logging.getLogger("ps_bridge")
 
 PAD_SEGMENT = -1
+
+T = TypeVar("T")
+
+
+def cumulative_offsets(lengths: Iterable[int]) -> List[int]:
+    """`[0, l0, l0 + l1, ...]`: the cu_seqlens form of a list of lengths."""
+    return list(accumulate((int(n) for n in lengths), initial=0))
 
 
 @dataclass
@@ -54,7 +62,7 @@ class PackedPrefixLayout:
     Per segment (length S, prompt segments first, in group order, then response segments):
       segment_group, segment_is_prompt, valid_lengths, padded_lengths,
       cu_seqlens (cumulative valid lengths), cu_seqlens_padded (segment offsets in the pack).
-    Per group (length G): group_prompt_segment, group_prompt_length, group_size.
+    Per group (length G): group_size (group g's prompt is segment g).
     Per sample (length B, input order): sample_group, sample_segment (its response segment, or its
       whole segment when unshared), sample_prompt_length, sample_response_length.
     Inverse map (flattened rows, length sum(P_i + R_i)): row_offsets [B+1], row_source (packed
@@ -73,8 +81,6 @@ class PackedPrefixLayout:
     padded_lengths: torch.Tensor
     cu_seqlens: torch.Tensor
     cu_seqlens_padded: torch.Tensor
-    group_prompt_segment: torch.Tensor
-    group_prompt_length: torch.Tensor
     group_size: torch.Tensor
     sample_group: torch.Tensor
     sample_segment: torch.Tensor
@@ -121,6 +127,15 @@ class PackedPrefixLayout:
     @property
     def device(self) -> torch.device:
         return self.tokens.device
+
+    def derived(self, key: Hashable, build: Callable[[], T]) -> T:
+        """A value derived from this layout (a kernel plan, per-token weights), built on first use
+        and then shared by every layer of the forward and backward, and by `.to(device)` copies,
+        which share `host`. `key` names the value, including the device when it holds tensors."""
+        cache = self.host.setdefault("derived", {})
+        if key not in cache:
+            cache[key] = build()
+        return cache[key]
 
     def to(self, device) -> "PackedPrefixLayout":
         """Move the tensors to `device`; host copies stay on the CPU."""
@@ -243,12 +258,8 @@ def build_layout(
 
     valid_lengths = [len(t) for t in seg_tokens]
     padded_lengths = [_padded(n, pad_multiple) for n in valid_lengths]
-    offsets = [0]
-    for n in padded_lengths:
-        offsets.append(offsets[-1] + n)
-    cu_valid = [0]
-    for n in valid_lengths:
-        cu_valid.append(cu_valid[-1] + n)
+    offsets = cumulative_offsets(padded_lengths)
+    cu_valid = cumulative_offsets(valid_lengths)
 
     T = offsets[-1]
     tokens = torch.full((T,), pad_token_id, dtype=torch.long)
@@ -271,7 +282,6 @@ def build_layout(
         valid[a : a + n] = True
 
     # Inverse map: for each sample, the packed position of each of its P+R tokens.
-    row_offsets = [0]
     row_source: List[torch.Tensor] = []
     row_label: List[torch.Tensor] = []
     for i, s in enumerate(samples):
@@ -286,7 +296,7 @@ def build_layout(
         labels = torch.tensor(list(s.prompt[1:]) + list(s.response) + [-1], dtype=torch.long)
         row_source.append(src)
         row_label.append(labels)
-        row_offsets.append(row_offsets[-1] + P + R)
+    row_offsets = cumulative_offsets(len(s.prompt) + len(s.response) for s in samples)
 
     group_size = [len(m) for m in groups]
     tokens_unshared = sum(len(s.prompt) + len(s.response) for s in samples)
@@ -305,8 +315,6 @@ def build_layout(
         padded_lengths=torch.tensor(padded_lengths, dtype=torch.int32),
         cu_seqlens=torch.tensor(cu_valid, dtype=torch.int32),
         cu_seqlens_padded=torch.tensor(offsets, dtype=torch.int32),
-        group_prompt_segment=torch.arange(len(groups), dtype=torch.long),
-        group_prompt_length=torch.tensor(group_prompt_len, dtype=torch.long),
         group_size=torch.tensor(group_size, dtype=torch.long),
         sample_group=torch.tensor(sample_group, dtype=torch.long),
         sample_segment=torch.tensor(sample_segment, dtype=torch.long),

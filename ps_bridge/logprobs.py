@@ -75,12 +75,10 @@ def split_rows(rows: torch.Tensor, layout: PackedPrefixLayout) -> List[torch.Ten
 
 def response_logprobs(rows: torch.Tensor, layout: PackedPrefixLayout) -> List[torch.Tensor]:
     """`log p(response[j] | prompt + response[:j])` for each sample: row positions P-1 .. P+R-2."""
-    out = []
-    for i, row in enumerate(split_rows(rows, layout)):
-        P = int(layout.sample_prompt_length[i])
-        R = int(layout.sample_response_length[i])
-        out.append(row[P - 1 : P - 1 + R])
-    return out
+    # one host copy of the lengths, not two device reads per sample
+    prompt_lengths = layout.sample_prompt_length.tolist()
+    response_lengths = layout.sample_response_length.tolist()
+    return [row[P - 1 : P - 1 + R] for row, P, R in zip(split_rows(rows, layout), prompt_lengths, response_lengths)]
 
 
 class _ChunkedRowLogprobs(torch.autograd.Function):

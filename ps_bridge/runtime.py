@@ -63,6 +63,11 @@ def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234) -> No
 
 
 def read_hf_architectures(hf_path: str) -> List[str]:
+    return list(read_hf_config(hf_path).get("architectures") or [])
+
+
+def read_hf_config(hf_path: str) -> dict:
+    """The checkpoint's config.json, with errors that say what is wrong with the path."""
     cfg = Path(hf_path) / "config.json"
     if not Path(hf_path).is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {hf_path}")
@@ -72,7 +77,7 @@ def read_hf_architectures(hf_path: str) -> List[str]:
         data = json.loads(cfg.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{cfg} is not valid JSON: {e}") from None
-    return list(data.get("architectures") or [])
+    return data
 
 
 @dataclass

@@ -35,15 +35,6 @@ import torch
 from ps_bridge.kernels.attention.varlen import VarlenCall, VarlenKernel, kernel_for
 from ps_bridge.layout import PackedPrefixLayout
 
-_PLAN_KEY = "_flash_attention_plans"
-
-
-def _plans(layout: PackedPrefixLayout) -> dict:
-    # Plans are derived from host metadata only; they live in `layout.host` so that every layer of a
-    # forward (and `layout.to(device)` copies, which share that dict) builds them once.
-    return layout.host.setdefault(_PLAN_KEY, {})
-
-
 def _check_shapes(q, k, v, layout):
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
         raise ValueError(f"expected q [T, Hq, D], k/v [T, Hkv, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -70,9 +61,11 @@ class CascadePlan:
 
 
 def cascade_plan(layout: PackedPrefixLayout) -> CascadePlan:
-    plans = _plans(layout)
-    if "cascade" in plans:
-        return plans["cascade"]
+    # derived from host metadata only: built once per layout, for every layer
+    return layout.derived("flash_cascade_plan", lambda: _build_cascade_plan(layout))
+
+
+def _build_cascade_plan(layout: PackedPrefixLayout) -> CascadePlan:
     host = layout.host
     offsets = host["cu_seqlens_padded"]
     seg_group = host["segment_group"]
@@ -102,9 +95,7 @@ def cascade_plan(layout: PackedPrefixLayout) -> CascadePlan:
                 cu_q.append(q_end)
                 cu_k.append(offsets[p + 1])
         cross = VarlenCall(cu_q=cu_q, cu_k=cu_k, causal=False)
-    plan = CascadePlan(segments=segments, cross=cross, prompt_block_end=block_end)
-    plans["cascade"] = plan
-    return plan
+    return CascadePlan(segments=segments, cross=cross, prompt_block_end=block_end)
 
 
 def merge_partials(out_a, lse_a, out_b, lse_b):
@@ -192,9 +183,10 @@ class ExpandPlan:
 
 
 def expand_plan(layout: PackedPrefixLayout) -> ExpandPlan:
-    plans = _plans(layout)
-    if "expand" in plans:
-        return plans["expand"]
+    return layout.derived("flash_expand_plan", lambda: _build_expand_plan(layout))
+
+
+def _build_expand_plan(layout: PackedPrefixLayout) -> ExpandPlan:
     host = layout.host
     offsets = host["cu_seqlens_padded"]
     rows: List[int] = []
@@ -205,9 +197,7 @@ def expand_plan(layout: PackedPrefixLayout) -> ExpandPlan:
             rows.extend(range(offsets[p], offsets[p] + host["valid_lengths"][p]))
         rows.extend(range(offsets[s], offsets[s + 1]))
         cu_k.append(len(rows))
-    plan = ExpandPlan(call=VarlenCall(cu_q=list(offsets), cu_k=cu_k, causal=True), key_rows_host=rows)
-    plans["expand"] = plan
-    return plan
+    return ExpandPlan(call=VarlenCall(cu_q=list(offsets), cu_k=cu_k, causal=True), key_rows_host=rows)
 
 
 def prefix_shared_attention_expand(q, k, v, layout: PackedPrefixLayout, softmax_scale: float) -> torch.Tensor:

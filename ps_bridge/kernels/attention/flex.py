@@ -28,7 +28,6 @@ import torch
 
 from ps_bridge.layout import PackedPrefixLayout
 
-_PLAN_KEY = "_flex_attention_plans"
 MIN_BUCKET = 256
 
 
@@ -99,9 +98,10 @@ def _token_metadata(layout: PackedPrefixLayout, length: int, device):
 
 def flex_plan(layout: PackedPrefixLayout, device) -> FlexPlan:
     device = torch.device(device)
-    plans = layout.host.setdefault(_PLAN_KEY, {})
-    if device in plans:
-        return plans[device]
+    return layout.derived(("flex_plan", device), lambda: _build_flex_plan(layout, device))
+
+
+def _build_flex_plan(layout: PackedPrefixLayout, device: torch.device) -> FlexPlan:
     from torch.nn.attention.flex_attention import create_block_mask
 
     length = bucket_length(layout.num_tokens)
@@ -118,9 +118,7 @@ def flex_plan(layout: PackedPrefixLayout, device) -> FlexPlan:
         block_mask = create_block_mask(
             prefix_shared_mask, None, None, length, length, device=device, _compile=device.type == "cuda"
         )
-    plan = FlexPlan(length=length, block_mask=block_mask)
-    plans[device] = plan
-    return plan
+    return FlexPlan(length=length, block_mask=block_mask)
 
 
 def prefix_shared_attention_flex(q, k, v, layout: PackedPrefixLayout, softmax_scale: float) -> torch.Tensor:

@@ -20,6 +20,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from ps_bridge.layout import cumulative_offsets
+
 
 @dataclass
 class GDNPlan:
@@ -59,13 +61,6 @@ class GDNPlan:
         return self.num_prompt_tokens + self.cu_responses_host[-1]
 
 
-def _cumulative(lengths: Sequence[int]) -> List[int]:
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + int(n))
-    return out
-
-
 def build_plan(
     starts: Sequence[int],
     valid_lengths: Sequence[int],
@@ -90,14 +85,14 @@ def build_plan(
     order = prompts + responses
     pieces = [(int(starts[s]), int(valid_lengths[s])) for s in order]
     # contiguous and already in order: the compacted tokens are the input itself
-    identity = all(a == b for (a, _), b in zip(pieces, _cumulative(n for _, n in pieces))) and (
+    identity = all(a == b for (a, _), b in zip(pieces, cumulative_offsets(n for _, n in pieces))) and (
         sum(n for _, n in pieces) == num_input_tokens
     )
     gather_index = None
     if not identity:
         gather_index = torch.cat([torch.arange(a, a + n, dtype=torch.long) for a, n in pieces]).to(device)
-    cu_p = _cumulative(valid_lengths[s] for s in prompts)
-    cu_r = _cumulative(valid_lengths[s] for s in responses)
+    cu_p = cumulative_offsets(valid_lengths[s] for s in prompts)
+    cu_r = cumulative_offsets(valid_lengths[s] for s in responses)
     return GDNPlan(
         gather_index=gather_index,
         num_input_tokens=int(num_input_tokens),
@@ -112,16 +107,15 @@ def build_plan(
 
 
 def plan_from_layout(layout, device=None) -> GDNPlan:
-    """The plan of a packed prefix layout; cached per device in `layout.host` (every GDN layer of a
-    forward pass reuses it; the layout is immutable once built)."""
+    """The plan of a packed prefix layout, built once per device and reused by every GDN layer of
+    a forward pass (`layout.derived`)."""
     device = torch.device(device) if device is not None else layout.device
-    cache = layout.host.setdefault("gdn_plans", {})
-    key = str(device)
-    if key not in cache:
-        host = layout.host
-        n_prompt = layout.num_prompt_segments
-        seg_group = host["segment_group"]
-        cache[key] = build_plan(
+    host = layout.host
+    n_prompt = layout.num_prompt_segments
+    seg_group = host["segment_group"]
+    return layout.derived(
+        ("gdn_plan", str(device)),
+        lambda: build_plan(
             starts=host["cu_seqlens_padded"][:-1],
             valid_lengths=host["valid_lengths"],
             is_prompt=host["segment_is_prompt"],
@@ -129,8 +123,8 @@ def plan_from_layout(layout, device=None) -> GDNPlan:
             prompt_of=[seg_group[s] if s >= n_prompt else s for s in range(len(seg_group))],
             num_input_tokens=host["cu_seqlens_padded"][-1],
             device=device,
-        )
-    return cache[key]
+        ),
+    )
 
 
 def plan_from_rows(
