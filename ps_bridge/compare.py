@@ -98,3 +98,62 @@ def compare(loaded: LoadedModel, samples: List[Sample], hf_model: Optional[torch
         result["max_logprob_diff_shared_vs_hf"] = max_abs_diff(shared.logprobs, ref)
         result["max_logprob_diff_unshared_vs_hf"] = max_abs_diff(unshared.logprobs, ref)
     return result
+
+
+def hf_gradient_difference(loaded: LoadedModel, hf_model: torch.nn.Module, samples: List[Sample], seed: int = 0) -> dict:
+    """Prefix-shared gradients of the log-prob loss against Hugging Face's for the same loss, for
+    every HF parameter, matched by name through Megatron-Bridge's export (fused QKV, gated MLP,
+    GDN projections split back). Returns the relative difference (norm of the difference over the
+    norm of HF's gradient) per parameter HF gives a non-zero gradient, their maximum, and the max
+    absolute gradient among the rest (parameters the loss does not reach, e.g. a vision tower)."""
+    from ps_bridge.parallel import hf_named_gradients
+    from ps_bridge.testing import hf_sample_logprobs
+
+    shared = run_logprob_loss(loaded, samples, share=True, seed=seed)
+    for name, p in loaded.model.named_parameters():
+        grad = shared.grads.get(name)
+        p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype)
+    try:
+        ours = hf_named_gradients(loaded.bridge, loaded.model)
+    finally:
+        loaded.model.zero_grad(set_to_none=True)
+
+    hf_model.zero_grad(set_to_none=True)
+    hf_lps = hf_sample_logprobs(hf_model, samples)
+    sum((w * lp).sum() for w, lp in zip(loss_weights(samples, seed), hf_lps)).backward()
+    reference = {n: p.grad for n, p in hf_model.named_parameters()}
+    hf_model.zero_grad(set_to_none=True)
+
+    for name, ref in reference.items():
+        if name not in ours and name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            ours[name] = _fused_expert_gradient(ours, name, ref.shape[0])
+    missing = sorted(n for n, g in reference.items() if g is not None and n not in ours)
+    if missing:
+        raise ValueError(f"HF parameters with gradients but no exported counterpart: {missing}")
+    per_parameter: Dict[str, float] = {}
+    worst_unreached = 0.0
+    for name, ref in reference.items():
+        if name not in ours:
+            continue
+        if ref is None or ref.norm() == 0:
+            worst_unreached = max(worst_unreached, float(ours[name].abs().max()))
+            continue
+        per_parameter[name] = float((ours[name] - ref.float()).norm() / ref.float().norm())
+    return dict(
+        max_rel_grad_diff_vs_hf=max(per_parameter.values()),
+        per_parameter=per_parameter,
+        max_abs_grad_unreached=worst_unreached,
+        parameters_compared=len(per_parameter),
+    )
+
+
+def _fused_expert_gradient(per_expert: Dict[str, torch.Tensor], name: str, num_experts: int) -> torch.Tensor:
+    """transformers keeps MoE experts as fused `[E, ...]` parameters while Megatron-Bridge exports
+    them per expert (the checkpoint's names): stack the exported ones into the fused layout
+    (`gate_up_proj[e] = cat(gate_proj_e, up_proj_e)`, `down_proj[e] = down_proj_e`)."""
+    prefix = name.rsplit(".", 1)[0]
+    if name.endswith("gate_up_proj"):
+        parts = [torch.cat([per_expert[f"{prefix}.{e}.gate_proj.weight"], per_expert[f"{prefix}.{e}.up_proj.weight"]]) for e in range(num_experts)]
+    else:
+        parts = [per_expert[f"{prefix}.{e}.down_proj.weight"] for e in range(num_experts)]
+    return torch.stack(parts)

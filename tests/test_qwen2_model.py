@@ -68,6 +68,16 @@ def test_gradients_equal_hf_gradients(qwen2_checkpoint, qwen2_loaded):
     hf_model.zero_grad(set_to_none=True)
 
 
+def test_every_gradient_equals_hf(qwen2_checkpoint, qwen2_loaded):
+    """All parameters, matched by HF name through the bridge's export."""
+    from ps_bridge.compare import hf_gradient_difference
+
+    _, hf_model = qwen2_checkpoint
+    r = hf_gradient_difference(qwen2_loaded, hf_model, grpo_like_samples(256, num_prompts=2, n=3, seed=5))
+    assert r["parameters_compared"] == len(list(hf_model.parameters()))
+    assert r["max_rel_grad_diff_vs_hf"] <= 1e-5, r
+
+
 def test_wrong_response_positions_are_detected(qwen2_loaded, monkeypatch):
     """Negative control: if responses restarted RoPE at 0, shared would differ from unshared."""
     import ps_bridge.layout as layout_mod

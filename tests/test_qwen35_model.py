@@ -123,3 +123,37 @@ def test_conditional_generation_refuses_images(tiny):
         loaded.model(input_ids=text.tokens[None], position_ids=None, attention_mask=None,
                      packed_seq_params=PrefixSharedPackedSeqParams.from_layout(text),
                      pixel_values=torch.zeros(4, 8))
+
+
+# The GDN decay gate g = -exp(A_log) * softplus(a + dt_bias): megatron-core's GatedDeltaNet (whose
+# gate our module keeps) and transformers' Qwen3.5 differ in these three parameters' gradients by
+# 1e-5 to 4e-3 relative, also when both run in float64, while log-probs agree to 1e-6 and
+# shared == unshared holds exactly. A formula difference between the two implementations, not yet
+# found; it is unrelated to prefix sharing (the unshared Megatron run differs from HF the same way).
+DECAY_GATE = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.in_proj_a.weight")
+
+
+@pytest.fixture(scope="module")
+def hf_gradients(tiny):
+    from ps_bridge.compare import hf_gradient_difference
+
+    name, hf, loaded, _ = tiny
+    return name, hf_gradient_difference(loaded, hf, samples_for(loaded, num_prompts=2, n=3))
+
+
+def test_gradients_equal_hf_gradients(hf_gradients):
+    """Every HF parameter's gradient of the prefix-shared log-prob loss equals HF's own, except the
+    GDN decay gate (next test)."""
+    name, r = hf_gradients
+    others = {n: d for n, d in r["per_parameter"].items() if not n.endswith(DECAY_GATE)}
+    assert len(others) > 10, (name, r)
+    assert max(others.values()) <= 1e-5, (name, {n: d for n, d in others.items() if d > 1e-5})
+    assert r["max_abs_grad_unreached"] == 0.0, (name, r["max_abs_grad_unreached"])
+
+
+@pytest.mark.xfail(strict=True, reason="known: GDN decay-gate gradients differ from transformers' (see DECAY_GATE)")
+def test_decay_gate_gradients_equal_hf_gradients(hf_gradients):
+    name, r = hf_gradients
+    gate = {n: d for n, d in r["per_parameter"].items() if n.endswith(DECAY_GATE)}
+    assert gate, name
+    assert max(gate.values()) <= 1e-5, (name, gate)
