@@ -178,6 +178,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes and grid, few repeats; runs on a CPU (for CI)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--fp32-reference", action="store_true",
+                        help="also compare both bf16 runs with a float32 reference on the same weights (unshared "
+                             "packing, torch_ref kernels, TF32 off): relative error of the response log-probs")
 
 
 # ---- one grid row ------------------------------------------------------------------------------
@@ -213,6 +216,11 @@ class RowResult:
     shared_tokens_per_s: float
     max_logprob_diff: float
     error: Optional[str] = None
+    # with --fp32-reference: ||lp - lp_fp32|| / ||lp_fp32|| over response tokens, and the max |lp - lp_fp32|
+    shared_rel_err_fp32: Optional[float] = None
+    unshared_rel_err_fp32: Optional[float] = None
+    shared_max_err_fp32: Optional[float] = None
+    unshared_max_err_fp32: Optional[float] = None
 
 
 def make_samples(P: int, R: int, n: int, groups: int, vocab: int, seed: int):
@@ -323,7 +331,40 @@ def run_mode(loaded, layout, backend: str, warmup: int, repeats: int, chunk: int
     )
 
 
-def run_row(loaded, model_name, layers, backends, P, R, n, args, progress) -> List[RowResult]:
+class Fp32Reference:
+    """The bench model's own weights in a float32 twin (`runtime.float32_reference_model`: torch_ref
+    kernels), run with TF32 off on the *unshared* packing: the computation bf16 approximates, so a
+    shared and an unshared bf16 run are each judged by their distance to it, not only by their
+    distance to each other. Slow for Qwen3.5 (torch_ref's GDN recurrence runs token by token)."""
+
+    def __init__(self, hf_config, loaded, chunk: int):
+        from ps_bridge.runtime import float32_reference_model
+
+        self.loaded = float32_reference_model(loaded, hf_config)
+        self.chunk = chunk
+
+    def response_logprobs(self, unshared_layout) -> torch.Tensor:
+        from ps_bridge.logprobs import packed_row_logprobs_chunked
+        from ps_bridge.runtime import forward_logits
+
+        layout = unshared_layout.to(self.loaded.device)
+        mask = response_row_mask(layout).to(self.loaded.device)
+        saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        try:
+            with torch.no_grad():
+                rows = packed_row_logprobs_chunked(forward_logits(self.loaded, layout), layout, self.chunk)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+        return rows[mask].double().cpu()
+
+
+def _errors_against(reference: torch.Tensor, rows: torch.Tensor) -> Tuple[float, float]:
+    diff = rows.double() - reference
+    return float(diff.norm() / reference.norm()), float(diff.abs().max())
+
+
+def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, reference=None) -> List[RowResult]:
     from ps_bridge.layout import build_layout
 
     samples = make_samples(P, R, n, args.groups, loaded.vocab_size, args.seed)
@@ -331,9 +372,14 @@ def run_row(loaded, model_name, layers, backends, P, R, n, args, progress) -> Li
     shared_layout = build_layout(samples, share=True, vocab_size=loaded.vocab_size)
     common = dict(warmup=args.warmup, repeats=args.repeats, chunk=args.logprob_chunk, progress=progress)
     base, base_rows = run_mode(loaded, unshared_layout, backends[0], **common)
+    reference_rows = reference.response_logprobs(unshared_layout) if reference is not None else None
     results = []
     for backend in backends:
         shared, rows = run_mode(loaded, shared_layout, backend, **common)
+        fp32 = {}
+        if reference_rows is not None:
+            fp32["shared_rel_err_fp32"], fp32["shared_max_err_fp32"] = _errors_against(reference_rows, rows)
+            fp32["unshared_rel_err_fp32"], fp32["unshared_max_err_fp32"] = _errors_against(reference_rows, base_rows)
         useful = shared_layout.tokens_unshared
         results.append(
             RowResult(
@@ -352,6 +398,7 @@ def run_row(loaded, model_name, layers, backends, P, R, n, args, progress) -> Li
                 unshared_tokens_per_s=useful / (base.actor_ms / 1e3),
                 shared_tokens_per_s=useful / (shared.actor_ms / 1e3),
                 max_logprob_diff=float((rows - base_rows).abs().max()),
+                **fp32,
             )
         )
     return results
@@ -364,10 +411,14 @@ def format_table(results: Sequence[RowResult]) -> str:
     head = ("model", "layers", "backend", "P", "R", "n", "tok unsh", "tok sh", "ideal S", "actor x",
             "x/S", "logprob x", "peak unsh GiB", "peak sh GiB", "peak ratio", "tok/s unsh", "tok/s sh",
             "max |dlogp|")
+    with_fp32 = any(r.shared_rel_err_fp32 is not None for r in results)
+    if with_fp32:
+        head += ("rel err sh vs fp32", "rel err unsh vs fp32", "max err sh", "max err unsh")
     lines = []
     for r in results:
         if r.error:
-            lines.append((r.model, str(r.layers), r.backend, str(r.P), str(r.R), str(r.n)) + ("-",) * 11 + (f"ERROR {r.error}",))
+            line = (r.model, str(r.layers), r.backend, str(r.P), str(r.R), str(r.n)) + ("-",) * 11 + (f"ERROR {r.error}",)
+            lines.append(line + ("-",) * 4 if with_fp32 else line)
             continue
         gib = lambda m: "-" if m is None else f"{m / 1024:.2f}"  # noqa: E731
         lines.append((
@@ -377,7 +428,9 @@ def format_table(results: Sequence[RowResult]) -> str:
             gib(r.unshared.actor_peak_mib), gib(r.shared.actor_peak_mib),
             "-" if r.actor_peak_ratio is None else f"{r.actor_peak_ratio:.2f}",
             f"{r.unshared_tokens_per_s:,.0f}", f"{r.shared_tokens_per_s:,.0f}", f"{r.max_logprob_diff:.2e}",
-        ))
+        ) + (tuple("-" if x is None else f"{x:.2e}" for x in (r.shared_rel_err_fp32, r.unshared_rel_err_fp32,
+                                                             r.shared_max_err_fp32, r.unshared_max_err_fp32))
+             if with_fp32 else ()))
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(head)]
     fmt = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     out = [fmt(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
@@ -492,30 +545,44 @@ def run_bench(args: argparse.Namespace) -> int:
 
     results: List[RowResult] = []
     model_info = []
+    say = progress_bar.write if progress_bar else lambda text: print(text, flush=True)
+
+    def write_json():  # after every row, so a run cut short still leaves its finished rows
+        if args.json is None or args.json == "-":
+            return
+        payload = dict(environment=env, dtype=str(dtype), warmup=warmup, repeats=repeats, groups=args.groups,
+                       models=model_info, rows=[asdict(r) for r in results])
+        with open(args.json, "w") as f:
+            f.write(json.dumps(payload, indent=2) + "\n")
+
     for name in models:
         shape = MODEL_SHAPES[name]
         layers = args.layers or shape.bench_layers
         hf_config = FAMILIES[shape.family](shape.dims, layers)
         config = PrefixSharingConfig(enabled=True, backend=args.backends[0], pad_multiple=1)
         loaded = load_model_from_hf_config(hf_config, config, dtype=dtype)
+        reference = Fp32Reference(hf_config, loaded, args.logprob_chunk) if args.fp32_reference else None
         head_dim = int(loaded.provider.kv_channels)  # Qwen3.5 sets head_dim apart from hidden/heads
         info = (f"{name}: {layers} of {shape.full_layers} layers, hidden {shape.dims['hidden_size']}, "
                 f"heads {shape.dims['num_attention_heads']}/{shape.dims['num_key_value_heads']} kv, head dim "
                 f"{head_dim}, vocab {shape.dims['vocab_size']}, random weights")
         model_info.append(info)
-        (progress_bar.write if progress_bar else print)(info)
+        say(info)
         for P, R, n in grid:
             try:
-                results += run_row(loaded, name, layers, args.backends, P, R, n, args, progress)
+                row = run_row(loaded, name, layers, args.backends, P, R, n, args, progress, reference)
             except Exception as e:  # keep the other rows (an OOM on one shape is a result too)
                 msg = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-                results += [RowResult(name, layers, b, P, R, n, args.groups, 0, 0, ideal_speedup(P, R, n), math.nan,
-                                      math.nan, None, ModeResult(0, math.nan, math.nan, None, None),
-                                      ModeResult(0, math.nan, math.nan, None, None), math.nan, math.nan, math.nan,
-                                      error=msg) for b in args.backends]
+                row = [RowResult(name, layers, b, P, R, n, args.groups, 0, 0, ideal_speedup(P, R, n), math.nan,
+                                 math.nan, None, ModeResult(0, math.nan, math.nan, None, None),
+                                 ModeResult(0, math.nan, math.nan, None, None), math.nan, math.nan, math.nan,
+                                 error=msg) for b in args.backends]
                 if cuda:
                     torch.cuda.empty_cache()
-        del loaded
+            results += row
+            say(format_table(row).splitlines()[-1] if len(row) == 1 else "\n".join(format_table(row).splitlines()[2:]))
+            write_json()
+        del loaded, reference
         if cuda:
             torch.cuda.empty_cache()
     if progress_bar is not None:
@@ -525,15 +592,10 @@ def run_bench(args: argparse.Namespace) -> int:
     for info in model_info:
         print(info)
     print(format_table(results))
-    if args.json is not None:
-        payload = dict(environment=env, dtype=str(dtype), warmup=warmup, repeats=repeats, groups=args.groups,
-                       models=model_info, rows=[asdict(r) for r in results])
-        text = json.dumps(payload, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+    if args.json == "-":
+        print(json.dumps(dict(environment=env, dtype=str(dtype), warmup=warmup, repeats=repeats, groups=args.groups,
+                              models=model_info, rows=[asdict(r) for r in results]), indent=2))
+    write_json()
     if args.plot:
         write_plot(results, args.plot)
         print(f"plot written to {args.plot}")

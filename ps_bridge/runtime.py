@@ -195,6 +195,21 @@ def _provide_model(bridge, provider_name, config, dtype, tp, pp, sequence_parall
     )
 
 
+def float32_reference_model(loaded: LoadedModel, hf_config) -> LoadedModel:
+    """A float32 twin of a (bf16) model with exactly its weights (bf16 values upcast exactly) and the
+    `torch_ref` attention and Gated DeltaNet kernels: the computation a bf16 run approximates.
+    Single rank (TP = PP = 1); run it with TF32 off to make it a true float32 reference."""
+    if loaded.tp > 1 or loaded.pp > 1:
+        raise ValueError("float32_reference_model builds a single-rank twin; got tp/pp > 1")
+    config = PrefixSharingConfig(enabled=False, backend="torch_ref", gdn_backend="torch_ref", pad_multiple=1)
+    twin = load_model_from_hf_config(hf_config, config, dtype=torch.float32)
+    target = twin.model.state_dict()
+    twin.model.load_state_dict({
+        name: value.to(target[name].dtype) if torch.is_tensor(value) and value.is_floating_point() else value
+        for name, value in loaded.model.state_dict().items()
+    })
+    return twin
+
 def make_layout(samples, loaded: LoadedModel, share: Optional[bool] = None) -> PackedPrefixLayout:
     share = loaded.config.enabled if share is None else share
     pad = loaded.config.pad_multiple or int(getattr(loaded.provider, "tensor_model_parallel_size", 1))

@@ -8,7 +8,10 @@
 # Build it with scripts/build_gpu_site.sh.
 #
 # Usage (repository root): scripts/gpu_checks.sh [pytest selection...] [-- bench args...]
-# Results land in $OUT: versions.txt, gpu_tests.log, bench.json / bench.png / bench.log.
+# Results land in $OUT: versions.txt, gpu_tests.log, bench.json / bench.png / bench.log, and
+# triton-autotune.tar.gz: Triton's autotune results (fla's GDN kernels autotune for minutes on a
+# fresh machine). Copy that file to .whl/ and carry it next time: the kernels then compile only
+# the chosen config. The archive is refreshed every 20 s, so a run cut short still returns it.
 set -uo pipefail
 OUT=${OUT:-/tmp/ps-bridge-out}
 mkdir -p "$OUT"
@@ -16,6 +19,18 @@ if [ -f .whl/gpusite.tar.xz ]; then
   tar -C /tmp -xJf .whl/gpusite.tar.xz || exit 1
 fi
 export PYTHONPATH="/tmp/gpusite:$PWD" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export TRITON_CACHE_DIR=/tmp/triton-cache FLA_CACHE_RESULTS=1
+mkdir -p "$TRITON_CACHE_DIR"
+if [ -f .whl/triton-autotune.tar.gz ]; then
+  tar -C "$TRITON_CACHE_DIR" -xzf .whl/triton-autotune.tar.gz && echo "triton autotune results restored"
+fi
+save_autotune() {
+  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 | tar --null -czf "$OUT/.autotune.tmp" -T - \
+    && mv "$OUT/.autotune.tmp" "$OUT/triton-autotune.tar.gz") 2>/dev/null
+}
+( while sleep 20; do save_autotune; done ) &
+saver=$!
+trap 'kill $saver 2>/dev/null; save_autotune' EXIT
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch, triton, transformers, megatron.core, fla; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__, 'megatron-core', megatron.core.__version__, 'fla', fla.__version__)"

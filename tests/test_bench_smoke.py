@@ -20,7 +20,7 @@ def parse(argv):
 @pytest.mark.slow
 def test_bench_smoke_runs_and_reports(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    argv = ["--smoke", "--no-progress", "--json", str(out), "--backends", "auto,flash_atten_gpu"]
+    argv = ["--smoke", "--no-progress", "--json", str(out), "--backends", "auto,flash_atten_gpu", "--fp32-reference"]
     plot = None
     try:
         import matplotlib  # noqa: F401
@@ -33,7 +33,7 @@ def test_bench_smoke_runs_and_reports(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "tiny-qwen2.5: 2 of 2 layers" in text
     assert "tiny-qwen3.5: 4 of 4 layers" in text  # the Gated DeltaNet family runs too
-    assert "ideal S" in text
+    assert "ideal S" in text and "rel err sh vs fp32" in text
     data = json.loads(out.read_text())
     rows = data["rows"]
     # two smoke models x the smoke grid x two backends
@@ -48,6 +48,9 @@ def test_bench_smoke_runs_and_reports(tmp_path, capsys):
         assert r["actor_speedup"] > 0 and r["logprob_speedup"] > 0
         # float32 on the CPU: the shared and unshared log-probs agree to rounding (bf16 on a GPU)
         assert r["max_logprob_diff"] < (1e-4 if not torch.cuda.is_available() else 0.1)
+        # --fp32-reference: both runs against the float32 twin (on a CPU the runs are float32 already)
+        for key in ("shared_rel_err_fp32", "unshared_rel_err_fp32", "shared_max_err_fp32", "unshared_max_err_fp32"):
+            assert r[key] is not None and r[key] < (1e-5 if not torch.cuda.is_available() else 5e-2)
     if plot is not None:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
