@@ -97,8 +97,10 @@ class PrefixSharedGatedDeltaNet(GatedDeltaNet):
         # row-major tokens [B * S, dims] (for THD, B = 1: the packed order itself)
         qkvzba = qkvzba.transpose(0, 1).reshape(B * S, -1)
         mixed_qkv, z, beta_logits, alpha = torch.split(qkvzba, self.feat_dim_split, dim=-1)
-        # log decay in fp32, as HF and megatron compute it
-        g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias)
+        # log decay in float32 at least, as HF and megatron compute it (float64 stays float64, so that
+        # float64 runs are exact: the decay-gate gradients are checked against finite differences)
+        acc = torch.promote_types(torch.promote_types(alpha.dtype, self.A_log.dtype), torch.float32)
+        g = -self.A_log.to(acc).exp() * F.softplus(alpha.to(acc) + self.dt_bias.to(acc))
         beta = beta_logits.sigmoid()
         backend = resolve_gdn_backend(getattr(self.config, "gdn_backend", "auto"), qkvzba.device)
         if not self._announced or logger.isEnabledFor(logging.DEBUG):
@@ -123,7 +125,8 @@ class PrefixSharedGatedDeltaNet(GatedDeltaNet):
         )  # [B * S, HV_local, V]
         # gated output norm per value head: out_norm(o) * silu(z)
         y = self._out_norm(core.reshape(-1, self.value_head_dim))
-        y = (y * F.silu(z.reshape(-1, self.value_head_dim).float())).to(core.dtype)
+        z = z.reshape(-1, self.value_head_dim)
+        y = (y * F.silu(z.to(torch.promote_types(z.dtype, torch.float32)))).to(core.dtype)
         return self.out_proj(y.reshape(B, S, -1).transpose(0, 1).contiguous())
 
     def _out_norm(self, x: torch.Tensor) -> torch.Tensor:

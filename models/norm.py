@@ -33,9 +33,10 @@ class ZeroCenteredRMSNorm(nn.Module):
         setattr(self.weight, "sequence_parallel", bool(getattr(config, "sequence_parallel", False)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        acc = torch.promote_types(x.dtype, torch.float32)  # float32 at least; float64 stays float64
+        xf = x.to(acc)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).to(x.dtype)
+        return (y * (1.0 + self.weight.to(acc))).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, zero_centered_gamma=True"

@@ -37,6 +37,18 @@ def per_sample_response_logprobs(loaded, samples, share, pad_multiple=1):
     return response_logprobs(rows, layout)
 
 
+def float64_response_logprobs(loaded, samples, share, pad_multiple=1):
+    """`per_sample_response_logprobs` with the log-softmax in float64 (the library's rows are
+    float32): for finite differences on a float64 model."""
+    layout = layout_for(loaded, samples, share, pad_multiple)
+    logits = forward_logits(loaded, layout).double()
+    picked = logits.index_select(0, layout.row_source)
+    label = layout.row_label
+    target = picked.gather(1, label.clamp(min=0)[:, None])[:, 0]
+    rows = torch.where(label >= 0, target - torch.logsumexp(picked, dim=-1), torch.zeros_like(target))
+    return response_logprobs(rows, layout)
+
+
 def max_abs(xs, ys):
     return max((a.float() - b.float()).abs().max().item() for a, b in zip(xs, ys))
 

@@ -9,6 +9,7 @@ import torch
 
 from qwen35_helpers import (
     export_matches_checkpoint,
+    float64_response_logprobs,
     layout_for,
     load_tiny,
     max_abs,
@@ -17,7 +18,7 @@ from qwen35_helpers import (
     samples_for,
 )
 from ps_bridge.layout import Sample
-from ps_bridge.runtime import forward_logits
+from ps_bridge.runtime import forward_logits, load_model
 from ps_bridge.testing import hf_sample_logprobs
 
 # CausalLM and the ConditionalGeneration architectures the official checkpoints declare
@@ -125,12 +126,15 @@ def test_conditional_generation_refuses_images(tiny):
                      pixel_values=torch.zeros(4, 8))
 
 
-# The GDN decay gate g = -exp(A_log) * softplus(a + dt_bias): megatron-core's GatedDeltaNet (whose
-# gate our module keeps) and transformers' Qwen3.5 differ in these three parameters' gradients by
-# 1e-5 to 4e-3 relative, also when both run in float64, while log-probs agree to 1e-6 and
-# shared == unshared holds exactly. A formula difference between the two implementations, not yet
-# found; it is unrelated to prefix sharing (the unshared Megatron run differs from HF the same way).
+# The GDN decay gate g = -exp(A_log) * softplus(a + dt_bias). transformers' Qwen3.5 (without
+# fla-core, i.e. on CPU) runs the gated delta rule through its chunked torch reference, which casts
+# everything to float32 (also in a float64 model) and differentiates g through a within-chunk
+# cumulative sum: the gradients of these three parameters carry float32 cancellation errors of
+# 1e-5 to 4e-3 relative there, while ours (token-by-token recurrence) are accurate to ~1e-5 in
+# float32 and exact in float64. Our float64 gradients are checked against finite differences below,
+# HF's against ours only loosely (a wrong head mapping would still be caught). See GATE_FINDINGS.md.
 DECAY_GATE = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.in_proj_a.weight")
+HF_DECAY_GATE_TOLERANCE = 1e-2
 
 
 @pytest.fixture(scope="module")
@@ -142,18 +146,112 @@ def hf_gradients(tiny):
 
 
 def test_gradients_equal_hf_gradients(hf_gradients):
-    """Every HF parameter's gradient of the prefix-shared log-prob loss equals HF's own, except the
-    GDN decay gate (next test)."""
+    """Every HF parameter's gradient of the prefix-shared log-prob loss equals HF's own; the GDN
+    decay gate only up to transformers' float32 error (see DECAY_GATE)."""
     name, r = hf_gradients
     others = {n: d for n, d in r["per_parameter"].items() if not n.endswith(DECAY_GATE)}
     assert len(others) > 10, (name, r)
     assert max(others.values()) <= 1e-5, (name, {n: d for n, d in others.items() if d > 1e-5})
+    gate = {n: d for n, d in r["per_parameter"].items() if n.endswith(DECAY_GATE)}
+    assert len(gate) == 3 * 3, (name, gate)  # three GDN layers
+    assert max(gate.values()) <= HF_DECAY_GATE_TOLERANCE, (name, gate)
     assert r["max_abs_grad_unreached"] == 0.0, (name, r["max_abs_grad_unreached"])
 
 
-@pytest.mark.xfail(strict=True, reason="known: GDN decay-gate gradients differ from transformers' (see DECAY_GATE)")
-def test_decay_gate_gradients_equal_hf_gradients(hf_gradients):
-    name, r = hf_gradients
-    gate = {n: d for n, d in r["per_parameter"].items() if n.endswith(DECAY_GATE)}
-    assert gate, name
-    assert max(gate.values()) <= 1e-5, (name, gate)
+@pytest.fixture(scope="module")
+def tiny64(tiny):
+    """The same checkpoint loaded in float64."""
+    name, _, _, path = tiny
+    return name, load_model(path, dtype=torch.float64)
+
+
+@pytest.fixture
+def float64_attention_gate(monkeypatch):
+    """megatron-core's attention output gate takes its sigmoid in float32 whatever the model dtype,
+    which leaves float32 rounding in a float64 model's loss; take it in float32 *at least* here."""
+    from megatron.core.transformer.attention import Attention
+
+    def output_gate(self, x, gate):
+        acc = torch.promote_types(x.dtype, torch.float32)
+        return (x * torch.sigmoid(gate.contiguous().view(*x.shape).to(acc))).to(x.dtype)
+
+    monkeypatch.setattr(Attention, "_apply_output_gate", output_gate)
+
+
+def decay_gate_entries(model):
+    """(name, parameter, flat index) of every A_log and dt_bias entry of every GDN layer, and of two
+    columns of each one's decay-gate rows of in_proj (HF's in_proj_a: the last value-head rows)."""
+    from ps_bridge.models.gdn import PrefixSharedGatedDeltaNet
+
+    entries = []
+    for name, module in model.named_modules():
+        if isinstance(module, PrefixSharedGatedDeltaNet):
+            entries += [(f"{name}.A_log", module.A_log, i) for i in range(module.A_log.numel())]
+            entries += [(f"{name}.dt_bias", module.dt_bias, i) for i in range(module.dt_bias.numel())]
+            w = module.in_proj.weight
+            heads = module.A_log.numel()
+            entries += [(f"{name}.in_proj_a", w, (w.shape[0] - heads + h) * w.shape[1] + c) for h, c in ((0, 3), (heads - 1, 17))]
+    assert len(entries) == 3 * (2 * 4 + 2), len(entries)
+    return entries
+
+
+def float64_decay_gate_gradients(loaded, samples, weights, share=True):
+    model = loaded.model
+    model.zero_grad(set_to_none=True)
+    lps = float64_response_logprobs(loaded, samples, share)
+    sum((w.double() * lp).sum() for w, lp in zip(weights, lps)).backward()
+    grads = {(n, i): p.grad.view(-1)[i].item() for n, p, i in decay_gate_entries(model)}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_decay_gate_gradients_equal_finite_differences(tiny64, float64_attention_gate):
+    """The decay-gate gradients of a float64 model equal central finite differences of its loss."""
+    from ps_bridge.compare import loss_weights
+
+    name, loaded = tiny64
+    if "moe" in name:
+        pytest.skip("megatron's MoE router takes its softmax in float32 whatever the model dtype, too "
+                    "coarse for finite differences; the GDN layers are those of the dense architectures")
+    samples = samples_for(loaded, num_prompts=2, n=3)
+    weights = loss_weights(samples)
+    grads = float64_decay_gate_gradients(loaded, samples, weights)
+
+    def loss():
+        lps = float64_response_logprobs(loaded, samples, share=True)
+        return sum((w.double() * lp).sum() for w, lp in zip(weights, lps)).item()
+
+    h, errors = 1e-5, {}
+    with torch.no_grad():
+        for n, p, i in decay_gate_entries(loaded.model):
+            flat = p.view(-1)
+            x = flat[i].item()
+            flat[i] = x + h
+            up = loss()
+            flat[i] = x - h
+            down = loss()
+            flat[i] = x
+            fd = (up - down) / (2 * h)
+            errors[(n, i)] = (abs(grads[(n, i)] - fd), fd)
+    bad = {k: (grads[k], fd, e) for k, (e, fd) in errors.items() if e > 2e-8 + 1e-6 * abs(fd)}
+    assert not bad, (name, bad)
+
+
+def test_float32_decay_gate_gradients_equal_float64(tiny, tiny64, float64_attention_gate):
+    """The float32 model's decay-gate gradients (the run compared with HF above) are within 1e-4
+    (norm-relative, per parameter) of the float64 model's, i.e. of the finite differences."""
+    from ps_bridge.compare import loss_weights
+
+    name, _, loaded, _ = tiny
+    _, loaded64 = tiny64
+    samples = samples_for(loaded, num_prompts=2, n=3)
+    weights = loss_weights(samples)
+    ref = float64_decay_gate_gradients(loaded64, samples, weights)
+    got = float64_decay_gate_gradients(loaded, samples, weights)
+    worst = {}
+    for layer_param in {n for n, _ in ref}:
+        keys = [k for k in ref if k[0] == layer_param]
+        a = torch.tensor([got[k] for k in keys], dtype=torch.float64)
+        b = torch.tensor([ref[k] for k in keys], dtype=torch.float64)
+        worst[layer_param] = float((a - b).norm() / b.norm())
+    assert max(worst.values()) <= 1e-4, (name, worst)
