@@ -216,6 +216,7 @@ class RowResult:
     shared_tokens_per_s: float
     max_logprob_diff: float
     error: Optional[str] = None
+    unshared_out_of_memory: bool = False  # the unshared micro-batch did not fit; shared timed alone
     # with --fp32-reference: ||lp - lp_fp32|| / ||lp_fp32|| over response tokens, and the max |lp - lp_fp32|
     shared_rel_err_fp32: Optional[float] = None
     unshared_rel_err_fp32: Optional[float] = None
@@ -371,7 +372,14 @@ def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, refer
     unshared_layout = build_layout(samples, share=False, vocab_size=loaded.vocab_size)
     shared_layout = build_layout(samples, share=True, vocab_size=loaded.vocab_size)
     common = dict(warmup=args.warmup, repeats=args.repeats, chunk=args.logprob_chunk, progress=progress)
-    base, base_rows = run_mode(loaded, unshared_layout, backends[0], **common)
+    try:
+        base, base_rows = run_mode(loaded, unshared_layout, backends[0], **common)
+    except torch.cuda.OutOfMemoryError:
+        # The unshared micro-batch does not fit (at a 248k vocabulary, 16 x 4352 tokens of bf16
+        # logits alone are 32 GiB): that is a result too. Time the shared packing alone.
+        loaded.model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        base, base_rows = ModeResult(shared_layout.tokens_unshared, math.nan, math.nan, None, None), None
     reference_rows = reference.response_logprobs(unshared_layout) if reference is not None else None
     results = []
     for backend in backends:
@@ -379,7 +387,8 @@ def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, refer
         fp32 = {}
         if reference_rows is not None:
             fp32["shared_rel_err_fp32"], fp32["shared_max_err_fp32"] = _errors_against(reference_rows, rows)
-            fp32["unshared_rel_err_fp32"], fp32["unshared_max_err_fp32"] = _errors_against(reference_rows, base_rows)
+            if base_rows is not None:
+                fp32["unshared_rel_err_fp32"], fp32["unshared_max_err_fp32"] = _errors_against(reference_rows, base_rows)
         useful = shared_layout.tokens_unshared
         results.append(
             RowResult(
@@ -397,7 +406,8 @@ def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, refer
                 shared=shared,
                 unshared_tokens_per_s=useful / (base.actor_ms / 1e3),
                 shared_tokens_per_s=useful / (shared.actor_ms / 1e3),
-                max_logprob_diff=float((rows - base_rows).abs().max()),
+                max_logprob_diff=float((rows - base_rows).abs().max()) if base_rows is not None else math.nan,
+                unshared_out_of_memory=base_rows is None,
                 **fp32,
             )
         )
@@ -420,16 +430,21 @@ def format_table(results: Sequence[RowResult]) -> str:
             line = (r.model, str(r.layers), r.backend, str(r.P), str(r.R), str(r.n)) + ("-",) * 11 + (f"ERROR {r.error}",)
             lines.append(line + ("-",) * 4 if with_fp32 else line)
             continue
-        gib = lambda m: "-" if m is None else f"{m / 1024:.2f}"  # noqa: E731
+        missing = "OOM" if r.unshared_out_of_memory else "-"  # what a value that needs the unshared run shows
+
+        def cell(x, spec):
+            return missing if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
         lines.append((
             r.model, str(r.layers), r.backend, str(r.P), str(r.R), str(r.n),
-            str(r.tokens_unshared), str(r.tokens_shared), f"{r.ideal_speedup:.2f}", f"{r.actor_speedup:.2f}",
-            f"{r.actor_speedup / r.ideal_speedup:.2f}", f"{r.logprob_speedup:.2f}",
-            gib(r.unshared.actor_peak_mib), gib(r.shared.actor_peak_mib),
-            "-" if r.actor_peak_ratio is None else f"{r.actor_peak_ratio:.2f}",
-            f"{r.unshared_tokens_per_s:,.0f}", f"{r.shared_tokens_per_s:,.0f}", f"{r.max_logprob_diff:.2e}",
-        ) + (tuple("-" if x is None else f"{x:.2e}" for x in (r.shared_rel_err_fp32, r.unshared_rel_err_fp32,
-                                                             r.shared_max_err_fp32, r.unshared_max_err_fp32))
+            str(r.tokens_unshared), str(r.tokens_shared), f"{r.ideal_speedup:.2f}", cell(r.actor_speedup, ".2f"),
+            cell(r.actor_speedup / r.ideal_speedup, ".2f"), cell(r.logprob_speedup, ".2f"),
+            cell(r.unshared.actor_peak_mib and r.unshared.actor_peak_mib / 1024, ".2f"),
+            cell(r.shared.actor_peak_mib and r.shared.actor_peak_mib / 1024, ".2f"),
+            cell(r.actor_peak_ratio, ".2f"), cell(r.unshared_tokens_per_s, ",.0f"),
+            cell(r.shared_tokens_per_s, ",.0f"), cell(r.max_logprob_diff, ".2e"),
+        ) + (tuple(cell(x, ".2e") for x in (r.shared_rel_err_fp32, r.unshared_rel_err_fp32,
+                                            r.shared_max_err_fp32, r.unshared_max_err_fp32))
              if with_fp32 else ()))
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(head)]
     fmt = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
@@ -446,7 +461,7 @@ def write_plot(results: Sequence[RowResult], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise RuntimeError("--plot needs matplotlib (pip install matplotlib)") from None
-    ok = [r for r in results if not r.error]
+    ok = [r for r in results if not r.error and not r.unshared_out_of_memory]
     labels = [f"{r.model}\n{r.backend}\nP={r.P} R={r.R} n={r.n}" for r in ok]
     x = range(len(ok))
     width = 0.27
@@ -592,6 +607,8 @@ def run_bench(args: argparse.Namespace) -> int:
     for info in model_info:
         print(info)
     print(format_table(results))
+    if any(r.unshared_out_of_memory for r in results):
+        print("OOM: the unshared micro-batch did not fit in GPU memory; the shared one was timed alone.")
     if args.json == "-":
         print(json.dumps(dict(environment=env, dtype=str(dtype), warmup=warmup, repeats=repeats, groups=args.groups,
                               models=model_info, rows=[asdict(r) for r in results]), indent=2))

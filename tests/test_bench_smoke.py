@@ -55,6 +55,26 @@ def test_bench_smoke_runs_and_reports(tmp_path, capsys):
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_reports_shared_alone_when_unshared_runs_out_of_memory(monkeypatch, capsys):
+    """A row whose unshared micro-batch does not fit is a result (OOM), not an error: the shared
+    packing is still timed and reported."""
+    real_run_mode = bench.run_mode
+
+    def run_mode(loaded, layout, *args, **kwargs):
+        if layout.tokens_shared == layout.tokens_unshared:  # the unshared packing
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+        return real_run_mode(loaded, layout, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_mode", run_mode)
+    argv = ["--smoke", "--no-progress", "--models", "tiny-qwen2.5", "--grid", "24,8,4", "--json", "-"]
+    assert bench.run_bench(parse(argv)) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(out[out.index("{"):])["rows"]
+    assert len(rows) == 1 and rows[0]["unshared_out_of_memory"] and rows[0]["error"] is None
+    assert rows[0]["shared"]["actor_ms"] > 0
+    assert "| OOM |" in out and "the shared one was timed alone" in out
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
 def test_bench_refuses_cpu_without_smoke(capsys):
     assert bench.run_bench(parse([])) == 2
