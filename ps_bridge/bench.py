@@ -193,6 +193,7 @@ class ModeResult:
     logprob_ms: float
     actor_peak_mib: Optional[float]
     logprob_peak_mib: Optional[float]
+    micro_batches: int = 1  # >1: the batch did not fit at once and ran split (gradient accumulation)
 
 
 @dataclass
@@ -216,7 +217,7 @@ class RowResult:
     shared_tokens_per_s: float
     max_logprob_diff: float
     error: Optional[str] = None
-    unshared_out_of_memory: bool = False  # the unshared micro-batch did not fit; shared timed alone
+    unshared_out_of_memory: bool = False  # the unshared batch did not fit even split; shared timed alone
     # with --fp32-reference: ||lp - lp_fp32|| / ||lp_fp32|| over response tokens, and the max |lp - lp_fp32|
     shared_rel_err_fp32: Optional[float] = None
     unshared_rel_err_fp32: Optional[float] = None
@@ -277,28 +278,35 @@ def _peak_mib(device: torch.device, fn) -> Optional[float]:
     return torch.cuda.max_memory_allocated() / 2**20
 
 
-def run_mode(loaded, layout, backend: str, warmup: int, repeats: int, chunk: int, progress) -> Tuple[ModeResult, torch.Tensor]:
-    """Time one packing of the micro-batch; returns its timings and its response log-probs."""
+def run_mode(loaded, layouts, backend: str, warmup: int, repeats: int, chunk: int, progress) -> Tuple[ModeResult, torch.Tensor]:
+    """Time one packing of the micro-batch; returns its timings and its response log-probs.
+
+    `layouts` is one layout, or several that split the samples in order: then one actor step runs
+    them as consecutive micro-batches with gradient accumulation (how a trainer runs a batch that does
+    not fit at once), and the log-prob pass runs each of them."""
     from ps_bridge.logprobs import packed_row_logprobs_chunked
     from ps_bridge.runtime import forward_logits
 
     device = loaded.device
     loaded.config.backend = backend
-    layout = layout.to(device)
-    resp_mask = response_row_mask(layout).to(device)
-    count = float(resp_mask.sum())
+    layouts = [layouts] if not isinstance(layouts, (list, tuple)) else list(layouts)
+    layouts = [layout.to(device) for layout in layouts]
+    masks = [response_row_mask(layout).to(device) for layout in layouts]
+    count = float(sum(mask.sum() for mask in masks))
     model = loaded.model
     timer = _Timer(device)
     holder = {}
 
     def logprob_pass():
         with torch.no_grad():
-            holder["rows"] = packed_row_logprobs_chunked(forward_logits(loaded, layout), layout, chunk)
+            holder["rows"] = [packed_row_logprobs_chunked(forward_logits(loaded, layout), layout, chunk)
+                              for layout in layouts]
 
     def actor_step():
-        rows = packed_row_logprobs_chunked(forward_logits(loaded, layout), layout, chunk)
-        loss = -(rows * resp_mask).sum() / count
-        loss.backward()
+        for layout, mask in zip(layouts, masks):
+            rows = packed_row_logprobs_chunked(forward_logits(loaded, layout), layout, chunk)
+            loss = -(rows * mask).sum() / count
+            loss.backward()
 
     def zero_grad():
         model.zero_grad(set_to_none=True)
@@ -312,7 +320,7 @@ def run_mode(loaded, layout, backend: str, warmup: int, repeats: int, chunk: int
     zero_grad()
     actor_peak = _peak_mib(device, actor_step)
     logprob_peak = _peak_mib(device, logprob_pass)
-    rows = holder["rows"][resp_mask].float().cpu()
+    rows = torch.cat([r[mask] for r, mask in zip(holder["rows"], masks)]).float().cpu()
     actor_ms, logprob_ms = [], []
     for _ in range(repeats):
         zero_grad()
@@ -322,14 +330,25 @@ def run_mode(loaded, layout, backend: str, warmup: int, repeats: int, chunk: int
     zero_grad()
     return (
         ModeResult(
-            tokens=layout.tokens_shared,  # the packed token count (equals tokens_unshared when unshared)
+            tokens=sum(layout.tokens_shared for layout in layouts),  # packed tokens (= tokens_unshared when unshared)
             actor_ms=statistics.median(actor_ms),
             logprob_ms=statistics.median(logprob_ms),
             actor_peak_mib=actor_peak,
             logprob_peak_mib=logprob_peak,
+            micro_batches=len(layouts),
         ),
         rows,
     )
+
+
+def split_in_order(samples: list, parts: int) -> List[list]:
+    """`samples` cut into `parts` consecutive pieces of near-equal size."""
+    bounds = [round(i * len(samples) / parts) for i in range(parts + 1)]
+    return [samples[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+# The unshared micro-batch is split into this many micro-batches when it does not fit at once.
+UNSHARED_SPLITS = (1, 2, 4, 8)
 
 
 class Fp32Reference:
@@ -344,20 +363,23 @@ class Fp32Reference:
         self.loaded = float32_reference_model(loaded, hf_config)
         self.chunk = chunk
 
-    def response_logprobs(self, unshared_layout) -> torch.Tensor:
+    def response_logprobs(self, unshared_layouts) -> torch.Tensor:
+        """Response-token log-probs over the unshared micro-batches, in sample order."""
         from ps_bridge.logprobs import packed_row_logprobs_chunked
         from ps_bridge.runtime import forward_logits
 
-        layout = unshared_layout.to(self.loaded.device)
-        mask = response_row_mask(layout).to(self.loaded.device)
         saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        out = []
         try:
             with torch.no_grad():
-                rows = packed_row_logprobs_chunked(forward_logits(self.loaded, layout), layout, self.chunk)
+                for layout in unshared_layouts:
+                    layout = layout.to(self.loaded.device)
+                    mask = response_row_mask(layout).to(self.loaded.device)
+                    out.append(packed_row_logprobs_chunked(forward_logits(self.loaded, layout), layout, self.chunk)[mask])
         finally:
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-        return rows[mask].double().cpu()
+        return torch.cat(out).double().cpu()
 
 
 def _errors_against(reference: torch.Tensor, rows: torch.Tensor) -> Tuple[float, float]:
@@ -369,18 +391,25 @@ def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, refer
     from ps_bridge.layout import build_layout
 
     samples = make_samples(P, R, n, args.groups, loaded.vocab_size, args.seed)
-    unshared_layout = build_layout(samples, share=False, vocab_size=loaded.vocab_size)
     shared_layout = build_layout(samples, share=True, vocab_size=loaded.vocab_size)
     common = dict(warmup=args.warmup, repeats=args.repeats, chunk=args.logprob_chunk, progress=progress)
-    try:
-        base, base_rows = run_mode(loaded, unshared_layout, backends[0], **common)
-    except torch.cuda.OutOfMemoryError:
-        # The unshared micro-batch does not fit (at a 248k vocabulary, 16 x 4352 tokens of bf16
-        # logits alone are 32 GiB): that is a result too. Time the shared packing alone.
-        loaded.model.zero_grad(set_to_none=True)
-        torch.cuda.empty_cache()
-        base, base_rows = ModeResult(shared_layout.tokens_unshared, math.nan, math.nan, None, None), None
-    reference_rows = reference.response_logprobs(unshared_layout) if reference is not None else None
+    base = base_rows = None
+    for parts in (k for k in UNSHARED_SPLITS if k <= len(samples)):
+        # At a 248k vocabulary, 16 x 4352 tokens of bf16 logits alone are 32 GiB: an unshared batch
+        # that does not fit runs as `parts` micro-batches with gradient accumulation, as a trainer would.
+        layouts = [build_layout(part, share=False, vocab_size=loaded.vocab_size) for part in split_in_order(samples, parts)]
+        try:
+            base, base_rows = run_mode(loaded, layouts, backends[0], **common)
+            break
+        except torch.cuda.OutOfMemoryError:
+            loaded.model.zero_grad(set_to_none=True)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    if base is None:  # not even split: time the shared packing alone
+        base = ModeResult(shared_layout.tokens_unshared, math.nan, math.nan, None, None, micro_batches=0)
+    reference_rows = None
+    if reference is not None and base_rows is not None:  # on the same micro-batches as the unshared run
+        reference_rows = reference.response_logprobs(layouts)
     results = []
     for backend in backends:
         shared, rows = run_mode(loaded, shared_layout, backend, **common)
@@ -607,8 +636,13 @@ def run_bench(args: argparse.Namespace) -> int:
     for info in model_info:
         print(info)
     print(format_table(results))
+    for r in results:
+        if r.unshared.micro_batches > 1:
+            print(f"{r.model} ({r.P}, {r.R}, {r.n}): the unshared batch did not fit in GPU memory at once and ran as "
+                  f"{r.unshared.micro_batches} micro-batches (gradient accumulation); the shared one ran as one.")
     if any(r.unshared_out_of_memory for r in results):
-        print("OOM: the unshared micro-batch did not fit in GPU memory; the shared one was timed alone.")
+        print(f"OOM: the unshared batch did not fit in GPU memory even as {max(UNSHARED_SPLITS)} micro-batches; "
+              "the shared one was timed alone.")
     if args.json == "-":
         print(json.dumps(dict(environment=env, dtype=str(dtype), warmup=warmup, repeats=repeats, groups=args.groups,
                               models=model_info, rows=[asdict(r) for r in results]), indent=2))

@@ -55,17 +55,39 @@ def test_bench_smoke_runs_and_reports(tmp_path, capsys):
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_reports_shared_alone_when_unshared_runs_out_of_memory(monkeypatch, capsys):
-    """A row whose unshared micro-batch does not fit is a result (OOM), not an error: the shared
-    packing is still timed and reported."""
+def out_of_memory_above(max_unshared_samples):
+    """A run_mode that raises CUDA's OOM for an unshared micro-batch of more samples than given."""
     real_run_mode = bench.run_mode
 
-    def run_mode(loaded, layout, *args, **kwargs):
-        if layout.tokens_shared == layout.tokens_unshared:  # the unshared packing
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
-        return real_run_mode(loaded, layout, *args, **kwargs)
+    def run_mode(loaded, layouts, *args, **kwargs):
+        for layout in layouts if isinstance(layouts, list) else [layouts]:
+            unshared = layout.tokens_shared == layout.tokens_unshared
+            if unshared and layout.num_samples > max_unshared_samples:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+        return real_run_mode(loaded, layouts, *args, **kwargs)
 
-    monkeypatch.setattr(bench, "run_mode", run_mode)
+    return run_mode
+
+
+def test_bench_splits_an_unshared_batch_that_does_not_fit(monkeypatch, capsys):
+    """An unshared batch too large for memory runs as consecutive micro-batches (gradient
+    accumulation); its log-probs still line up sample by sample with the shared run's."""
+    monkeypatch.setattr(bench, "run_mode", out_of_memory_above(2))
+    argv = ["--smoke", "--no-progress", "--models", "tiny-qwen2.5", "--grid", "24,8,4", "--json", "-"]
+    assert bench.run_bench(parse(argv)) == 0
+    out = capsys.readouterr().out
+    [row] = json.loads(out[out.index("{"):])["rows"]
+    assert row["unshared"]["micro_batches"] == 2 and row["shared"]["micro_batches"] == 1
+    assert not row["unshared_out_of_memory"] and row["unshared"]["tokens"] == 4 * (24 + 8)
+    assert row["max_logprob_diff"] < 1e-4  # float32 on the CPU: same values, same order
+    assert "ran as 2 micro-batches" in out
+
+
+def test_bench_reports_shared_alone_when_unshared_runs_out_of_memory(monkeypatch, capsys):
+    """A row whose unshared batch does not fit even split is a result (OOM), not an error: the
+    shared packing is still timed and reported."""
+    monkeypatch.setattr(bench, "run_mode", out_of_memory_above(0))
+
     argv = ["--smoke", "--no-progress", "--models", "tiny-qwen2.5", "--grid", "24,8,4", "--json", "-"]
     assert bench.run_bench(parse(argv)) == 0
     out = capsys.readouterr().out
@@ -73,6 +95,7 @@ def test_bench_reports_shared_alone_when_unshared_runs_out_of_memory(monkeypatch
     assert len(rows) == 1 and rows[0]["unshared_out_of_memory"] and rows[0]["error"] is None
     assert rows[0]["shared"]["actor_ms"] > 0
     assert "| OOM |" in out and "the shared one was timed alone" in out
+    assert rows[0]["unshared"]["micro_batches"] == 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
