@@ -3,10 +3,11 @@
 A GDN layer's sequence mixing is a causal depthwise conv1d followed by the gated delta rule; both
 carry state along the sequence (the last W conv inputs, and the `[HV, K, V]` recurrent state). With
 prefix sharing a response does not see its prompt's tokens, it starts from its prompt's *final
-states*. `prefix_shared_gated_delta_net` runs each op twice per layer: once over all prompts
+states*. `prefix_shared_gated_delta_net` runs the delta rule twice per layer: once over all prompts
 (`output_final_state=True`) and once over all responses, whose initial states are the prompt states
 indexed by `plan.response_prompt` (`fork_states`). The fork is an `index_select`, so in the backward
 every response's state gradient is summed into its prompt's state: exactly the unshared gradient.
+The conv needs one call only: its state is the last W inputs, gathered from the prompt directly.
 
 Backends (`GDN_BACKENDS`): `torch_ref` (plain PyTorch, exact, any device), `fla` (fla-core Triton
 kernels, CUDA), `auto` (fla on CUDA, else torch_ref).
@@ -59,20 +60,26 @@ def fork_states(prompt_states: torch.Tensor, plan: GDNPlan) -> torch.Tensor:
 
 
 def forked_causal_conv1d(x, weight, bias, plan: GDNPlan, backend, activation="silu", fork: bool = True):
-    """Causal conv over compacted `x [L, D]`: prompts, then responses from their prompt's conv state.
+    """Causal conv over compacted `x [L, D]`, responses continuing from their prompt's conv state.
+
+    A conv state is only the last W raw *inputs*, which are known before the conv runs, so unlike the
+    delta rule this needs no second pass: one varlen call covers prompts and responses, each response
+    starting from its prompt's input tail (gathered with `prompt_tail_index`, so the backward adds
+    the responses' state gradients into the prompt's inputs). One call instead of two per layer
+    matters where the GPU work is small: each fla call costs about a millisecond of host time.
     `fork=False` starts responses from zeros (a deliberately wrong variant, for negative tests)."""
-    Lp = plan.num_prompt_tokens
-    has_responses = plan.num_responses > 0
-    y_p, state_p = backend.causal_conv1d(
-        x[:Lp], weight, bias, plan.cu_prompts, plan.cu_prompts_host, None, has_responses, activation
-    )
-    if not has_responses:
-        return y_p
-    init = fork_states(state_p, plan) if fork else None
-    y_r, _ = backend.causal_conv1d(
-        x[Lp:], weight, bias, plan.cu_responses, plan.cu_responses_host, init, False, activation
-    )
-    return torch.cat([y_p, y_r], dim=0)
+    if plan.num_responses == 0:
+        y, _ = backend.causal_conv1d(x, weight, bias, plan.cu_prompts, plan.cu_prompts_host, None, False, activation)
+        return y
+    init = None
+    if fork:
+        D, W = weight.shape
+        index, valid = plan.prompt_tail_index(W, x.device)
+        tails = x.index_select(0, index).view(-1, W, D) * valid.unsqueeze(-1).to(x.dtype)  # [Nr, W, D]
+        init = torch.cat([x.new_zeros(plan.num_prompts, D, W), tails.transpose(1, 2)])  # fla's [N, D, W]
+    cu, cu_host = plan.all_sequences(x.device)
+    y, _ = backend.causal_conv1d(x, weight, bias, cu, cu_host, init, False, activation)
+    return y
 
 
 def forked_gated_delta_rule(q, k, v, g, beta, scale, plan: GDNPlan, backend, fork: bool = True):

@@ -15,8 +15,8 @@ and the fork logic are shared.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -47,6 +47,7 @@ class GDNPlan:
     cu_prompts_host: List[int]
     cu_responses_host: List[int]
     response_prompt_host: List[int]
+    _cache: Dict[tuple, object] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_prompts(self) -> int:
@@ -59,6 +60,33 @@ class GDNPlan:
     @property
     def num_tokens(self) -> int:
         return self.num_prompt_tokens + self.cu_responses_host[-1]
+
+    def all_sequences(self, device) -> Tuple[torch.Tensor, List[int]]:
+        """`cu_seqlens` (device, host) of prompts and responses as one varlen batch: the compacted
+        tokens in order, prompts first."""
+        key = ("all_sequences", str(device))
+        if key not in self._cache:
+            host = self.cu_prompts_host + [self.num_prompt_tokens + c for c in self.cu_responses_host[1:]]
+            self._cache[key] = (torch.tensor(host, dtype=torch.long).to(device, non_blocking=True), host)
+        return self._cache[key]
+
+    def prompt_tail_index(self, width: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """For each response, the compacted positions of its prompt's last `width` tokens: a `[Nr * width]`
+        index and a `[Nr, width]` mask that is False where the prompt is shorter than `width` (those
+        entries of a causal-conv state are zeros). Built from the host lists: no device sync."""
+        key = ("prompt_tail", width, str(device))
+        if key not in self._cache:
+            index, valid = [], []
+            for p in self.response_prompt_host:
+                start, end = self.cu_prompts_host[p], self.cu_prompts_host[p + 1]
+                for pos in range(end - width, end):
+                    index.append(pos if pos >= start else start)
+                    valid.append(pos >= start)
+            self._cache[key] = (
+                torch.tensor(index, dtype=torch.long).to(device, non_blocking=True),
+                torch.tensor(valid, dtype=torch.bool).view(-1, width).to(device, non_blocking=True),
+            )
+        return self._cache[key]
 
 
 def build_plan(
