@@ -160,3 +160,27 @@ def test_context_and_virtual_pipeline_parallel_are_refused():
         check_parallel_settings(SimpleNamespace(context_parallel_size=2, virtual_pipeline_model_parallel_size=None))
     with pytest.raises(ValueError, match="virtual_pipeline_model_parallel_size=2"):
         check_parallel_settings(SimpleNamespace(context_parallel_size=1, virtual_pipeline_model_parallel_size=2))
+
+
+def test_float32_reference_model_has_exactly_the_bf16_weights(qwen2_checkpoint):
+    """The bench's and the GPU tests' float32 twin: the bf16 weights upcast bit for bit, torch_ref
+    kernels, no sharing; and it really runs in float32 (its log-probs differ from the bf16 run's)."""
+    from transformers import AutoConfig
+
+    from ps_bridge.compare import run_logprob_loss
+    from ps_bridge.config import PrefixSharingConfig
+    from ps_bridge.runtime import float32_reference_model, load_model
+    from ps_bridge.testing import grpo_like_samples
+
+    path, _ = qwen2_checkpoint
+    bf16 = load_model(path, PrefixSharingConfig(enabled=True, backend="torch_ref"), dtype=torch.bfloat16)
+    twin = float32_reference_model(bf16, AutoConfig.from_pretrained(path))
+    assert twin.dtype == torch.float32 and twin.config.backend == "torch_ref" and not twin.config.enabled
+    source = dict(bf16.model.named_parameters())
+    for name, p in twin.model.named_parameters():
+        assert p.dtype == torch.float32
+        assert torch.equal(p, source[name].float()), name
+    samples = grpo_like_samples(bf16.vocab_size, num_prompts=2, n=2)
+    lp_twin = run_logprob_loss(twin, samples, share=False, backward=False).logprobs
+    lp_bf16 = run_logprob_loss(bf16, samples, share=False, backward=False).logprobs
+    assert max(float((a - b.float()).abs().max()) for a, b in zip(lp_twin, lp_bf16)) > 1e-4
