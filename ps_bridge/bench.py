@@ -278,6 +278,17 @@ def _peak_mib(device: torch.device, fn) -> Optional[float]:
     return torch.cuda.max_memory_allocated() / 2**20
 
 
+def run_actor_step(loaded, layouts, masks, count: float, chunk: int) -> None:
+    """What the bench times as the actor step: for each micro-batch, forward, per-sample log-probs
+    and the backward of a masked mean log-prob loss over the `count` response tokens of all of them."""
+    from ps_bridge.logprobs import packed_row_logprobs_chunked
+    from ps_bridge.runtime import forward_logits
+
+    for layout, mask in zip(layouts, masks):
+        rows = packed_row_logprobs_chunked(forward_logits(loaded, layout), layout, chunk)
+        (-(rows * mask).sum() / count).backward()
+
+
 def run_mode(loaded, layouts, backend: str, warmup: int, repeats: int, chunk: int, progress) -> Tuple[ModeResult, torch.Tensor]:
     """Time one packing of the micro-batch; returns its timings and its response log-probs.
 
@@ -303,10 +314,7 @@ def run_mode(loaded, layouts, backend: str, warmup: int, repeats: int, chunk: in
                               for layout in layouts]
 
     def actor_step():
-        for layout, mask in zip(layouts, masks):
-            rows = packed_row_logprobs_chunked(forward_logits(loaded, layout), layout, chunk)
-            loss = -(rows * mask).sum() / count
-            loss.backward()
+        run_actor_step(loaded, layouts, masks, count, chunk)
 
     def zero_grad():
         model.zero_grad(set_to_none=True)
@@ -366,19 +374,14 @@ class Fp32Reference:
     def response_logprobs(self, unshared_layouts) -> torch.Tensor:
         """Response-token log-probs over the unshared micro-batches, in sample order."""
         from ps_bridge.logprobs import packed_row_logprobs_chunked
-        from ps_bridge.runtime import forward_logits
+        from ps_bridge.runtime import forward_logits, tf32_disabled
 
-        saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         out = []
-        try:
-            with torch.no_grad():
-                for layout in unshared_layouts:
-                    layout = layout.to(self.loaded.device)
-                    mask = response_row_mask(layout).to(self.loaded.device)
-                    out.append(packed_row_logprobs_chunked(forward_logits(self.loaded, layout), layout, self.chunk)[mask])
-        finally:
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+        with tf32_disabled(), torch.no_grad():
+            for layout in unshared_layouts:
+                layout = layout.to(self.loaded.device)
+                mask = response_row_mask(layout).to(self.loaded.device)
+                out.append(packed_row_logprobs_chunked(forward_logits(self.loaded, layout), layout, self.chunk)[mask])
         return torch.cat(out).double().cpu()
 
 

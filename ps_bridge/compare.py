@@ -60,6 +60,16 @@ def max_abs_diff(a: List[torch.Tensor], b: List[torch.Tensor]) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
+def total_relative_grad_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+    """||a - b|| / ||b|| with all parameters' gradients as one vector (float64 sums). Steadier than
+    the per-parameter maximum when a small parameter's gradient is rounding-dominated (bf16, TF32)."""
+    if set(a) != set(b):
+        raise ValueError(f"gradient sets differ: {sorted(set(a) ^ set(b))}")
+    diff_sq = sum(float((a[n].double() - b[n].double()).norm() ** 2) for n in b)
+    ref_sq = sum(float(b[n].double().norm() ** 2) for n in b)
+    return (diff_sq / ref_sq) ** 0.5
+
+
 def max_relative_grad_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
     """max over parameters of ||a - b|| / ||b|| (parameters with a zero reference gradient are
     compared absolutely). Under TP / PP each rank compares its own shards; the worst rank counts."""

@@ -6,6 +6,7 @@ This is the path the CLI, the demo and the tests share: HF checkpoint -> our Meg
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -195,10 +196,22 @@ def _provide_model(bridge, provider_name, config, dtype, tp, pp, sequence_parall
     )
 
 
+@contextlib.contextmanager
+def tf32_disabled():
+    """float32 matmuls and convolutions in true float32 (no TF32) inside the block; the previous
+    settings come back after it. For float32 reference runs on a GPU."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 def float32_reference_model(loaded: LoadedModel, hf_config) -> LoadedModel:
     """A float32 twin of a (bf16) model with exactly its weights (bf16 values upcast exactly) and the
     `torch_ref` attention and Gated DeltaNet kernels: the computation a bf16 run approximates.
-    Single rank (TP = PP = 1); run it with TF32 off to make it a true float32 reference."""
+    Single rank (TP = PP = 1); run it under `tf32_disabled()` to make it a true float32 reference."""
     if loaded.tp > 1 or loaded.pp > 1:
         raise ValueError("float32_reference_model builds a single-rank twin; got tp/pp > 1")
     config = PrefixSharingConfig(enabled=False, backend="torch_ref", gdn_backend="torch_ref", pad_multiple=1)

@@ -20,8 +20,7 @@ def main() -> None:
     from ps_bridge import bench
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.layout import build_layout
-    from ps_bridge.logprobs import packed_row_logprobs_chunked
-    from ps_bridge.runtime import forward_logits, load_model_from_hf_config
+    from ps_bridge.runtime import load_model_from_hf_config
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="qwen3.5-0.8b")
@@ -40,11 +39,11 @@ def main() -> None:
     for share in (False, True):
         layout = build_layout(samples, share=share, vocab_size=loaded.vocab_size).to(loaded.device)
         mask = bench.response_row_mask(layout).to(loaded.device)
+        count = float(mask.sum())
 
         def step():
             loaded.model.zero_grad(set_to_none=True)
-            rows = packed_row_logprobs_chunked(forward_logits(loaded, layout), layout, 1024)
-            (-(rows * mask).sum() / mask.sum()).backward()
+            bench.run_actor_step(loaded, [layout], [mask], count, 1024)
 
         for _ in range(3):
             step()

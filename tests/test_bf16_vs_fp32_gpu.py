@@ -45,25 +45,21 @@ def relative_errors(lp, grads, ref_lp, ref_grads):
     """(log-prob, all-gradient, worst-parameter) relative errors. The assertion uses the gradient
     of all parameters as one vector; a single small parameter's bf16 gradient is too noisy to
     compare two runs by (it is printed)."""
+    from ps_bridge.compare import total_relative_grad_diff
+
     lp_err = float((lp - ref_lp).norm() / ref_lp.norm())
-    diff_sq = sum(float((grads[n] - ref_grads[n]).double().norm() ** 2) for n in ref_grads)
-    ref_sq = sum(float(ref_grads[n].double().norm() ** 2) for n in ref_grads)
     worst = max(float((grads[n] - ref_grads[n]).norm() / ref_grads[n].norm().clamp(min=1e-12)) for n in ref_grads)
-    return lp_err, (diff_sq / ref_sq) ** 0.5, worst
+    return lp_err, total_relative_grad_diff(grads, ref_grads), worst
 
 
 def fp32_reference(loaded, hf_path, samples, weights):
     from transformers import AutoConfig
 
-    from ps_bridge.runtime import float32_reference_model
+    from ps_bridge.runtime import float32_reference_model, tf32_disabled
 
     twin = float32_reference_model(loaded, AutoConfig.from_pretrained(hf_path))
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
+    with tf32_disabled():
         return run(twin, samples, False, [w.float() for w in weights])
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def check_against_fp32(loaded, hf_path, samples, backends, label):

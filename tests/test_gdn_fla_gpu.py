@@ -80,6 +80,7 @@ def test_fla_matches_torch_ref(dtype):
 def test_model_fla_matches_torch_ref_and_sharing_is_exact(tmp_path):
     """Tiny Qwen3.5 on the GPU (fp32): fla vs torch_ref log-probs and gradients, and with fla,
     prefix-shared == unshared log-probs."""
+    from ps_bridge.compare import total_relative_grad_diff
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.logprobs import packed_row_logprobs, response_logprobs
     from ps_bridge.runtime import forward_logits, load_model
@@ -111,8 +112,7 @@ def test_model_fla_matches_torch_ref_and_sharing_is_exact(tmp_path):
     # is a small difference of large terms (the decay gate's A_log / dt_bias, GATE_FINDINGS.md) can be
     # noise-dominated on its own; the worst ones are printed
     per_param = {n: float((g_fla[n] - g_ref[n]).norm() / g_ref[n].norm().clamp(min=1e-30)) for n in g_ref}
-    total = float(sum((g_fla[n] - g_ref[n]).double().norm() ** 2 for n in g_ref) ** 0.5
-                  / sum(g_ref[n].double().norm() ** 2 for n in g_ref) ** 0.5)
+    total = total_relative_grad_diff(g_fla, g_ref)
     worst = sorted(per_param.items(), key=lambda kv: -kv[1])[:5]
     print(f"\n[model fp32] fla vs torch_ref log-probs {lp_diff:.3e}, all gradients rel {total:.3e}; "
           f"fla shared vs unshared log-probs {share_diff:.3e}; worst parameters "

@@ -77,8 +77,7 @@ def forked_causal_conv1d(x, weight, bias, plan: GDNPlan, backend, activation="si
         index, valid = plan.prompt_tail_index(W, x.device)
         tails = x.index_select(0, index).view(-1, W, D) * valid.unsqueeze(-1).to(x.dtype)  # [Nr, W, D]
         init = torch.cat([x.new_zeros(plan.num_prompts, D, W), tails.transpose(1, 2)])  # fla's [N, D, W]
-    cu, cu_host = plan.all_sequences(x.device)
-    y, _ = backend.causal_conv1d(x, weight, bias, cu, cu_host, init, False, activation)
+    y, _ = backend.causal_conv1d(x, weight, bias, plan.cu_all, plan.cu_all_host, init, False, activation)
     return y
 
 

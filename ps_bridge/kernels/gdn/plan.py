@@ -34,6 +34,8 @@ class GDNPlan:
     num_prompt_tokens:  compacted tokens that belong to prompts (the first block).
     cu_prompts:         `[Np + 1]` cumulative valid lengths of the prompt sequences (int64).
     cu_responses:       `[Nr + 1]` cumulative valid lengths of the response sequences, from 0.
+    cu_all:             `[Np + Nr + 1]` prompts and responses as one varlen batch (the compacted
+                        tokens in order): the conv runs on it in one call.
     response_prompt:    `[Nr]` index (among the prompt sequences) of each response's prompt.
     *_host:             the same as python lists, so the kernels need no device->host sync.
     """
@@ -43,9 +45,11 @@ class GDNPlan:
     num_prompt_tokens: int
     cu_prompts: torch.Tensor
     cu_responses: torch.Tensor
+    cu_all: torch.Tensor
     response_prompt: torch.Tensor
     cu_prompts_host: List[int]
     cu_responses_host: List[int]
+    cu_all_host: List[int]
     response_prompt_host: List[int]
     _cache: Dict[tuple, object] = field(default_factory=dict, repr=False, compare=False)
 
@@ -61,15 +65,6 @@ class GDNPlan:
     def num_tokens(self) -> int:
         return self.num_prompt_tokens + self.cu_responses_host[-1]
 
-    def all_sequences(self, device) -> Tuple[torch.Tensor, List[int]]:
-        """`cu_seqlens` (device, host) of prompts and responses as one varlen batch: the compacted
-        tokens in order, prompts first."""
-        key = ("all_sequences", str(device))
-        if key not in self._cache:
-            host = self.cu_prompts_host + [self.num_prompt_tokens + c for c in self.cu_responses_host[1:]]
-            self._cache[key] = (torch.tensor(host, dtype=torch.long).to(device, non_blocking=True), host)
-        return self._cache[key]
-
     def prompt_tail_index(self, width: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
         """For each response, the compacted positions of its prompt's last `width` tokens: a `[Nr * width]`
         index and a `[Nr, width]` mask that is False where the prompt is shorter than `width` (those
@@ -83,8 +78,8 @@ class GDNPlan:
                     index.append(pos if pos >= start else start)
                     valid.append(pos >= start)
             self._cache[key] = (
-                torch.tensor(index, dtype=torch.long).to(device, non_blocking=True),
-                torch.tensor(valid, dtype=torch.bool).view(-1, width).to(device, non_blocking=True),
+                torch.tensor(index, dtype=torch.long, device=device),
+                torch.tensor(valid, dtype=torch.bool, device=device).view(-1, width),
             )
         return self._cache[key]
 
@@ -121,15 +116,18 @@ def build_plan(
         gather_index = torch.cat([torch.arange(a, a + n, dtype=torch.long) for a, n in pieces]).to(device)
     cu_p = cumulative_offsets(valid_lengths[s] for s in prompts)
     cu_r = cumulative_offsets(valid_lengths[s] for s in responses)
+    cu_all = cumulative_offsets(valid_lengths[s] for s in order)
     return GDNPlan(
         gather_index=gather_index,
         num_input_tokens=int(num_input_tokens),
         num_prompt_tokens=cu_p[-1],
         cu_prompts=torch.tensor(cu_p, dtype=torch.long, device=device),
         cu_responses=torch.tensor(cu_r, dtype=torch.long, device=device),
+        cu_all=torch.tensor(cu_all, dtype=torch.long, device=device),
         response_prompt=torch.tensor(response_prompt, dtype=torch.long, device=device),
         cu_prompts_host=cu_p,
         cu_responses_host=cu_r,
+        cu_all_host=cu_all,
         response_prompt_host=response_prompt,
     )
 
