@@ -36,11 +36,6 @@ class PrefixSharedCoreAttention(MegatronModule):
         **kwargs,
     ):
         super().__init__(config=config)
-        if getattr(config, "context_parallel_size", 1) > 1:
-            raise ValueError(
-                "prefix sharing does not support context parallelism "
-                f"(context_parallel_size={config.context_parallel_size}); set it to 1"
-            )
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise ValueError(f"prefix-shared attention has no dropout; set attention_dropout=0 (got {dropout})")
@@ -76,7 +71,7 @@ class PrefixSharedCoreAttention(MegatronModule):
             )
         if attention_bias is not None:
             raise ValueError("prefix-shared attention does not take an attention bias")
-        backend = packed_seq_params.prefix_sharing_backend
+        backend = packed_seq_params.attention_backend
         if not self._announced or logger.isEnabledFor(logging.DEBUG):
             logger.info(
                 "[PS][attention][%s layer=%s] enter prefix-sharing path: backend=%s tokens=%d segments=%d groups=%d",

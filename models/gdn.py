@@ -5,9 +5,8 @@ replaces `forward`), so Megatron-Bridge's Qwen3.5 names apply unchanged: `in_pro
 `conv1d.weight`, `A_log`, `dt_bias`, `out_norm.weight`, `out_proj.weight`.
 
 `forward` takes the packed THD sequence (`[T, 1, hidden]`) with the prefix layout in
-`packed_seq_params` (the model path), or padded rows (`[S, B, hidden]`) with `PrefixSharedRows` in
-`packed_seq_params` (bshd: one row per prompt and per response, right-padded, each response row
-mapped to its prompt row). The sequence mixing (causal conv1d + gated delta rule) runs prompts
+`packed_seq_params` (verl's engine packs every micro-batch this way, whatever verl's data format).
+The sequence mixing (causal conv1d + gated delta rule) runs prompts
 first and then every response from its prompt's final states (`ps_bridge.kernels.gdn`). The
 backend is the config's `gdn_backend` (our providers set it; default `auto`).
 """
@@ -15,38 +14,21 @@ backend is the config's `gdn_backend` (our providers set it; default `auto`).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import List
-
 import torch
 import torch.nn.functional as F
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-from ps_bridge.kernels.gdn import plan_from_layout, plan_from_rows, prefix_shared_gated_delta_net, resolve_gdn_backend
+from ps_bridge.kernels.gdn import plan_from_layout, prefix_shared_gated_delta_net, resolve_gdn_backend
 from ps_bridge.models.packed_seq import require_prefix_layout
 from ps_bridge.parallel_info import rank_tag
 
 logger = logging.getLogger("ps_bridge")
 
 
-@dataclass
-class PrefixSharedRows:
-    """The bshd form: `row_lengths[b]` valid tokens in row b (right-padded); `response_prompt_row[b]`
-    is -1 for a prompt (or unshared) row, else the row of its prompt. Passed as `packed_seq_params`."""
-
-    row_lengths: List[int]
-    response_prompt_row: List[int]
-    qkv_format: str = "sbhd"
-
-
 class PrefixSharedGatedDeltaNet(GatedDeltaNet):
     def __init__(self, config, submodules, layer_number=None, pg_collection=None, **kwargs):
         super().__init__(config, submodules, layer_number=layer_number, pg_collection=pg_collection, **kwargs)
-        if self.cp_size > 1:
-            raise ValueError(
-                f"prefix sharing does not support context parallelism in Gated DeltaNet layers (cp={self.cp_size})"
-            )
         self._announced = False
         # The output norm is replicated across TP ranks but each rank normalises only its own value
         # heads, so its weight gradient is a partial sum over heads. megatron's
@@ -74,27 +56,20 @@ class PrefixSharedGatedDeltaNet(GatedDeltaNet):
     ):
         if inference_context is not None or inference_params is not None:
             raise NotImplementedError("prefix-shared Gated DeltaNet has no inference (KV/state cache) path")
-        rows = packed_seq_params if isinstance(packed_seq_params, PrefixSharedRows) else None
-        layout = None if rows else require_prefix_layout(packed_seq_params, "PrefixSharedGatedDeltaNet")
-        qkvzba, _ = self.in_proj(hidden_states)  # [S, B, local dims]; SP input is gathered here
+        layout = require_prefix_layout(packed_seq_params, "PrefixSharedGatedDeltaNet")
+        qkvzba, _ = self.in_proj(hidden_states)  # [T, 1, local dims]; SP input is gathered here
         S, B = qkvzba.shape[0], qkvzba.shape[1]
-        if rows is None:
-            if B != 1:
-                raise ValueError(
-                    f"prefix-shared Gated DeltaNet expects packed input [T, 1, hidden], got {tuple(hidden_states.shape)}"
-                )
-            if S != layout.num_tokens:
-                raise ValueError(
-                    f"prefix-shared Gated DeltaNet received {S} tokens but the packed layout has {layout.num_tokens}"
-                )
-            plan = plan_from_layout(layout, qkvzba.device)
-            what = f"tokens={layout.num_tokens} segments={layout.num_segments} groups={layout.num_groups}"
-        else:
-            if len(rows.row_lengths) != B:
-                raise ValueError(f"PrefixSharedRows describes {len(rows.row_lengths)} rows, the input has {B}")
-            plan = plan_from_rows(rows.row_lengths, S, rows.response_prompt_row, qkvzba.device)
-            what = f"bshd rows={B} width={S} prompts={plan.num_prompts}"
-        # row-major tokens [B * S, dims] (for THD, B = 1: the packed order itself)
+        if B != 1:
+            raise ValueError(
+                f"prefix-shared Gated DeltaNet expects packed input [T, 1, hidden], got {tuple(hidden_states.shape)}"
+            )
+        if S != layout.num_tokens:
+            raise ValueError(
+                f"prefix-shared Gated DeltaNet received {S} tokens but the packed layout has {layout.num_tokens}"
+            )
+        plan = plan_from_layout(layout, qkvzba.device)
+        what = f"tokens={layout.num_tokens} segments={layout.num_segments} groups={layout.num_groups}"
+        # tokens [T, dims] in packed order
         qkvzba = qkvzba.transpose(0, 1).reshape(B * S, -1)
         mixed_qkv, z, beta_logits, alpha = torch.split(qkvzba, self.feat_dim_split, dim=-1)
         # log decay in float32 at least, as HF and megatron compute it (float64 stays float64, so that

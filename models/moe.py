@@ -9,8 +9,9 @@ padding. The shared run then gives the unshared run's aux loss value and gradien
 itself (weights 1/0) gives megatron's own value whenever the pack has no padding (megatron counts
 padding tokens, we do not: their routing is meaningless).
 
-Weights reach the routers through a forward pre-hook on the model (`install_token_weight_hook`),
-which reads the layout from `packed_seq_params` on every call. Covered: "aux_loss" and
+The weights travel with the micro-batch in `packed_seq_params.moe_token_weights`; megatron's
+`MoELayer` is not handed `packed_seq_params`, so `PrefixSharedMoETransformerLayer` (megatron's
+`TransformerLayer`, whose MLP step receives it) gives them to its router for the MLP call. Covered: "aux_loss" and
 "global_aux_loss" (Qwen3.5's). Not covered, refused when active with prefix sharing:
 "seq_aux_loss" (per-sequence statistics), the z-loss and expert-bias token counts.
 """
@@ -24,18 +25,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
 from megatron.core.transformer.moe.router import TopKRouter
-
-
-def moe_token_weights(layout, device) -> torch.Tensor:
-    """`[T]` float32: group size for prompt tokens, 1 for response tokens, 0 for padding (cached).
-
-    A prompt segment stands for the prompts of all samples of its group (1 when unshared)."""
-
-    def build():
-        per_token = torch.where(layout.is_prompt, layout.group_size[layout.group_ids], 1)
-        return torch.where(layout.valid, per_token, 0).to(device=device, dtype=torch.float32)
-
-    return layout.derived(("moe_token_weights", str(device)), build)
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 
 class PrefixSharedTopKRouter(TopKRouter):
@@ -108,21 +98,14 @@ class PrefixSharedTopKRouter(TopKRouter):
         return super().apply_z_loss(logits, padding_mask)
 
 
-def install_token_weight_hook(model) -> int:
-    """Give the model's prefix-shared routers the layout's token weights on every forward call.
-    Returns the number of routers served (0: nothing installed)."""
-    routers = [m for m in model.modules() if isinstance(m, PrefixSharedTopKRouter)]
-    if not routers:
-        return 0
+class PrefixSharedMoETransformerLayer(TransformerLayer):
+    """megatron's `TransformerLayer` that hands the micro-batch's MoE token weights to its router
+    before the MLP step (a layer without a prefix-shared router is left alone)."""
 
-    def set_weights(module, args, kwargs):
-        layout = getattr(kwargs.get("packed_seq_params"), "prefix_layout", None)
-        weights = None
-        if layout is not None:
-            device = next(iter(routers)).weight.device
-            weights = moe_token_weights(layout, device)
-        for router in routers:
-            router.token_weights = weights
-
-    model.register_forward_pre_hook(set_weights, with_kwargs=True)
-    return len(routers)
+    def _forward_mlp(self, hidden_states, inference_context=None, padding_mask=None, packed_seq_params=None):
+        router = getattr(self.mlp, "router", None)
+        if not isinstance(router, PrefixSharedTopKRouter):
+            return super()._forward_mlp(hidden_states, inference_context, padding_mask, packed_seq_params)
+        # kept until the next call sets them, as the router's aux loss reads them in its forward
+        router.token_weights = getattr(packed_seq_params, "moe_token_weights", None)
+        return super()._forward_mlp(hidden_states, inference_context, padding_mask, packed_seq_params)

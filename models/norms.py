@@ -1,15 +1,24 @@
-"""Norms of the local (non-Transformer-Engine) layer spec that also work under sequence parallelism.
+"""Norms that need no Transformer Engine.
 
-megatron-core's `WrappedTorchNorm` refuses `sequence_parallel=True`: under SP each TP rank
-normalises only its share of the tokens, so the norm weights' gradients are partial sums that must
-be added across the TP group, and megatron finds those parameters by their `sequence_parallel`
-attribute. `TorchNormForSequenceParallel` builds the same torch module (`LayerNorm` / `RMSNorm`,
-same parameter names, so Megatron-Bridge's mappings are unchanged) and sets that attribute.
+- `TorchNormForSequenceParallel`: megatron-core's `WrappedTorchNorm` refuses `sequence_parallel=True`:
+  under SP each TP rank normalises only its share of the tokens, so the norm weights' gradients are
+  partial sums that must be added across the TP group, and megatron finds those parameters by their
+  `sequence_parallel` attribute. This builds the same torch module (`LayerNorm` / `RMSNorm`, same
+  parameter names, so Megatron-Bridge's mappings are unchanged) and sets that attribute.
+- `ZeroCenteredRMSNorm` (Qwen3.5): the scale is `1 + w` (HF `Qwen3_5RMSNorm` computes
+  `rmsnorm(x.float()) * (1 + w.float())`, weights initialised to 0). Megatron expresses the same
+  with `layernorm_zero_centered_gamma=True`, and Megatron-Bridge's Qwen3.5 mapping copies the weights
+  unchanged (AutoMapping) for the decoder norms and q/k norms, and subtracts 1 for the GDN output
+  norm, whose HF weight is a plain scale. megatron-core's local `WrappedTorchNorm` refuses
+  zero-centred gamma and TE's norm is not available everywhere. Its parameter is called `weight`,
+  like megatron's norms, so Megatron-Bridge's names apply (`input_layernorm.weight`,
+  `self_attention.q_layernorm.weight`, `self_attention.out_norm.weight`, ...).
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 
 class TorchNormForSequenceParallel:
@@ -40,3 +49,27 @@ def mark_sequence_parallel(module: torch.nn.Module, config) -> None:
     """Tag `module`'s parameters so their gradients are summed across TP when SP is on."""
     for param in module.parameters():
         param.sequence_parallel = bool(config.sequence_parallel)
+
+class ZeroCenteredRMSNorm(nn.Module):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **kwargs):
+        super().__init__()
+        if getattr(config, "normalization", "RMSNorm") != "RMSNorm":
+            raise ValueError(f"ZeroCenteredRMSNorm implements RMSNorm only, config asks for {config.normalization}")
+        if not getattr(config, "layernorm_zero_centered_gamma", True):
+            raise ValueError("ZeroCenteredRMSNorm needs layernorm_zero_centered_gamma=True in the config")
+        self.eps = eps
+        self.weight = nn.Parameter(
+            torch.zeros(hidden_size, dtype=config.params_dtype)
+        )
+        # with sequence parallelism each rank sees a shard of the tokens: the weight gradient must be
+        # all-reduced over the TP group, which megatron does for parameters flagged like this
+        setattr(self.weight, "sequence_parallel", bool(getattr(config, "sequence_parallel", False)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        acc = torch.promote_types(x.dtype, torch.float32)  # float32 at least; float64 stays float64
+        xf = x.to(acc)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.to(acc))).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, zero_centered_gamma=True"

@@ -1,8 +1,10 @@
-"""`PackedSeqParams` that also carries the prefix-shared layout.
+"""`PackedSeqParams` that carries everything a prefix-aware module needs from the micro-batch.
 
 megatron-core passes `packed_seq_params` untouched from `GPTModel.forward` to every layer, so a
-subclass with one extra field is how the layout reaches our attention (and GDN) modules without
-any global state.
+subclass with a few extra fields is how the micro-batch reaches our modules without any global
+state: the packed layout (attention pattern, positions, GDN segments), the softmax-attention backend
+by name, and the MoE routers' token weights (derived from the layout on first use). What is fixed
+when the model is built (the Gated DeltaNet backend) lives on the model's config instead.
 """
 
 from __future__ import annotations
@@ -10,18 +12,35 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from ps_bridge.layout import PackedPrefixLayout
 
 
+def moe_token_weights(layout: PackedPrefixLayout) -> torch.Tensor:
+    """`[T]` float32 on the layout's device: a prompt token stands for every sample of its group
+    (weight = group size; 1 when unshared), a response token for one, padding for none (cached)."""
+
+    def build():
+        per_token = torch.where(layout.is_prompt, layout.group_size[layout.group_ids], 1)
+        return torch.where(layout.valid, per_token, 0).to(torch.float32)
+
+    return layout.derived(("moe_token_weights", str(layout.device)), build)
+
+
 @dataclass
 class PrefixSharedPackedSeqParams(PackedSeqParams):
     prefix_layout: Optional[PackedPrefixLayout] = None
-    prefix_sharing_backend: str = "torch_ref"
+    attention_backend: str = "torch_ref"
+
+    @property
+    def moe_token_weights(self) -> torch.Tensor:
+        """Per-token weights of the MoE load-balancing statistics (see `models/moe.py`)."""
+        return moe_token_weights(self.prefix_layout)
 
     @classmethod
-    def from_layout(cls, layout: PackedPrefixLayout, backend: str = "torch_ref") -> "PrefixSharedPackedSeqParams":
+    def from_layout(cls, layout: PackedPrefixLayout, attention_backend: str = "torch_ref") -> "PrefixSharedPackedSeqParams":
         # megatron-core reads cu_seqlens only to apply RoPE (our attention and GDN read the layout).
         # Its THD RoPE loops over the packed sequences with a host sync per sequence; since our
         # RoPE table is already per token (PrefixSharedGPTModel), we present the whole pack as a
@@ -38,7 +57,7 @@ class PrefixSharedPackedSeqParams(PackedSeqParams):
             max_seqlen_q=T,
             max_seqlen_kv=T,
             prefix_layout=layout,
-            prefix_sharing_backend=backend,
+            attention_backend=attention_backend,
         )
 
 
@@ -46,8 +65,7 @@ def require_prefix_layout(packed_seq_params, where: str) -> PackedPrefixLayout:
     layout = getattr(packed_seq_params, "prefix_layout", None)
     if layout is None:
         raise ValueError(
-            f"{where} is prefix-aware and needs the packed prefix layout: call the model with "
-            "packed_seq_params=PrefixSharedPackedSeqParams.from_layout(layout) "
-            "(ps_bridge.models.packed_seq), not with plain padded or THD input"
+            f"{where} is prefix-aware and needs the packed prefix layout: run the model with "
+            "ps_bridge.forward.run_packed(model, layout, config), not with plain padded or THD input"
         )
     return layout

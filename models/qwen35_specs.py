@@ -7,7 +7,8 @@ it to the HF `layer_types` list: 1 = Gated DeltaNet, 0 = full attention) and the
 - full attention: megatron's `SelfAttention` (attention_output_gate, q/k norm and partial RoPE
   come from the config) with our prefix-aware core attention;
 - Gated DeltaNet: our `PrefixSharedGatedDeltaNet`;
-- MoE layers: megatron's local MoE with `PrefixSharedTopKRouter` (aux-loss token weights);
+- MoE layers: megatron's local MoE with `PrefixSharedTopKRouter` (aux-loss token weights), in a
+  `PrefixSharedMoETransformerLayer` that passes the micro-batch's token weights to the router;
 - every norm (input, pre-MLP, q/k, GDN out-norm, final) is our zero-centred RMSNorm; the input norm
   is a separate module (`input_layernorm.weight`), which Megatron-Bridge maps to HF's
   `input_layernorm.weight` through its fused/separate norm aliases.
@@ -31,8 +32,8 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from ps_bridge.models.attention import PrefixSharedCoreAttention
 from ps_bridge.models.gdn import PrefixSharedGatedDeltaNet
-from ps_bridge.models.moe import PrefixSharedTopKRouter
-from ps_bridge.models.norm import ZeroCenteredRMSNorm
+from ps_bridge.models.moe import PrefixSharedMoETransformerLayer, PrefixSharedTopKRouter
+from ps_bridge.models.norms import ZeroCenteredRMSNorm
 
 
 def _with_router(mlp, router):
@@ -59,7 +60,9 @@ def _layer_spec(config, moe: bool, gdn: bool) -> ModuleSpec:
     sub.input_layernorm = ZeroCenteredRMSNorm
     sub.pre_mlp_layernorm = ZeroCenteredRMSNorm
     if moe:
-        # prompt tokens weighted by their group size in the load-balancing statistics
+        # prompt tokens weighted by their group size in the load-balancing statistics; the layer
+        # hands the micro-batch's token weights to the router
+        spec.module = PrefixSharedMoETransformerLayer
         sub.mlp = _with_router(sub.mlp, PrefixSharedTopKRouter)
     if gdn:
         sub.self_attention = ModuleSpec(

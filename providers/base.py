@@ -1,45 +1,85 @@
 """What every prefix-aware provider adds to a Megatron-Bridge provider.
 
 A provider subclass changes only what prefix sharing changes: the layer spec (prefix-aware core
-attention), the model class (per-token RoPE positions) and the parallel settings it refuses.
+attention), the model class (per-token RoPE positions), the fusions that ignore per-token positions
+(off, here and only here) and the parallel settings it refuses (`ParallelSettings.check_supported`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from ps_bridge.models.gpt_model import PrefixSharedGPTModel
+from ps_bridge.parallel import ParallelSettings
+
+# Fused kernels the local (non-TE) spec has not on every device, or that ignore the per-token RoPE
+# table (responses continue their prompt's positions): off for every prefix-aware provider.
+FUSIONS_OFF = dict(
+    apply_rope_fusion=False,
+    bias_activation_fusion=False,
+    masked_softmax_fusion=False,
+    bias_dropout_fusion=False,
+    gradient_accumulation_fusion=False,
+)
 
 
-def check_parallel_settings(config) -> None:
-    """Refuse, when the model is built, the parallel settings prefix sharing does not support."""
-    cp = getattr(config, "context_parallel_size", 1) or 1
-    if cp > 1:
-        raise ValueError(
-            f"prefix sharing does not support context parallelism: context_parallel_size={cp}; "
-            "set context_parallel_size=1 (TP, sequence parallelism and physical PP are supported)"
-        )
-    vpp = getattr(config, "virtual_pipeline_model_parallel_size", None)
-    if vpp is not None and vpp > 1:
-        raise ValueError(
-            f"prefix sharing does not support virtual pipeline stages: "
-            f"virtual_pipeline_model_parallel_size={vpp}; leave it unset (physical PP is supported)"
-        )
+def prepare_for_prefix_sharing(provider) -> None:
+    """Before a prefix-aware provider builds its model: refuse unsupported parallel settings, turn
+    the fusions off, and keep our core attention (Megatron-Bridge's provide() swaps in megatron's own
+    when attention_backend is "local")."""
+    ParallelSettings.from_config(provider).check_supported()
+    for name, value in FUSIONS_OFF.items():
+        setattr(provider, name, value)
+    from megatron.core.transformer.enums import AttnBackend
+
+    if getattr(provider, "attention_backend", None) == AttnBackend.local:
+        provider.attention_backend = AttnBackend.auto
 
 
-class PrefixSharedProviderMixin:
+class PrefixSharingProviderBase:
+    """Mixed into every prefix-aware provider: the fusions are off before megatron validates the config."""
+
+    def finalize(self):
+        for name, value in FUSIONS_OFF.items():
+            setattr(self, name, value)
+        return super().finalize()
+
+
+class PrefixSharedProviderMixin(PrefixSharingProviderBase):
     """Mixed into a `GPTModelProvider` subclass (a dataclass): builds `PrefixSharedGPTModel`."""
 
     def provide(self, pre_process=None, post_process=None, vp_stage=None):
-        check_parallel_settings(self)
-        # Megatron-Bridge's provide() swaps in megatron's own core attention when
-        # attention_backend is "local"; our spec must keep its prefix-aware core attention.
-        from megatron.core.transformer.enums import AttnBackend
-
-        if self.attention_backend == AttnBackend.local:
-            self.attention_backend = AttnBackend.auto
+        prepare_for_prefix_sharing(self)
         model = super().provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
         # PrefixSharedGPTModel only overrides _preprocess and adds no state, so re-classing the
         # stock-built GPTModel keeps Megatron-Bridge's whole construction path unchanged.
         model.__class__ = PrefixSharedGPTModel
         return model
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One row of a family's registration table: the only place its HF architectures are listed."""
+
+    name: str  # our registry name (`PS_BRIDGE_PROVIDER`, `--provider`)
+    source: object  # the HF architecture, as Megatron-Bridge's register_bridge takes it: class or class name
+    target: type  # the Megatron model class
+    provider: type  # our provider
+    model_type: str  # HF model_type
+    bridge: type  # our bridge
+
+    @property
+    def hf_architecture(self) -> str:
+        return self.source if isinstance(self.source, str) else self.source.__name__
+
+
+def register_table(rows: Sequence[Registration]) -> None:
+    """Register a family's bridges with Megatron-Bridge; its dispatch takes the last registration,
+    so ours replace the stock bridges of the same architectures."""
+    from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+
+    for row in rows:
+        MegatronModelBridge.register_bridge(
+            source=row.source, target=row.target, provider=row.provider, model_type=row.model_type
+        )(row.bridge)

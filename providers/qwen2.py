@@ -15,30 +15,27 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ps_bridge.models.specs import prefix_shared_gpt_layer_spec
-from ps_bridge.providers.base import PrefixSharedProviderMixin
+from transformers import Qwen2ForCausalLM
 
-HF_ARCHITECTURES = ("Qwen2ForCausalLM",)
+from ps_bridge.providers.base import PrefixSharedProviderMixin, Registration, register_table
 
 
 @dataclass
 class PrefixSharedQwen2Provider(PrefixSharedProviderMixin, GPTModelProvider):
     transformer_layer_spec: Union[ModuleSpec, Callable] = prefix_shared_gpt_layer_spec
-    # the local spec has no fused bias+activation / rope kernels on every device
-    apply_rope_fusion: bool = False
-    bias_activation_fusion: bool = False
-    masked_softmax_fusion: bool = False
-    bias_dropout_fusion: bool = False
-    gradient_accumulation_fusion: bool = False
 
 
 class PrefixSharedQwen2Bridge(Qwen2Bridge):
     """Qwen2Bridge with our provider class; mapping and config translation inherited."""
 
 
-def register() -> None:
-    from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
-    from transformers import Qwen2ForCausalLM
+# the only list of this family's HF architectures: registry name, HF architecture, Megatron model,
+# our provider, HF model_type, our bridge
+REGISTRATIONS = (
+    Registration("qwen2.5", Qwen2ForCausalLM, GPTModel, PrefixSharedQwen2Provider, "qwen2", PrefixSharedQwen2Bridge),
+)
 
-    MegatronModelBridge.register_bridge(
-        source=Qwen2ForCausalLM, target=GPTModel, provider=PrefixSharedQwen2Provider, model_type="qwen2"
-    )(PrefixSharedQwen2Bridge)
+
+def register(gdn_backend: str = "auto") -> None:
+    """Register this family's bridges (Qwen2.5 has no Gated DeltaNet: `gdn_backend` is unused)."""
+    register_table(REGISTRATIONS)

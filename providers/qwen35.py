@@ -4,7 +4,8 @@ What changes against Megatron-Bridge, and only that:
 - the layer spec: `prefix_shared_qwen35_block_spec` (prefix-aware full attention and Gated DeltaNet,
   zero-centred RMSNorm without TE), built from the same config (`layer_types` -> pattern);
 - the model class: `PrefixSharedGPTModel` (RoPE at the layout's per-token positions);
-- `gdn_backend` (from `PS_BRIDGE_GDN_BACKEND`, default `auto`), checked when the model is built;
+- `gdn_backend` (the run's `PrefixSharingConfig.gdn_backend`, given to the bridges when they are
+  registered; default `auto`), checked when the model is built;
 - no multi-token-prediction (MTP) head: it is not prefix-aware and not used for log-probs
   (transformers' Qwen3.5 classes drop it too); `mtp.*` weights are skipped;
 - MoE experts as megatron's SequentialMLP with unfused permutation (the local spec; Megatron-Bridge's
@@ -18,8 +19,7 @@ load, export and refit see the stock names.
 from __future__ import annotations
 
 import logging
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Union
 
 import torch
@@ -30,27 +30,18 @@ from megatron.bridge.models.qwen_vl.qwen35_vl_provider import Qwen35VLModelProvi
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from ps_bridge.config import ENV_GDN_BACKEND
 from ps_bridge.kernels.gdn import check_gdn_backend_usable
-from ps_bridge.models.moe import install_token_weight_hook
 from ps_bridge.models.qwen35_specs import prefix_shared_qwen35_block_spec
 from ps_bridge.models.qwen35_vl import PrefixSharedQwen35VLModel, local_vision_tower
-from ps_bridge.providers.base import PrefixSharedProviderMixin, check_parallel_settings
-
-logger = logging.getLogger("ps_bridge")
-
-# one module serves both registry entries ("qwen3.5" and "qwen3.5-moe")
-HF_ARCHITECTURES = (
-    "Qwen3_5ForCausalLM",
-    "Qwen3_5ForConditionalGeneration",
-    "Qwen3_5MoeForCausalLM",
-    "Qwen3_5MoeForConditionalGeneration",
+from ps_bridge.providers.base import (
+    PrefixSharedProviderMixin,
+    PrefixSharingProviderBase,
+    Registration,
+    prepare_for_prefix_sharing,
+    register_table,
 )
 
-
-def _gdn_backend_from_env() -> str:
-    return os.environ.get(ENV_GDN_BACKEND) or "auto"
-
+logger = logging.getLogger("ps_bridge")
 
 def _build_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -61,25 +52,18 @@ class PrefixSharedQwen35ProviderMixin(PrefixSharedProviderMixin):
 
     def provide(self, pre_process=None, post_process=None, vp_stage=None):
         check_gdn_backend_usable(self.gdn_backend, _build_device())
-        model = super().provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
-        install_token_weight_hook(model)
-        return model
+        return super().provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
 
 
 @dataclass
 class PrefixSharedQwen35Provider(PrefixSharedQwen35ProviderMixin, GPTModelProvider):
     transformer_layer_spec: Union[ModuleSpec, Callable] = prefix_shared_qwen35_block_spec
-    gdn_backend: str = field(default_factory=_gdn_backend_from_env)
-    # the local spec has no fused bias+activation / rope kernels on every device
-    apply_rope_fusion: bool = False
-    bias_activation_fusion: bool = False
-    masked_softmax_fusion: bool = False
-    bias_dropout_fusion: bool = False
-    gradient_accumulation_fusion: bool = False
+    gdn_backend: str = "auto"
 
 
-def make_prefix_shared(provider) -> None:
+def make_prefix_shared(provider, gdn_backend: str) -> None:
     """What our bridges change on the provider Megatron-Bridge's Qwen3.5 bridge configured."""
+    provider.gdn_backend = gdn_backend
     if getattr(provider, "mtp_num_layers", None):
         # The multi-token-prediction head is not prefix-aware and plays no part in log-probs or
         # the policy loss; like transformers' Qwen3.5 classes (which ignore `mtp.*`), we do not
@@ -91,8 +75,6 @@ def make_prefix_shared(provider) -> None:
         )
         provider.mtp_num_layers = None
     provider.transformer_layer_spec = prefix_shared_qwen35_block_spec
-    # the fused RoPE kernel ignores the per-token position table (responses continue the prompt)
-    provider.apply_rope_fusion = False
     if provider.num_moe_experts:
         provider.moe_grouped_gemm = False
         provider.moe_permute_fusion = False
@@ -102,7 +84,7 @@ def make_prefix_shared(provider) -> None:
             provider.moe_token_dispatcher_type = "allgather"
 
 
-class PrefixSharedQwen35VLProviderMixin:
+class PrefixSharedQwen35VLProviderMixin(PrefixSharingProviderBase):
     """For the ConditionalGeneration providers (`Qwen3VLModel`): our language spec, the vision tower
     unchanged (local modules where TE is absent), text positions from the layout."""
 
@@ -110,63 +92,74 @@ class PrefixSharedQwen35VLProviderMixin:
         return prefix_shared_qwen35_block_spec(self, vp_stage=vp_stage, pp_rank=pp_rank)
 
     def provide(self, pre_process=None, post_process=None, vp_stage=None):
-        check_parallel_settings(self)
+        prepare_for_prefix_sharing(self)
         check_gdn_backend_usable(self.gdn_backend, _build_device())
         with local_vision_tower():
             model = super().provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
         # only forward() differs and it adds no state: re-class the stock-built model
         model.__class__ = PrefixSharedQwen35VLModel
-        install_token_weight_hook(model)
         return model
 
 
 @dataclass
 class PrefixSharedQwen35VLProvider(PrefixSharedQwen35VLProviderMixin, Qwen35VLModelProvider):
-    gdn_backend: str = field(default_factory=_gdn_backend_from_env)
+    gdn_backend: str = "auto"
 
 
 @dataclass
 class PrefixSharedQwen35VLMoEProvider(PrefixSharedQwen35VLProviderMixin, Qwen35VLMoEModelProvider):
-    gdn_backend: str = field(default_factory=_gdn_backend_from_env)
+    gdn_backend: str = "auto"
 
 
-def as_prefix_shared_vl(provider, cls):
-    """Megatron-Bridge's VL bridges instantiate their provider class directly; give the configured
-    instance our subclass (which only adds methods and `gdn_backend`)."""
-    provider.__class__ = cls
-    provider.gdn_backend = _gdn_backend_from_env()
-    make_prefix_shared(provider)
-    return provider
+class PrefixSharedQwen35BridgeMixin:
+    """Our bridges: Megatron-Bridge's Qwen3.5 bridge (mapping and config translation), then what
+    prefix sharing changes on the provider it configured. `gdn_backend` is set by `register`."""
 
-
-class PrefixSharedQwen35VLBridge(Qwen35VLBridge):
-    def provider_bridge(self, hf_pretrained):
-        return as_prefix_shared_vl(super().provider_bridge(hf_pretrained), PrefixSharedQwen35VLProvider)
-
-
-class PrefixSharedQwen35VLMoEBridge(Qwen35VLMoEBridge):
-    def provider_bridge(self, hf_pretrained):
-        return as_prefix_shared_vl(super().provider_bridge(hf_pretrained), PrefixSharedQwen35VLMoEProvider)
-
-
-class PrefixSharedQwen35Bridge(Qwen35Bridge):
-    """Qwen35Bridge (mapping and config translation) building our provider and spec."""
+    gdn_backend: str = "auto"
+    vl_provider_class: type = None  # the VL bridges instantiate their provider class directly
 
     def provider_bridge(self, hf_pretrained):
         provider = super().provider_bridge(hf_pretrained)
-        make_prefix_shared(provider)
+        if self.vl_provider_class is not None:
+            provider.__class__ = self.vl_provider_class  # our subclass only adds methods and gdn_backend
+        make_prefix_shared(provider, self.gdn_backend)
         return provider
 
 
-class PrefixSharedQwen35MoEBridge(Qwen35MoEBridge):
-    def provider_bridge(self, hf_pretrained):
-        provider = super().provider_bridge(hf_pretrained)
-        make_prefix_shared(provider)
-        return provider
+class PrefixSharedQwen35Bridge(PrefixSharedQwen35BridgeMixin, Qwen35Bridge):
+    pass
 
 
-def register() -> None:
-    from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+class PrefixSharedQwen35MoEBridge(PrefixSharedQwen35BridgeMixin, Qwen35MoEBridge):
+    pass
+
+
+class PrefixSharedQwen35VLBridge(PrefixSharedQwen35BridgeMixin, Qwen35VLBridge):
+    vl_provider_class = PrefixSharedQwen35VLProvider
+
+
+class PrefixSharedQwen35VLMoEBridge(PrefixSharedQwen35BridgeMixin, Qwen35VLMoEBridge):
+    vl_provider_class = PrefixSharedQwen35VLMoEProvider
+
+
+def _registrations():
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model import Qwen3VLModel
+
+    # the only list of this family's HF architectures: registry name, HF architecture, Megatron
+    # model, our provider, HF model_type, our bridge
+    return (
+        Registration("qwen3.5", "Qwen3_5ForCausalLM", GPTModel, PrefixSharedQwen35Provider, "qwen3_5_text", PrefixSharedQwen35Bridge),
+        Registration("qwen3.5", "Qwen3_5ForConditionalGeneration", Qwen3VLModel, PrefixSharedQwen35VLProvider, "qwen3_5", PrefixSharedQwen35VLBridge),
+        Registration("qwen3.5-moe", "Qwen3_5MoeForCausalLM", GPTModel, PrefixSharedQwen35Provider, "qwen3_5_moe_text", PrefixSharedQwen35MoEBridge),
+        Registration("qwen3.5-moe", "Qwen3_5MoeForConditionalGeneration", Qwen3VLModel, PrefixSharedQwen35VLMoEProvider, "qwen3_5_moe", PrefixSharedQwen35VLMoEBridge),
+    )
+
+
+REGISTRATIONS = _registrations()
+
+
+def register(gdn_backend: str = "auto") -> None:
+    """Register this family's bridges; the providers they build use `gdn_backend`."""
     from megatron.bridge.models.conversion.param_mapping import AutoMapping
 
     # Megatron-Bridge picks the TP split of an AutoMapping from the owning module's class name;
@@ -174,15 +167,5 @@ def register() -> None:
     AutoMapping.register_module_type("ZeroCenteredRMSNorm", "replicated")
     AutoMapping.register_module_type("PrefixSharedGatedDeltaNet", "column")
     AutoMapping.register_module_type("PrefixSharedTopKRouter", "replicated")
-
-    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model import Qwen3VLModel
-
-    # (HF architecture, Megatron model, our provider, HF model_type, our bridge); the last
-    # registration wins in Megatron-Bridge's dispatch, so these replace the stock Qwen3.5 bridges
-    for source, target, provider, model_type, bridge in (
-        ("Qwen3_5ForCausalLM", GPTModel, PrefixSharedQwen35Provider, "qwen3_5_text", PrefixSharedQwen35Bridge),
-        ("Qwen3_5MoeForCausalLM", GPTModel, PrefixSharedQwen35Provider, "qwen3_5_moe_text", PrefixSharedQwen35MoEBridge),
-        ("Qwen3_5ForConditionalGeneration", Qwen3VLModel, PrefixSharedQwen35VLProvider, "qwen3_5", PrefixSharedQwen35VLBridge),
-        ("Qwen3_5MoeForConditionalGeneration", Qwen3VLModel, PrefixSharedQwen35VLMoEProvider, "qwen3_5_moe", PrefixSharedQwen35VLMoEBridge),
-    ):
-        MegatronModelBridge.register_bridge(source=source, target=target, provider=provider, model_type=model_type)(bridge)
+    PrefixSharedQwen35BridgeMixin.gdn_backend = gdn_backend
+    register_table(REGISTRATIONS)

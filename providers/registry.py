@@ -1,8 +1,11 @@
 """Provider registry: our prefix-aware providers by name.
 
 A name is chosen explicitly (`PrefixSharingConfig.provider`, `PS_BRIDGE_PROVIDER`, `--provider`)
-or detected from the Hugging Face config's `architectures`. Registering makes Megatron-Bridge's
-`AutoBridge` dispatch those architectures to our bridges (the registry's last registration wins).
+or detected from the Hugging Face config's `architectures`. Each family module
+(`ps_bridge.providers.<family>`) holds a registration table (`REGISTRATIONS`), the only list of the
+HF architectures it serves; this registry knows the families and their names. Registering makes
+Megatron-Bridge's `AutoBridge` dispatch those architectures to our bridges (the registry's last
+registration wins).
 """
 
 from __future__ import annotations
@@ -15,8 +18,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 @dataclass(frozen=True)
 class ProviderEntry:
     name: str
-    module: str  # ps_bridge.providers.<family>; has HF_ARCHITECTURES and register()
-    hf_architectures: Tuple[str, ...]
+    module: str  # ps_bridge.providers.<family>: REGISTRATIONS and register()
     description: str
 
     def load(self):
@@ -25,38 +27,25 @@ class ProviderEntry:
         import_megatron_bridge()
         return importlib.import_module(self.module)
 
-
-_ENTRIES: Dict[str, ProviderEntry] = {}
-
-
-def add_provider(entry: ProviderEntry) -> None:
-    _ENTRIES[entry.name] = entry
+    @property
+    def hf_architectures(self) -> Tuple[str, ...]:
+        return tuple(row.hf_architecture for row in self.load().REGISTRATIONS if row.name == self.name)
 
 
-add_provider(
-    ProviderEntry(
-        name="qwen2.5",
-        module="ps_bridge.providers.qwen2",
-        hf_architectures=("Qwen2ForCausalLM",),
-        description="Qwen2 / Qwen2.5 dense causal LM",
+_ENTRIES: Dict[str, ProviderEntry] = {
+    entry.name: entry
+    for entry in (
+        ProviderEntry("qwen2.5", "ps_bridge.providers.qwen2", "Qwen2 / Qwen2.5 dense causal LM"),
+        ProviderEntry(
+            "qwen3.5", "ps_bridge.providers.qwen35",
+            "Qwen3.5 dense (Gated DeltaNet + gated attention), text and official VL checkpoints",
+        ),
+        ProviderEntry(
+            "qwen3.5-moe", "ps_bridge.providers.qwen35",
+            "Qwen3.5 MoE (Gated DeltaNet + gated attention), text and official VL checkpoints",
+        ),
     )
-)
-add_provider(
-    ProviderEntry(
-        name="qwen3.5",
-        module="ps_bridge.providers.qwen35",
-        hf_architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
-        description="Qwen3.5 dense (Gated DeltaNet + gated attention), text and official VL checkpoints",
-    )
-)
-add_provider(
-    ProviderEntry(
-        name="qwen3.5-moe",
-        module="ps_bridge.providers.qwen35",
-        hf_architectures=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
-        description="Qwen3.5 MoE (Gated DeltaNet + gated attention), text and official VL checkpoints",
-    )
-)
+}
 
 
 def provider_names() -> List[str]:
@@ -93,7 +82,13 @@ def resolve_provider(name: Optional[str], hf_architectures: Sequence[str]) -> Pr
     )
 
 
-def register_all() -> None:
-    """Register every provider's bridge with Megatron-Bridge (idempotent)."""
-    for entry in _ENTRIES.values():
-        entry.load().register()
+def register_all(config=None) -> None:
+    """Register every family's bridges with Megatron-Bridge (idempotent). `config` (the run's
+    `PrefixSharingConfig`) gives the bridges what they set on the providers they build: the Gated
+    DeltaNet backend (`auto` when no config is given)."""
+    gdn_backend = getattr(config, "gdn_backend", None) or "auto"
+    from ps_bridge.compat.te_placeholder import import_megatron_bridge
+
+    import_megatron_bridge()
+    for module in sorted({e.module for e in _ENTRIES.values()}):
+        importlib.import_module(module).register(gdn_backend=gdn_backend)

@@ -84,7 +84,7 @@ def max_relative_grad_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor
 
 
 def hf_logprobs(hf_model, samples: List[Sample]) -> List[torch.Tensor]:
-    from ps_bridge.testing import hf_sample_logprobs
+    from ps_bridge.tiny_checkpoints import hf_sample_logprobs
 
     with torch.no_grad():
         return hf_sample_logprobs(hf_model, samples)
@@ -117,7 +117,7 @@ def hf_gradient_difference(loaded: LoadedModel, hf_model: torch.nn.Module, sampl
     norm of HF's gradient) per parameter HF gives a non-zero gradient, their maximum, and the max
     absolute gradient among the rest (parameters the loss does not reach, e.g. a vision tower)."""
     from ps_bridge.parallel import hf_named_gradients
-    from ps_bridge.testing import hf_sample_logprobs
+    from ps_bridge.tiny_checkpoints import hf_sample_logprobs
 
     shared = run_logprob_loss(loaded, samples, share=True, seed=seed)
     for name, p in loaded.model.named_parameters():

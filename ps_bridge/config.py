@@ -1,9 +1,11 @@
-"""User-facing switch and knobs of prefix sharing.
+"""User-facing switch and knobs of prefix sharing, and the only reader of the project's environment.
 
 `PrefixSharingConfig` is the one object the rest of the code reads. It is built explicitly, or
-from the environment (`ENABLE_PREFIX_SHARING=1`, `PS_BRIDGE_BACKEND`, `PS_BRIDGE_PROVIDER`), and
-validates names at construction so that a typo fails here, with the valid choices, rather than
-deep inside a forward pass.
+from the environment (`ENABLE_PREFIX_SHARING=1`, `PS_BRIDGE_BACKEND`, `PS_BRIDGE_PROVIDER`,
+`PS_BRIDGE_GDN_BACKEND`), and validates names at construction so that a typo fails here, with the
+valid choices, rather than deep inside a forward pass. `PS_BRIDGE_LOG_LEVEL` (the `[PS]` lines under
+verl) is read here too. torchrun's own variables are read where the process group is set up
+(`ps_bridge.parallel`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ ENV_ENABLE = "ENABLE_PREFIX_SHARING"
 ENV_BACKEND = "PS_BRIDGE_BACKEND"
 ENV_PROVIDER = "PS_BRIDGE_PROVIDER"
 ENV_GDN_BACKEND = "PS_BRIDGE_GDN_BACKEND"
+ENV_LOG_LEVEL = "PS_BRIDGE_LOG_LEVEL"
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -78,7 +81,8 @@ class PrefixSharingConfig:
 
     @classmethod
     def from_env(cls, **overrides) -> "PrefixSharingConfig":
-        """Read `ENABLE_PREFIX_SHARING`, `PS_BRIDGE_BACKEND`, `PS_BRIDGE_PROVIDER`; overrides win."""
+        """Read `ENABLE_PREFIX_SHARING`, `PS_BRIDGE_BACKEND`, `PS_BRIDGE_PROVIDER`,
+        `PS_BRIDGE_GDN_BACKEND`; overrides win."""
         values = dict(
             enabled=_env_flag(ENV_ENABLE),
             backend=os.environ.get(ENV_BACKEND) or "torch_ref",
@@ -87,3 +91,8 @@ class PrefixSharingConfig:
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+
+def log_level_from_env(default: str = "INFO") -> str:
+    """`PS_BRIDGE_LOG_LEVEL` (the level of the `ps_bridge` logger under verl), upper case."""
+    return (os.environ.get(ENV_LOG_LEVEL) or default).upper()

@@ -14,7 +14,7 @@ import tempfile
 
 def add_demo_arguments(parser) -> None:
     from ps_bridge.parallel import add_parallel_arguments
-    from ps_bridge.testing import TINY_BUILDERS
+    from ps_bridge.tiny_checkpoints import TINY_BUILDERS
 
     parser.add_argument("--model", default="qwen2.5", choices=sorted(TINY_BUILDERS), help="model family")
     parser.add_argument("--prompts", type=int, default=3, help="number of prompts (groups)")
@@ -36,7 +36,7 @@ def demo_result(
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.parallel import is_output_rank
     from ps_bridge.runtime import load_model
-    from ps_bridge.testing import TINY_BUILDERS, grpo_like_samples
+    from ps_bridge.tiny_checkpoints import TINY_BUILDERS, grpo_like_samples
 
     with tempfile.TemporaryDirectory(prefix="ps-bridge-demo-") as path:
         hf_model = TINY_BUILDERS[model](path, seed=seed)

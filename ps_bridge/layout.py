@@ -137,6 +137,10 @@ class PackedPrefixLayout:
             cache[key] = build()
         return cache[key]
 
+    def host_lengths(self, name: str) -> List[int]:
+        """A per-sample tensor field (`sample_prompt_length`, ...) as a host list, read once."""
+        return self.derived(("host", name), lambda: getattr(self, name).tolist())
+
     def to(self, device) -> "PackedPrefixLayout":
         """Move the tensors to `device`; host copies stay on the CPU."""
         moved = {}

@@ -2,9 +2,10 @@
 
 Prefix sharing supports tensor parallelism (TP), TP-bound sequence parallelism (SP) and physical
 pipeline parallelism (PP); it refuses context parallelism (CP) and virtual pipeline stages. The
-model is parallelised from outside, by megatron-core: this module only checks the settings up
-front (so a refused setting fails before any process group exists, on every rank alike, without
-hanging), finishes gradients the way megatron's `finalize_model_grads` would without a DDP wrapper,
+model is parallelised from outside, by megatron-core: this module checks the settings up front
+(`ParallelSettings.check_supported`, the one place that knows what is refused; a refused setting
+fails before any process group exists, on every rank alike, without hanging), sets up the process
+groups, finishes gradients the way megatron's `finalize_model_grads` would without a DDP wrapper,
 and gathers sharded gradients under Hugging Face names for comparisons.
 """
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Dict, Optional
 
 import torch
@@ -26,11 +26,24 @@ class ParallelSettings:
     cp: int = 1
     sequence_parallel: bool = False
     vpp: Optional[int] = None
+    dynamic_cp: bool = False
 
-    def check(self, world_size: Optional[int] = None) -> None:
-        """Raise ValueError naming the setting if prefix sharing or this world cannot run it."""
-        from ps_bridge.providers.base import check_parallel_settings
+    @classmethod
+    def from_config(cls, config) -> "ParallelSettings":
+        """The settings of a megatron `TransformerConfig` / provider, or of verl's `McoreEngineConfig`."""
+        return cls(
+            tp=getattr(config, "tensor_model_parallel_size", 1) or 1,
+            pp=getattr(config, "pipeline_model_parallel_size", 1) or 1,
+            cp=getattr(config, "context_parallel_size", 1) or 1,
+            sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
+            vpp=getattr(config, "virtual_pipeline_model_parallel_size", None),
+            dynamic_cp=bool(getattr(config, "dynamic_context_parallel", False)),
+        )
 
+    def check_supported(self) -> None:
+        """Refuse, naming the setting and the fix, what prefix sharing does not support. The only
+        place that knows: the CLI (before any process group), our providers (when the model is
+        built) and the verl engine (before it builds anything) all call this."""
         sizes = (
             ("tensor_model_parallel_size", self.tp),
             ("pipeline_model_parallel_size", self.pp),
@@ -39,11 +52,23 @@ class ParallelSettings:
         for name, value in sizes:
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        check_parallel_settings(
-            SimpleNamespace(context_parallel_size=self.cp, virtual_pipeline_model_parallel_size=self.vpp)
-        )
+        if self.cp > 1 or self.dynamic_cp:
+            raise ValueError(
+                f"prefix sharing does not support context parallelism: context_parallel_size={self.cp}"
+                f"{', dynamic_context_parallel=True' if self.dynamic_cp else ''}; set context_parallel_size=1 "
+                "(TP, sequence parallelism and physical PP are supported)"
+            )
+        if self.vpp is not None and self.vpp > 1:
+            raise ValueError(
+                f"prefix sharing does not support virtual pipeline stages: "
+                f"virtual_pipeline_model_parallel_size={self.vpp}; leave it unset (physical PP is supported)"
+            )
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1 (SP is bound to TP)")
+
+    def check(self, world_size: Optional[int] = None) -> None:
+        """`check_supported`, and that the world (torchrun's, by default) can hold the settings."""
+        self.check_supported()
         world_size = launched_world_size() if world_size is None else world_size
         model_parallel = self.tp * self.pp * self.cp
         if world_size % model_parallel:
@@ -53,11 +78,45 @@ class ParallelSettings:
             )
 
 
+# ---- process groups (torchrun's variables are read here) ------------------------------------------
+
+
 def launched_world_size() -> int:
     """The world size torchrun launched (1 when run as a plain process)."""
     if dist.is_initialized():
         return dist.get_world_size()
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234) -> None:
+    """torch.distributed (gloo on CPU, NCCL on GPU; world size 1 when not launched by torchrun) and
+    megatron's model-parallel groups, seeded; idempotent."""
+    from ps_bridge.compat import cuda_on_cpu
+
+    cuda_on_cpu.enable()
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:  # launched by torchrun
+            dist.init_process_group(backend)
+        else:  # a single process: a private store on a free port, the environment left alone
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+        )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def is_output_rank() -> bool:
@@ -155,7 +214,7 @@ def add_parallel_arguments(parser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (physical stages)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
-    parser.add_argument("--cp", type=int, default=1, help="context-parallel size (not supported: refused)")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel size")
 
 
 def settings_from_args(args) -> ParallelSettings:

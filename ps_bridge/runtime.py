@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
@@ -17,9 +16,10 @@ from typing import List, Optional
 import torch
 
 from ps_bridge.config import PrefixSharingConfig
-from ps_bridge.layout import PackedPrefixLayout, Sample, build_layout, log_layout
-from ps_bridge.logprobs import row_logprobs_from_logits
+from ps_bridge.forward import run_packed
+from ps_bridge.layout import PackedPrefixLayout, build_layout, log_layout
 from ps_bridge.parallel_info import rank_tag
+from ps_bridge.rows import PackedRows
 
 logger = logging.getLogger("ps_bridge")
 
@@ -28,39 +28,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234) -> None:
-    """torch.distributed (gloo on CPU, NCCL on GPU; world size 1 when not launched by torchrun) and
-    megatron's model-parallel groups, seeded; idempotent."""
-    import torch.distributed as dist
-
-    from ps_bridge.compat import cuda_on_cpu
-
-    cuda_on_cpu.enable()
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:  # launched by torchrun
-            dist.init_process_group(backend)
-        else:  # a single process: a private store on a free port, the environment left alone
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    from megatron.core import parallel_state, tensor_parallel
-
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
-        )
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def read_hf_architectures(hf_path: str) -> List[str]:
@@ -139,13 +106,13 @@ def _prepare_bridge(config: PrefixSharingConfig, hf_architectures: List[str], tp
     """Check the parallel settings, pick our provider for the architectures, import Megatron-Bridge
     with our bridges registered, and set up the parallel groups; returns the provider entry."""
     from ps_bridge.compat.te_placeholder import import_megatron_bridge
-    from ps_bridge.parallel import ParallelSettings
+    from ps_bridge.parallel import ParallelSettings, init_parallel
     from ps_bridge.providers.registry import register_all, resolve_provider
 
     ParallelSettings(tp=tp, pp=pp, sequence_parallel=sequence_parallel).check()
     entry = resolve_provider(config.provider, hf_architectures)
     import_megatron_bridge()
-    register_all()
+    register_all(config)
     init_parallel(tp=tp, pp=pp)
     return entry
 
@@ -234,25 +201,16 @@ def make_layout(samples, loaded: LoadedModel, share: Optional[bool] = None) -> P
 def forward_logits(loaded: LoadedModel, layout: PackedPrefixLayout) -> torch.Tensor:
     """Packed logits `[T, V / tp]` for a layout on a single pipeline stage: the full vocabulary at
     TP=1, this rank's vocabulary shard at TP>1 (megatron's parallel output layer)."""
-    from ps_bridge.models.packed_seq import PrefixSharedPackedSeqParams
-
     if loaded.pp > 1:
         raise ValueError(
             f"forward_logits runs one pipeline stage; with pipeline_model_parallel_size={loaded.pp} "
             "use ps_bridge.schedule.logprob_pass, which runs megatron's pipeline schedule"
         )
-    layout = layout.to(loaded.device)
-    params = PrefixSharedPackedSeqParams.from_layout(layout, backend=loaded.config.backend)
-    logits = loaded.model(
-        input_ids=layout.tokens.unsqueeze(0),
-        position_ids=layout.positions.unsqueeze(0),
-        attention_mask=None,
-        packed_seq_params=params,
-    )
+    logits = run_packed(loaded.model, layout.to(loaded.device), loaded.config)
     return logits.reshape(-1, logits.shape[-1])
 
 
 def row_logprobs(loaded: LoadedModel, layout: PackedPrefixLayout) -> torch.Tensor:
-    """Per-sample rows of log-probs (every TP rank gets the full rows); single pipeline stage."""
-    logits = forward_logits(loaded, layout)
-    return row_logprobs_from_logits(logits, layout.to(loaded.device), vocab_parallel=loaded.tp > 1)
+    """Flattened per-sample rows of log-probs (every TP rank gets the full rows); single pipeline stage."""
+    layout = layout.to(loaded.device)
+    return PackedRows.of(layout).logprobs(forward_logits(loaded, layout), vocab_parallel=loaded.tp > 1)

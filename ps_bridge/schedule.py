@@ -18,9 +18,10 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ps_bridge.layout import PackedPrefixLayout, Sample
-from ps_bridge.logprobs import response_logprobs, row_logprobs_from_logits
+from ps_bridge.forward import run_packed
+from ps_bridge.layout import Sample
 from ps_bridge.parallel import finish_gradients
+from ps_bridge.rows import PackedRows
 from ps_bridge.runtime import LoadedModel, make_layout
 
 LogProbs = List[torch.Tensor]  # one tensor per sample: log-probs of its response tokens
@@ -62,25 +63,16 @@ def logprob_pass(
 
 
 def _forward_step(loaded: LoadedModel, share, num_microbatches: int, data_iterator, model):
-    from ps_bridge.models.packed_seq import PrefixSharedPackedSeqParams
-
     samples, weights = next(data_iterator)
     layout = make_layout(samples, loaded, share=share).to(loaded.device)
-    params = PrefixSharedPackedSeqParams.from_layout(layout, backend=loaded.config.backend)
-    output = model(
-        input_ids=layout.tokens.unsqueeze(0),
-        position_ids=layout.positions.unsqueeze(0),
-        attention_mask=None,
-        packed_seq_params=params,
-    )
-    return output, partial(_logprob_loss, layout, weights, num_microbatches, loaded.tp > 1)
+    output = run_packed(model, layout, loaded.config)
+    return output, partial(_logprob_loss, PackedRows.of(layout), weights, num_microbatches, loaded.tp > 1)
 
 
-def _logprob_loss(layout: PackedPrefixLayout, weights, num_microbatches: int, vocab_parallel: bool, logits):
-    rows = row_logprobs_from_logits(logits, layout, vocab_parallel=vocab_parallel)
-    per_sample = response_logprobs(rows, layout)
+def _logprob_loss(rows: PackedRows, weights, num_microbatches: int, vocab_parallel: bool, logits):
+    per_sample = rows.responses(rows.logprobs(logits, vocab_parallel=vocab_parallel))
     if weights is None:
-        loss = rows.sum() * 0.0
+        loss = logits.sum() * 0.0
     else:
         loss = sum((w.to(lp.device) * lp).sum() for w, lp in zip(weights, per_sample))
     # megatron divides a (loss, data) loss by the number of micro-batches; undo it so the

@@ -36,7 +36,7 @@ import transformers.models.qwen3_5.modeling_qwen3_5 as hf_qwen35  # noqa: E402
 from ps_bridge.compare import loss_weights  # noqa: E402
 from ps_bridge.parallel import hf_named_gradients  # noqa: E402
 from ps_bridge.runtime import load_model  # noqa: E402
-from ps_bridge.testing import build_tiny_qwen35, grpo_like_samples  # noqa: E402
+from ps_bridge.tiny_checkpoints import build_tiny_qwen35, grpo_like_samples  # noqa: E402
 
 GATE = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.in_proj_a.weight")
 

@@ -18,7 +18,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def qwen2_checkpoint(tmp_path_factory):
     """A tiny random Qwen2 checkpoint on disk and the HF model it was saved from."""
-    from ps_bridge.testing import build_tiny_qwen2
+    from ps_bridge.tiny_checkpoints import build_tiny_qwen2
 
     path = tmp_path_factory.mktemp("qwen2")
     hf_model = build_tiny_qwen2(str(path))

@@ -14,7 +14,7 @@ import torch
 
 from ps_bridge.compare import loss_weights
 from ps_bridge.layout import Sample
-from ps_bridge.testing import grpo_like_samples
+from ps_bridge.tiny_checkpoints import grpo_like_samples
 
 # DESIGN.md section 6: valid lengths [5, 2] become padded [6, 2] at TP=2
 PADDING_EXAMPLE = Sample([11, 12, 13, 14, 15], [16, 17])
@@ -71,7 +71,7 @@ def unshared_reference(qwen2_loaded):
 def tied_checkpoint(tmp_path_factory):
     """Qwen2.5 up to 3B ties the LM head to the embedding: under PP the two copies live on the
     first and last stage and their gradients must be summed."""
-    from ps_bridge.testing import build_tiny_qwen2
+    from ps_bridge.tiny_checkpoints import build_tiny_qwen2
 
     path = tmp_path_factory.mktemp("qwen2_tied")
     build_tiny_qwen2(str(path), tie_word_embeddings=True)

@@ -6,9 +6,9 @@ import torch
 from safetensors.torch import load_file
 
 from ps_bridge.layout import build_layout
-from ps_bridge.logprobs import response_logprobs
+from ps_bridge.rows import PackedRows
 from ps_bridge.runtime import forward_logits, load_model
-from ps_bridge.testing import TINY_BUILDERS, grpo_like_samples
+from ps_bridge.tiny_checkpoints import TINY_BUILDERS, grpo_like_samples
 
 
 def load_tiny(name, tmp_path_factory, seed=0):
@@ -30,11 +30,9 @@ def layout_for(loaded, samples, share, pad_multiple=1):
 
 
 def per_sample_response_logprobs(loaded, samples, share, pad_multiple=1):
-    from ps_bridge.logprobs import packed_row_logprobs
-
     layout = layout_for(loaded, samples, share, pad_multiple)
-    rows = packed_row_logprobs(forward_logits(loaded, layout), layout)
-    return response_logprobs(rows, layout)
+    rows = PackedRows.of(layout)
+    return rows.responses(rows.logprobs(forward_logits(loaded, layout)))
 
 
 def float64_response_logprobs(loaded, samples, share, pad_multiple=1):
@@ -46,7 +44,7 @@ def float64_response_logprobs(loaded, samples, share, pad_multiple=1):
     label = layout.row_label
     target = picked.gather(1, label.clamp(min=0)[:, None])[:, 0]
     rows = torch.where(label >= 0, target - torch.logsumexp(picked, dim=-1), torch.zeros_like(target))
-    return response_logprobs(rows, layout)
+    return PackedRows.of(layout).responses(rows)
 
 
 def max_abs(xs, ys):

@@ -17,7 +17,7 @@ from ps_bridge.kernels.attention import BACKENDS, get_attention_backend
 from ps_bridge.kernels.attention import flash, varlen
 from ps_bridge.kernels.attention.flex import bucket_length
 from ps_bridge.layout import Sample, build_layout
-from ps_bridge.logprobs import packed_row_logprobs, packed_row_logprobs_chunked
+from ps_bridge.rows import PackedRows
 
 
 def make_layout(kind: str, pad: int, seed: int = 0, prompt=(3, 11), response=(1, 9), groups=3, n=(1, 4)):
@@ -211,16 +211,25 @@ def test_varlen_call_rejects_inconsistent_batches():
         varlen.VarlenCall(cu_q=[0, 2], cu_k=[0, 0], causal=False)
 
 
-def test_chunked_logprobs_match_full():
+def plain_row_logprobs(logits, layout):
+    """The definition, by autograd: each row's log-softmax at its packed position, at its label."""
+    picked = logits.index_select(0, layout.row_source)
+    label = layout.row_label
+    target = picked.gather(1, label.clamp(min=0)[:, None])[:, 0]
+    return torch.where(label >= 0, target - torch.logsumexp(picked, dim=-1), torch.zeros_like(target))
+
+
+@pytest.mark.parametrize("chunk_rows", [5, 1024])
+def test_row_logprobs_match_the_definition(chunk_rows):
     layout = make_layout("shared", 3, seed=9)
     torch.manual_seed(0)
     logits = torch.randn(layout.num_tokens, 64, dtype=torch.float64, requires_grad=True)
-    rows_full = packed_row_logprobs(logits, layout)
-    rows_chunked = packed_row_logprobs_chunked(logits, layout, chunk_rows=5)
-    torch.testing.assert_close(rows_chunked.double(), rows_full.double(), rtol=0, atol=1e-6)
-    g = torch.randn_like(rows_full)
-    (ga,) = torch.autograd.grad(rows_full, logits, g)
-    (gb,) = torch.autograd.grad(rows_chunked, logits, g)
+    rows_ref = plain_row_logprobs(logits, layout)
+    rows = PackedRows(layout).logprobs(logits, chunk_rows=chunk_rows)
+    torch.testing.assert_close(rows.double(), rows_ref.double(), rtol=0, atol=1e-6)
+    g = torch.randn_like(rows_ref)
+    (ga,) = torch.autograd.grad(rows_ref, logits, g)
+    (gb,) = torch.autograd.grad(rows, logits, g)
     torch.testing.assert_close(gb, ga, rtol=0, atol=1e-6)
 
 

@@ -29,12 +29,13 @@ WORSE_THAN_UNSHARED = 1.5
 
 def run(loaded, samples, share, weights):
     """Response log-probs (float64, concatenated) and every parameter's gradient (float32)."""
-    from ps_bridge.logprobs import packed_row_logprobs, response_logprobs
+    from ps_bridge.rows import PackedRows
     from ps_bridge.runtime import forward_logits
 
     loaded.model.zero_grad(set_to_none=True)
     layout = build_layout(samples, share=share, pad_multiple=8, vocab_size=loaded.vocab_size).to(loaded.device)
-    lps = response_logprobs(packed_row_logprobs(forward_logits(loaded, layout), layout), layout)
+    rows = PackedRows.of(layout)
+    lps = rows.responses(rows.logprobs(forward_logits(loaded, layout)))
     sum((lp.float() * w).sum() for lp, w in zip(lps, weights)).backward()
     grads = {n: p.grad.detach().float().clone() for n, p in loaded.model.named_parameters() if p.grad is not None}
     loaded.model.zero_grad(set_to_none=True)
@@ -83,7 +84,7 @@ def test_qwen2_bf16_shared_is_as_close_to_fp32_as_unshared(tmp_path):
     """Head dim 128 (the real Qwen2.5 one), GQA 4:1, uneven groups: every GPU attention backend."""
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.runtime import load_model
-    from ps_bridge.testing import build_tiny_qwen2, grpo_like_samples
+    from ps_bridge.tiny_checkpoints import build_tiny_qwen2, grpo_like_samples
 
     build_tiny_qwen2(str(tmp_path), vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
                      num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=1024)
@@ -98,7 +99,7 @@ def test_qwen35_bf16_shared_is_as_close_to_fp32_as_unshared(tmp_path):
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.kernels.gdn.fla_backend import hopper_backward_problem
     from ps_bridge.runtime import load_model
-    from ps_bridge.testing import build_tiny_qwen35, grpo_like_samples
+    from ps_bridge.tiny_checkpoints import build_tiny_qwen35, grpo_like_samples
 
     problem = hopper_backward_problem(torch.device("cuda"))
     if problem:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ps_bridge.cli import main
-from ps_bridge.testing import grpo_like_samples, hf_sample_logprobs
+from ps_bridge.tiny_checkpoints import grpo_like_samples, hf_sample_logprobs
 
 
 def write_batch(path, samples):
@@ -118,7 +118,7 @@ def test_demo_json_in_a_fresh_process():
 def test_qwen35_vl_checkpoint_through_the_cli(tmp_path, capsys):
     """An official-style Qwen3.5 ConditionalGeneration checkpoint: text batches give HF's log-probs,
     a batch with an image placeholder token is refused with a one-line error."""
-    from ps_bridge.testing import TINY_BUILDERS
+    from ps_bridge.tiny_checkpoints import TINY_BUILDERS
 
     ckpt = tmp_path / "q35vl"
     hf_model = TINY_BUILDERS["qwen3.5-vl"](str(ckpt))

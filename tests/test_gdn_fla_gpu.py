@@ -82,9 +82,9 @@ def test_model_fla_matches_torch_ref_and_sharing_is_exact(tmp_path):
     prefix-shared == unshared log-probs."""
     from ps_bridge.compare import total_relative_grad_diff
     from ps_bridge.config import PrefixSharingConfig
-    from ps_bridge.logprobs import packed_row_logprobs, response_logprobs
+    from ps_bridge.rows import PackedRows
     from ps_bridge.runtime import forward_logits, load_model
-    from ps_bridge.testing import build_tiny_qwen35, grpo_like_samples
+    from ps_bridge.tiny_checkpoints import build_tiny_qwen35, grpo_like_samples
 
     device = torch.device("cuda", torch.cuda.current_device())
     skip_if_backward_refused(device)
@@ -98,7 +98,8 @@ def test_model_fla_matches_torch_ref_and_sharing_is_exact(tmp_path):
         loaded.provider.gdn_backend = backend  # the modules read their config at every call
         loaded.model.zero_grad(set_to_none=True)
         layout = build_layout(samples, share=share, pad_multiple=8, vocab_size=loaded.vocab_size).to(device)
-        lps = response_logprobs(packed_row_logprobs(forward_logits(loaded, layout), layout), layout)
+        rows = PackedRows.of(layout)
+        lps = rows.responses(rows.logprobs(forward_logits(loaded, layout)))
         sum((lp * w).sum() for lp, w in zip(lps, weights)).backward()
         grads = {n: p.grad.detach().clone() for n, p in loaded.model.named_parameters() if p.grad is not None}
         return torch.cat([lp.detach() for lp in lps]), grads

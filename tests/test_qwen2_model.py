@@ -7,7 +7,7 @@ import torch
 from ps_bridge.compare import compare, max_abs_diff, max_relative_grad_diff, run_logprob_loss
 from ps_bridge.layout import Sample
 from ps_bridge.runtime import forward_logits, make_layout
-from ps_bridge.testing import grpo_like_samples, hf_sample_logprobs
+from ps_bridge.tiny_checkpoints import grpo_like_samples, hf_sample_logprobs
 
 
 def test_provider_and_model_classes(qwen2_loaded):
@@ -152,14 +152,25 @@ def test_registry_and_config_errors(monkeypatch):
 
 
 def test_context_and_virtual_pipeline_parallel_are_refused():
+    """The one parallel-settings check, read from a megatron/verl config object, and applied by
+    our providers when the model is built."""
     from types import SimpleNamespace
 
-    from ps_bridge.providers.base import check_parallel_settings
+    from ps_bridge.parallel import ParallelSettings
+    from ps_bridge.providers.base import prepare_for_prefix_sharing
+
+    def settings(**kw):
+        return ParallelSettings.from_config(SimpleNamespace(**kw))
 
     with pytest.raises(ValueError, match="context_parallel_size=2"):
-        check_parallel_settings(SimpleNamespace(context_parallel_size=2, virtual_pipeline_model_parallel_size=None))
+        settings(context_parallel_size=2).check_supported()
+    with pytest.raises(ValueError, match="dynamic_context_parallel"):
+        settings(dynamic_context_parallel=True).check_supported()
     with pytest.raises(ValueError, match="virtual_pipeline_model_parallel_size=2"):
-        check_parallel_settings(SimpleNamespace(context_parallel_size=1, virtual_pipeline_model_parallel_size=2))
+        settings(virtual_pipeline_model_parallel_size=2).check_supported()
+    settings(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2).check_supported()
+    with pytest.raises(ValueError, match="context_parallel_size=2"):
+        prepare_for_prefix_sharing(SimpleNamespace(context_parallel_size=2))
 
 
 def test_float32_reference_model_has_exactly_the_bf16_weights(qwen2_checkpoint):
@@ -170,7 +181,7 @@ def test_float32_reference_model_has_exactly_the_bf16_weights(qwen2_checkpoint):
     from ps_bridge.compare import run_logprob_loss
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.runtime import float32_reference_model, load_model
-    from ps_bridge.testing import grpo_like_samples
+    from ps_bridge.tiny_checkpoints import grpo_like_samples
 
     path, _ = qwen2_checkpoint
     bf16 = load_model(path, PrefixSharingConfig(enabled=True, backend="torch_ref"), dtype=torch.bfloat16)

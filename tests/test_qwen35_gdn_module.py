@@ -58,48 +58,24 @@ def run_thd(module, prompts, responses, samples, sample_group, share):
     return per_sample
 
 
-def run_bshd(module, prompts, responses, sample_group):
-    rows = list(responses) + list(prompts)  # responses first: the map decides, not the order
-    row_map = [len(responses) + g for g in sample_group] + [-1] * len(prompts)
-    width = max(r.shape[0] for r in rows) + 1
-    x = torch.stack([torch.cat([r, torch.full((width - r.shape[0], r.shape[1]), -2.0)]) for r in rows], dim=1)
-    from ps_bridge.models.gdn import PrefixSharedRows
-
-    out, _ = module(x, None, packed_seq_params=PrefixSharedRows([r.shape[0] for r in rows], row_map))
-    per_sample = []
-    for i, g in enumerate(sample_group):
-        p_row, P, R = len(responses) + g, prompts[g].shape[0], responses[i].shape[0]
-        per_sample.append(torch.cat([out[:P, p_row], out[:R, i]]))
-    return per_sample
-
-
 def grads_of(module, leaves, per_sample, weights):
     loss = sum((o * w).sum() for o, w in zip(per_sample, weights))
     params = [p for _, p in module.named_parameters()]
     return torch.autograd.grad(loss, leaves + params)
 
 
-def test_gdn_module_thd_and_bshd_equal_unshared(gdn):
+def test_gdn_module_shared_equals_unshared(gdn):
     hidden = gdn.config.hidden_size
     prompts, responses, samples, sample_group = make_inputs(hidden)
     unshared = run_thd(gdn, prompts, responses, samples, sample_group, share=False)
     shared = run_thd(gdn, prompts, responses, samples, sample_group, share=True)
-    bshd = run_bshd(gdn, prompts, responses, sample_group)
     gen = torch.Generator().manual_seed(1)
     weights = [torch.randn(o.shape, generator=gen) for o in unshared]
     leaves = prompts + responses
     g_u = grads_of(gdn, leaves, unshared, weights)
-    for name, result in (("thd", shared), ("bshd", bshd)):
+    for name, result in (("thd", shared),):
         out_diff = max((a - b).abs().max().item() for a, b in zip(result, unshared))
         assert out_diff <= 1e-5, (name, out_diff)
         g_s = grads_of(gdn, leaves, result, weights)
         worst = max(((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item() for a, b in zip(g_s, g_u))
         assert worst <= 1e-5, (name, worst)
-
-
-def test_bshd_row_count_mismatch_is_refused(gdn):
-    from ps_bridge.models.gdn import PrefixSharedRows
-
-    x = torch.zeros(5, 2, gdn.config.hidden_size)
-    with pytest.raises(ValueError, match="describes 3 rows"):
-        gdn(x, None, packed_seq_params=PrefixSharedRows([2, 3, 1], [-1, 0, 0]))

@@ -10,6 +10,7 @@ import torch
 
 from qwen35_helpers import load_tiny, param_grads, samples_for
 from ps_bridge.models.moe import PrefixSharedTopKRouter
+from ps_bridge.models.packed_seq import PrefixSharedPackedSeqParams
 
 
 @pytest.fixture(scope="module", params=["qwen3.5-moe", "qwen3.5-moe-vl"])
@@ -26,7 +27,6 @@ def moe(request, tmp_path_factory):
 
 def aux_losses(loaded, routers, samples, share, pad_multiple=1, weighted=True, monkeypatch=None):
     """Per-layer global load-balancing loss values of one forward pass."""
-    from ps_bridge.logprobs import packed_row_logprobs
     from ps_bridge.runtime import forward_logits
     from qwen35_helpers import layout_for
 
@@ -39,7 +39,7 @@ def aux_losses(loaded, routers, samples, share, pad_multiple=1, weighted=True, m
 
     monkeypatch.setattr(PrefixSharedTopKRouter, "attach_and_log_load_balancing_loss", record)
     if not weighted:  # no weights: megatron's stock statistics, every packed token counts once
-        monkeypatch.setattr("ps_bridge.models.moe.moe_token_weights", lambda layout, device: None)
+        monkeypatch.setattr(PrefixSharedPackedSeqParams, "moe_token_weights", property(lambda self: None))
     for r in routers:
         r.reset_global_aux_loss_tracker()
     layout = layout_for(loaded, samples, share, pad_multiple)

@@ -69,7 +69,7 @@ def test_check_runs_when_the_model_is_built(monkeypatch, tmp_path):
     """The guard fires in the provider's provide(), before any forward pass."""
     qwen35 = qwen35_module()
     from ps_bridge.runtime import load_model
-    from ps_bridge.testing import build_tiny_qwen35
+    from ps_bridge.tiny_checkpoints import build_tiny_qwen35
 
     build_tiny_qwen35(str(tmp_path))
     monkeypatch.setattr(qwen35, "_build_device", lambda: torch.device("cuda", 0))

@@ -35,9 +35,9 @@ def _worker(rank, path, port, queue):
     cuda_random.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
     try:
         from ps_bridge.layout import build_layout
-        from ps_bridge.logprobs import packed_row_logprobs, response_logprobs
+        from ps_bridge.rows import PackedRows
         from ps_bridge.runtime import forward_logits, load_model
-        from ps_bridge.testing import grpo_like_samples
+        from ps_bridge.tiny_checkpoints import grpo_like_samples
 
         loaded = load_model(path, tp=2, sequence_parallel=True)
         samples = grpo_like_samples(248, **SAMPLE_ARGS)
@@ -48,8 +48,9 @@ def _worker(rank, path, port, queue):
                 logits = forward_logits(loaded, layout).contiguous()
             shards = [torch.empty_like(logits) for _ in range(2)]
             dist.all_gather(shards, logits)  # vocabulary-parallel logits -> full vocabulary
-            rows = packed_row_logprobs(torch.cat(shards, dim=-1), layout)
-            result.append([t.tolist() for t in response_logprobs(rows, layout)])  # plain lists: no shared memory
+            extractor = PackedRows.of(layout)
+            rows = extractor.logprobs(torch.cat(shards, dim=-1))
+            result.append([t.tolist() for t in extractor.responses(rows)])  # plain lists: no shared memory
         if rank == 0:
             queue.put(result)
     except BaseException as e:  # report instead of hanging the parent
@@ -59,7 +60,7 @@ def _worker(rank, path, port, queue):
 
 @pytest.mark.parametrize("name", ["qwen3.5", "qwen3.5-moe"])
 def test_tp2_sequence_parallel_logprobs_equal_hf(name, tmp_path):
-    from ps_bridge.testing import TINY_BUILDERS, grpo_like_samples, hf_sample_logprobs
+    from ps_bridge.tiny_checkpoints import TINY_BUILDERS, grpo_like_samples, hf_sample_logprobs
 
     hf = TINY_BUILDERS[name](str(tmp_path))
     ctx = mp.get_context("spawn")

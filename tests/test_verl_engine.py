@@ -21,14 +21,14 @@ if importlib.util.find_spec("verl") is None:
 
 import torch  # noqa: E402
 
-import ps_bridge.verl_testing as vt  # noqa: E402
+import ps_bridge.verl.side_by_side as vt  # noqa: E402
 
-vt.prepare_plugin_test_process()
+vt.prepare_side_by_side()
 
 from ps_bridge.config import PrefixSharingConfig  # noqa: E402
 from ps_bridge.layout import Sample  # noqa: E402
 from ps_bridge.providers.registry import provider_names  # noqa: E402
-from ps_bridge.testing import TINY_BUILDERS, grpo_like_samples  # noqa: E402
+from ps_bridge.tiny_checkpoints import TINY_BUILDERS, grpo_like_samples  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
 
@@ -205,7 +205,7 @@ def test_different_temperatures_in_a_group_are_not_shared(engines, checkpoints, 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_response_logprobs_match_hugging_face(engines, checkpoints, family):
     """Independent of verl's stock engine: the response slice verl's loss uses equals HF's."""
-    from ps_bridge.testing import hf_sample_logprobs
+    from ps_bridge.tiny_checkpoints import hf_sample_logprobs
 
     _, hf = checkpoints(family)
     samples = grouped_samples(hf.config.vocab_size, num_prompts=2, n=3, seed=3)

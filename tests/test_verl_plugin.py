@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -18,9 +19,9 @@ if importlib.util.find_spec("verl") is None:
 
 import torch  # noqa: E402
 
-import ps_bridge.verl_testing as vt  # noqa: E402
+import ps_bridge.verl.side_by_side as vt  # noqa: E402
 
-vt.prepare_plugin_test_process()
+vt.prepare_side_by_side()
 
 from verl.workers.engine.base import EngineRegistry  # noqa: E402
 
@@ -85,9 +86,9 @@ def free_port() -> int:
 END_TO_END = textwrap.dedent(
     """
     import json, sys
-    import ps_bridge.verl_testing as vt
-    vt.prepare_cpu_process()
-    from ps_bridge.runtime import init_parallel
+    from ps_bridge.compat.verl_on_cpu import prepare_cpu_process
+    prepare_cpu_process()
+    from ps_bridge.parallel import init_parallel
     init_parallel()
     from verl.workers.config import HFModelConfig
     from verl.workers.engine.base import EngineRegistry
@@ -96,7 +97,8 @@ END_TO_END = textwrap.dedent(
     cls = EngineRegistry.get_engine_cls("language_model", "megatron")
     result = {"engine": cls.__name__}
     if cls.__name__ == "PrefixSharedMegatronEngine":
-        from ps_bridge.testing import grpo_like_samples
+        from ps_bridge.tiny_checkpoints import grpo_like_samples
+        import ps_bridge.verl.side_by_side as vt
         engine = vt.build_engine(cls, ckpt)
         result["model"] = type(engine._unwrapped_model()).__name__
         result["provider"] = type(engine.provider).__name__
@@ -152,7 +154,7 @@ def test_tensor_parallel_two_ranks_match_stock_engine(qwen2_dir, sequence_parall
     inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "ps_bridge.verl_testing", qwen2_dir] + (["sequence_parallel"] if sequence_parallel else []),
+         str(Path(__file__).with_name("verl_harness.py")), qwen2_dir] + (["sequence_parallel"] if sequence_parallel else []),
         env=inherited, capture_output=True, text=True, timeout=300,
     )
     # the two ranks share stdout, so their lines can interleave: pick the JSON objects out

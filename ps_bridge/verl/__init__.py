@@ -16,10 +16,9 @@ engine is not handed the actor config anyway (see docs/verl.md).
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
-from ps_bridge.config import PrefixSharingConfig
+from ps_bridge.config import PrefixSharingConfig, log_level_from_env
 
 logger = logging.getLogger("ps_bridge")
 
@@ -33,7 +32,7 @@ def _ensure_log_handler() -> None:
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
-    logger.setLevel(os.environ.get("PS_BRIDGE_LOG_LEVEL", "INFO").upper())
+    logger.setLevel(log_level_from_env())
 
 
 def register_engines(config: PrefixSharingConfig) -> None:
@@ -68,7 +67,7 @@ def activate(config: Optional[PrefixSharingConfig] = None) -> PrefixSharingConfi
     if not config.enabled:
         return config
     import_megatron_bridge()
-    register_all()
+    register_all(config)
     register_engines(config)
     return config
 

@@ -6,10 +6,12 @@ loss all stay verl's. Per micro-batch it
 
 1. rebuilds every sample `prompt + response` from verl's nested `input_ids` and the prompt lengths,
 2. packs them with `build_layout` (one prompt per group, `pad_multiple` = TP size),
-3. runs the prefix-aware model on the packed THD sequence, whatever verl's data format
-   (`use_remove_padding` only changes how the *stock* engine pads; our model always takes the pack),
-4. computes log-probs / entropy with verl's own vocab-parallel functions on the packed logits, plus
-   one extra "fork" row per sample for `log p(r_i[0] | prompt)` at the shared last prompt position,
+3. runs the prefix-aware model on the packed THD sequence (`ps_bridge.forward.run_packed`), whatever
+   verl's data format (`use_remove_padding` only changes how the *stock* engine pads; our model
+   always takes the pack),
+4. turns the packed logits into per-sample rows with the one row extractor (`ps_bridge.rows`), given
+   verl's labels and temperatures: log-probs with megatron's vocab-parallel cross entropy (as verl's
+   own function), entropy and sum of squared probabilities with verl's vocab-parallel functions,
 5. hands back the nested per-sample rows of length `P_i + R_i` that the stock engine returns.
 
 Labels are taken from verl's own label roll for the stock data format, so even the unlabelled
@@ -25,8 +27,11 @@ from typing import List, Optional, Tuple
 import torch
 
 from ps_bridge.config import PrefixSharingConfig
+from ps_bridge.forward import run_packed
 from ps_bridge.layout import PackedPrefixLayout, Sample, build_layout, log_layout
+from ps_bridge.parallel import ParallelSettings
 from ps_bridge.parallel_info import rank_tag
+from ps_bridge.rows import PackedRows
 
 logger = logging.getLogger("ps_bridge")
 
@@ -104,40 +109,6 @@ def per_sample_temperature(batch, num_samples: int, device) -> torch.Tensor:
     return temperature
 
 
-class PackedRowMap:
-    """Where each row position of each sample reads its packed output.
-
-    Entropy (and Σπ²) of row position t is the packed value at `layout.row_source[t]`. Log-probs
-    also need the row's label; all rows reading a shared prompt position have the same label
-    except the fork rows (row position `P_i - 1`, label `r_i[0]`), which get their own gathered
-    logits row appended after the T packed rows.
-    """
-
-    def __init__(self, layout: PackedPrefixLayout, row_labels: torch.Tensor, row_temperature: torch.Tensor):
-        device = row_labels.device
-        source = layout.row_source.to(device)
-        starts = layout.row_offsets[:-1].to(device)
-        fork = torch.zeros(source.numel(), dtype=torch.bool, device=device)
-        if layout.shared:
-            fork[starts + layout.sample_prompt_length.to(device) - 1] = True
-        T = layout.num_tokens
-        self.source = source
-        self.fork_source = source[fork]
-        self.fork_labels = row_labels[fork]
-        self.packed_labels = torch.zeros(T, dtype=row_labels.dtype, device=device)
-        self.packed_labels[source[~fork]] = row_labels[~fork]
-        self.packed_temperature = torch.ones(T, dtype=torch.float32, device=device)
-        self.packed_temperature[source] = row_temperature
-        self.logprob_index = source.clone()
-        self.logprob_index[fork] = T + torch.arange(int(fork.sum()), device=device)
-        self.offsets = layout.row_offsets.tolist()
-
-    def nested(self, values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        rows = values.index_select(0, index)
-        pieces = [rows[a:b] for a, b in zip(self.offsets[:-1], self.offsets[1:])]
-        return torch.nested.as_nested_tensor(pieces, layout=torch.jagged)
-
-
 def temperatures_agree_within_groups(layout: PackedPrefixLayout, temperature: torch.Tensor) -> bool:
     group = layout.sample_group.to(temperature.device)
     first = torch.full((layout.num_groups,), float("nan"), device=temperature.device)
@@ -163,10 +134,7 @@ class PrefixSharingEngineMixin:
                 "prefix sharing (ps_bridge.verl) computes log-probs from the packed logits and does not "
                 "support verl's fused kernels: set actor_rollout_ref.model.use_fused_kernels=False"
             )
-        if cfg.context_parallel_size > 1 or cfg.dynamic_context_parallel:
-            _refuse(f"context parallelism (context_parallel_size={cfg.context_parallel_size})")
-        if cfg.virtual_pipeline_model_parallel_size not in (None, 1):
-            _refuse("virtual pipeline stages")
+        ParallelSettings.from_config(cfg).check_supported()
         if self.engine_config.router_replay.mode != "disabled":
             _refuse("MoE router replay")
         if self.model_config.mtp.enable:
@@ -216,8 +184,6 @@ class PrefixSharingEngineMixin:
         from verl.utils.device import get_device_id
         from verl.utils.megatron_utils import unwrap_model
 
-        from ps_bridge.models.packed_seq import PrefixSharedPackedSeqParams
-
         batch = next(batch_iter)
         batch = batch.to(get_device_id())
         for key, what in UNSUPPORTED_BATCH_KEYS.items():
@@ -247,35 +213,32 @@ class PrefixSharingEngineMixin:
         log_layout(layout, f"[{rank_tag()}]")
         layout = layout.to(device)
 
-        unwrapped = unwrap_model(model)
-        output = model(
-            input_ids=layout.tokens.unsqueeze(0),
-            position_ids=layout.positions.unsqueeze(0),
-            attention_mask=None,
-            packed_seq_params=PrefixSharedPackedSeqParams.from_layout(layout, backend=cfg.backend),
-        )
-        if unwrapped.post_process:
+        output = run_packed(model, layout, cfg)
+        if unwrap_model(model).post_process:
             data_format = "thd" if self.engine_config.use_remove_padding else "bshd"
-            row_labels = stock_row_labels(self, model, batch, data_format).to(device)
-            row_temperature = temperature.repeat_interleave(layout.row_offsets.diff().to(device))
-            rows = PackedRowMap(layout, row_labels, row_temperature)
-            output = self._packed_outputs(output, rows, calculate_entropy, calculate_sum_pi_squared)
+            rows = PackedRows(layout, labels=stock_row_labels(self, model, batch, data_format).to(device))
+            output = self._packed_outputs(output, rows, temperature, calculate_entropy, calculate_sum_pi_squared)
         return output, partial(postprocess_micro_batch_func, data=batch, local_cp_size=None)
 
-    def _packed_outputs(self, logits, rows: PackedRowMap, calculate_entropy: bool, calculate_sum_pi_squared: bool):
-        """verl's own vocab-parallel functions on the packed (TP-sharded) logits, back to rows."""
+    def _packed_outputs(self, logits, rows: PackedRows, temperature: torch.Tensor, calculate_entropy: bool,
+                        calculate_sum_pi_squared: bool):
+        """Rows of log-probs (and entropy, sum of squared probabilities) from the packed TP-sharded
+        logits, each position scaled by its samples' temperature."""
         from verl.utils.megatron.tensor_parallel import (
             vocab_parallel_entropy,
             vocab_parallel_entropy_with_chunking,
-            vocab_parallel_log_probs_from_logits,
             vocab_parallel_sum_pi_squared,
         )
 
         logits = logits.reshape(-1, logits.shape[-1])
-        logits = logits / rows.packed_temperature.unsqueeze(-1).to(logits.dtype)
+        layout = rows.layout
+        # every row reading a packed position belongs to one group, whose samples share a temperature
+        packed_temperature = torch.ones(layout.num_tokens, dtype=torch.float32, device=logits.device)
+        packed_temperature[rows.source] = temperature.repeat_interleave(layout.row_offsets.diff().to(logits.device))
+        logits = logits / packed_temperature.unsqueeze(-1).to(logits.dtype)
         out = {}
         if calculate_sum_pi_squared:
-            out["sum_pi_squared"] = rows.nested(vocab_parallel_sum_pi_squared(logits), rows.source)
+            out["sum_pi_squared"] = rows.nested(rows.values(vocab_parallel_sum_pi_squared(logits)))
         if calculate_entropy:
             if self.engine_config.entropy_from_logits_with_chunking:
                 entropy = vocab_parallel_entropy_with_chunking(
@@ -283,12 +246,8 @@ class PrefixSharingEngineMixin:
                 )
             else:
                 entropy = vocab_parallel_entropy(logits)
-            out["entropy"] = rows.nested(entropy, rows.source)
-        # the cross entropy works in place on its input: give it a fresh tensor (packed + fork rows)
-        ce_logits = torch.cat([logits, logits.index_select(0, rows.fork_source)])
-        ce_labels = torch.cat([rows.packed_labels, rows.fork_labels])
-        log_probs = vocab_parallel_log_probs_from_logits(ce_logits, ce_labels)
-        out["log_probs"] = rows.nested(log_probs, rows.logprob_index)
+            out["entropy"] = rows.nested(rows.values(entropy))
+        out["log_probs"] = rows.nested(rows.logprobs(logits, vocab_parallel=True))
         return out
 
 

@@ -1,4 +1,5 @@
-"""Tiny random Hugging Face checkpoints for tests and the demo (no downloads).
+"""Tiny random Hugging Face checkpoints (no downloads) and Hugging Face's own log-probs on them:
+the demo's model and the tests', and the `--smoke` runs'.
 
 Each builder makes a small model with transformers' own class, seeds it, saves it to `path` and
 returns the HF model (eval mode, float32) so a caller can compare against it.

@@ -1,193 +1,25 @@
-"""Run verl 0.9.1's real Megatron engines on a CPU, for the tests (DESIGN.md section 8).
+"""verl's stock Megatron engine and ours, side by side in one process, on the same weights.
 
-Kept outside the `ps_bridge.verl` package on purpose: importing that package activates the plugin,
-which needs verl importable, and on a CPU test machine verl only imports after the placeholders below.
-
-Everything here only makes verl's own engine code runnable on a machine without an accelerator;
-none of it changes what the engines compute:
-- `install_absent_module_placeholders`: modules verl imports on the engine path but never runs
-  there (ray, peft, datasets, ...), placed in `sys.modules` only when they are not installed.
-- `use_cpu_platform`: verl's device platform reporting "cpu", so verl allocates on the CPU.
-- `engine_call_on_cpu`: megatron-core allocates a few scalars with a hard-coded `device="cuda"`;
-  inside this context such factory calls land on the CPU (and torch.compile is off).
-- `ReferenceCoreAttention`: plain causal softmax attention for the *stock* engine's model, in both
-  of verl's input formats (megatron's local core attention refuses them).
-- `tiny_checkpoint`, `build_engine`, `grpo_micro_batch`: the model, the engine and a batch built the
-  way verl's trainer builds it.
+What a comparison of the two engines needs (the tests, and `ps-bridge verl-check`):
+- `build_engine`: verl's own constructor and `initialize()` for an engine class;
+- `build_stock_engine`: verl's stock `MegatronEngineWithLMHead` on Megatron-Bridge's stock provider,
+  built while our bridges are registered (`stock_bridges()` restores the stock dispatch around it);
+- `ReferenceCoreAttention`: plain causal softmax attention in both of verl's input formats for the
+  *stock* model where Transformer Engine is absent (megatron's local core attention refuses them);
+- `tiny_checkpoint`, `grpo_micro_batch`: a checkpoint with a tokenizer, and a batch built the way
+  verl's trainer builds it.
+On a CPU, call `ps_bridge.compat.verl_on_cpu.prepare_cpu_process()` first, then `prepare_side_by_side()`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import math
-import os
-import sys
-import types
-from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Optional
 
 import torch
 
-# verl imports these on the engine's import path without using them there.
-VERL_IMPORT_ONLY_MODULES = ("ray", "peft", "accelerate", "datasets", "pandas", "PIL", "dill", "wandb", "torchdata",
-                            # Megatron-Bridge's training config (verl builds its DDP config with it)
-                            # imports its data loaders
-                            "megatron.energon")
-
-
-class _ImportOnly:
-    """A name from a module that is not installed: importable, fails loudly if used."""
-
-    def __init__(self, name: str):
-        self._name = name
-
-    def __getattr__(self, item: str):
-        if item.startswith("__"):
-            raise AttributeError(item)
-        return _ImportOnly(f"{self._name}.{item}")
-
-    def __call__(self, *args, **kwargs):
-        raise RuntimeError(f"{self._name} belongs to a package that is not installed here (placeholder for the tests)")
-
-    def __mro_entries__(self, bases):
-        return (object,)
-
-
-class _PlaceholderFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self, roots: Sequence[str]):
-        self.roots = set(roots)
-
-    def find_spec(self, name, path, target=None):
-        if any(name == root or name.startswith(root + ".") for root in self.roots):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = types.ModuleType(spec.name)
-        module.__path__ = []
-
-        def module_getattr(item, _name=spec.name):
-            if item.startswith("__"):
-                raise AttributeError(item)
-            return _ImportOnly(f"{_name}.{item}")
-
-        module.__getattr__ = module_getattr
-        module.__ps_bridge_placeholder__ = True
-        return module
-
-    def exec_module(self, module):
-        pass
-
-
-def install_absent_module_placeholders(names: Sequence[str] = VERL_IMPORT_ONLY_MODULES) -> List[str]:
-    """Placeholders for those of `names` that are not installed; returns the ones placed."""
-    absent = [n for n in names if n not in sys.modules and importlib.util.find_spec(n) is None]
-    if absent and not any(isinstance(f, _PlaceholderFinder) for f in sys.meta_path):
-        sys.meta_path.append(_PlaceholderFinder(absent))
-    return absent
-
-
-def prepare_cpu_process() -> None:
-    """Imports in the order that works without TE and without an accelerator, then verl."""
-    install_absent_module_placeholders()
-    from ps_bridge.compat import cuda_on_cpu
-    from ps_bridge.compat.te_placeholder import import_megatron_bridge
-
-    cuda_on_cpu.enable()
-    import_megatron_bridge()
-    use_cpu_platform()
-    _megatron_rng_tracker_on_cpu()
-    _cuda_streams_on_cpu()
-
-
-class _CPUStream:
-    """What megatron's DDP wrapper does with its initialisation stream, on the CPU: nothing."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, stream) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
-def _cuda_streams_on_cpu() -> None:
-    if torch.cuda.is_available():
-        return
-    torch.cuda.Stream = _CPUStream
-    torch.cuda.current_stream = lambda device=None: _CPUStream()
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
-
-
-def _megatron_rng_tracker_on_cpu() -> None:
-    """verl builds the model without `use_cpu_initialization`, so megatron's weight init forks its
-    CUDA RNG tracker; without CUDA the tracker forks the CPU generator instead."""
-    if torch.cuda.is_available():
-        return
-    from megatron.core.tensor_parallel import random as mrandom
-
-    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
-    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
-
-
-def use_cpu_platform() -> None:
-    if torch.cuda.is_available():
-        return
-    from verl.plugin.platform import platform_manager
-    from verl.plugin.platform.platform_cuda import PlatformCUDA
-
-    class CPUPlatform(PlatformCUDA):
-        """verl's CUDA platform with the device name "cpu": verl allocates with get_device_name()."""
-
-        @property
-        def device_name(self) -> str:
-            return "cpu"
-
-        def current_device(self):
-            return torch.device("cpu")  # verl moves batches with .to(get_device_id())
-
-        def is_available(self) -> bool:
-            return True
-
-        def synchronize(self, device_index=None) -> None:
-            pass
-
-        def empty_cache(self) -> None:
-            pass
-
-    if not isinstance(platform_manager._current_platform, CPUPlatform.__mro__[0]):
-        platform_manager._current_platform = CPUPlatform()
-
-
-class _CudaFactoriesOnCpu(torch.overrides.TorchFunctionMode):
-    FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.tensor, torch.arange}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in self.FACTORIES and str(kwargs.get("device", "")).startswith("cuda"):
-            kwargs = dict(kwargs, device="cpu")
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def engine_call_on_cpu():
-    """Around every engine call in the tests: megatron's `device="cuda"` factory calls land on the
-    CPU, and verl's `torch.compile`d entropy runs eagerly (compiling takes 10-14 s and a C++
-    compiler; scoped here rather than TORCHDYNAMO_DISABLE so other tests keep torch.compile)."""
-    import torch._dynamo
-
-    with torch._dynamo.config.patch(disable=True):
-        if torch.cuda.is_available():
-            yield
-            return
-        with _CudaFactoriesOnCpu():
-            yield
-
+from ps_bridge.compat.verl_on_cpu import engine_call_on_cpu, prepare_cpu_process
 
 # ---- the stock engine's attention ----------------------------------------------------------
 
@@ -273,8 +105,8 @@ def save_tiny_tokenizer(path: str, vocab_size: int) -> None:
 
 
 def tiny_checkpoint(path: str, family: str = "qwen2.5", seed: int = 0):
-    """A tiny random HF checkpoint of `family` (ps_bridge.testing.TINY_BUILDERS) plus a tokenizer."""
-    from ps_bridge.testing import TINY_BUILDERS
+    """A tiny random HF checkpoint of `family` (ps_bridge.tiny_checkpoints.TINY_BUILDERS) plus a tokenizer."""
+    from ps_bridge.tiny_checkpoints import TINY_BUILDERS
 
     hf_model = TINY_BUILDERS[family](path, seed=seed)
     save_tiny_tokenizer(path, hf_model.config.vocab_size)
@@ -302,7 +134,7 @@ def build_engine(engine_cls, ckpt: str, *, use_remove_padding: bool = True, forw
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
 
-    from ps_bridge.runtime import init_parallel
+    from ps_bridge.parallel import init_parallel
 
     init_parallel(tp=tp)
     model_config = HFModelConfig(path=ckpt, use_remove_padding=use_remove_padding, external_lib=external_lib)
@@ -410,7 +242,7 @@ def stock_bridges():
             d._dispatch_cache.clear()
 
 
-def prepare_plugin_test_process() -> None:
+def prepare_side_by_side() -> None:
     """CPU preparation, the stock bridges remembered, then the plugin activated (sharing on)."""
     prepare_cpu_process()
     remember_stock_bridges()
@@ -428,59 +260,3 @@ def build_stock_engine(ckpt: str, **kwargs):
     overrides = dict(kwargs.pop("overrides", None) or {}, transformer_layer_spec=reference_gpt_layer_spec)
     with stock_bridges():
         return build_engine(MegatronEngineWithLMHead, ckpt, overrides=overrides, **kwargs)
-
-
-# ---- tensor parallelism: one process per rank ---------------------------------------------------
-
-
-def engine_comparison(ckpt: str, tp: int = 2, sequence_parallel: bool = False) -> dict:
-    """On this TP rank (under torch.distributed.run; gloo on a CPU): our engine vs the stock engine, THD and
-    BSHD, for `infer_batch` rows and the local shards of the policy-loss gradients (`grad_loss`)."""
-    import torch.distributed as dist
-
-    prepare_plugin_test_process()
-    from ps_bridge.testing import grpo_like_samples
-    from ps_bridge.verl.engine import PrefixSharedMegatronEngine
-
-    samples = grpo_like_samples(256, num_prompts=3, n=4, seed=7, shuffle=False)
-    result = {}
-    for fmt in ("thd", "bshd"):
-        kw = dict(use_remove_padding=fmt == "thd", forward_only=False, tp=tp, sequence_parallel=sequence_parallel)
-        engines = {"stock": build_stock_engine(ckpt, **kw), "ours": build_engine(PrefixSharedMegatronEngine, ckpt, **kw)}
-        rows, grads = {}, {}
-        for name, engine in engines.items():
-            with engine_call_on_cpu(), engine.eval_mode():
-                rows[name] = engine.infer_batch(grpo_micro_batch(samples, micro_batch_size=4))["model_output"]
-            with engine_call_on_cpu(), engine.train_mode():
-                engine.optimizer_zero_grad()
-                engine.forward_backward_batch(grpo_micro_batch(samples, micro_batch_size=4), grad_loss, forward_only=False)
-                grads[name] = {n: p.main_grad.detach().clone() for n, p in engine.module[0].named_parameters()}
-        for key in ("log_probs", "entropy"):
-            result[f"{fmt}_{key}"] = max((a - b).abs().max().item()
-                                         for a, b in zip(rows["ours"][key].unbind(), rows["stock"][key].unbind()))
-        result[f"{fmt}_grad_rel"] = max(((grads["ours"][n] - g).abs().max() / g.abs().max().clamp(min=1e-12)).item()
-                                        for n, g in grads["stock"].items())
-    from megatron.core import parallel_state
-
-    result["rank"] = dist.get_rank()
-    result["tp_size"] = parallel_state.get_tensor_model_parallel_world_size()
-    return result
-
-
-def grad_loss(model_output, data, dp_group=None):
-    """Response log-probs weighted by the advantages plus entropy, token mean over the mini-batch."""
-    from verl.workers.utils.padding import no_padding_2_padding
-
-    log_prob = no_padding_2_padding(model_output["log_probs"], data)
-    entropy = no_padding_2_padding(model_output["entropy"], data)
-    padded = data.select("response_mask", "advantages").to_padded_tensor()
-    mask = padded["response_mask"].bool()
-    loss = (-(log_prob * padded["advantages"]) - 0.01 * entropy)[mask].sum() / data["batch_num_tokens"]
-    return loss, {}
-
-
-if __name__ == "__main__":
-    import json
-
-    sp = len(sys.argv) > 2 and sys.argv[2] == "sequence_parallel"
-    print("RESULT " + json.dumps(engine_comparison(sys.argv[1], sequence_parallel=sp)), flush=True)

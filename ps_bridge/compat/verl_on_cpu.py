@@ -1,0 +1,183 @@
+"""verl 0.9.1's Megatron engine on a machine without an accelerator (DESIGN.md section 8).
+
+Everything here only makes verl's own engine code runnable on a CPU (the tests, and the `--smoke`
+runs of the commands); none of it changes what the engines compute:
+- `install_absent_module_placeholders`: modules verl imports on the engine path but never runs
+  there (ray, peft, datasets, ...), placed in `sys.modules` only when they are not installed.
+- `use_cpu_platform`: verl's device platform reporting "cpu", so verl allocates on the CPU.
+- `engine_call_on_cpu`: megatron-core allocates a few scalars with a hard-coded `device="cuda"`;
+  inside this context such factory calls land on the CPU (and torch.compile is off).
+- `prepare_cpu_process`: all of it, in the import order that works without TE and without CUDA.
+
+Kept outside the `ps_bridge.verl` package: importing that package activates the plugin, and on a
+CPU machine verl only imports after the placeholders below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+from typing import List, Sequence
+
+import torch
+
+# verl imports these on the engine's import path without using them there.
+VERL_IMPORT_ONLY_MODULES = ("ray", "peft", "accelerate", "datasets", "pandas", "PIL", "dill", "wandb", "torchdata",
+                            # Megatron-Bridge's training config (verl builds its DDP config with it)
+                            # imports its data loaders
+                            "megatron.energon")
+
+
+class _ImportOnly:
+    """A name from a module that is not installed: importable, fails loudly if used."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, item: str):
+        if item.startswith("__"):
+            raise AttributeError(item)
+        return _ImportOnly(f"{self._name}.{item}")
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self._name} belongs to a package that is not installed here (placeholder for the tests)")
+
+    def __mro_entries__(self, bases):
+        return (object,)
+
+
+class _PlaceholderFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, roots: Sequence[str]):
+        self.roots = set(roots)
+
+    def find_spec(self, name, path, target=None):
+        if any(name == root or name.startswith(root + ".") for root in self.roots):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = types.ModuleType(spec.name)
+        module.__path__ = []
+
+        def module_getattr(item, _name=spec.name):
+            if item.startswith("__"):
+                raise AttributeError(item)
+            return _ImportOnly(f"{_name}.{item}")
+
+        module.__getattr__ = module_getattr
+        module.__ps_bridge_placeholder__ = True
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def install_absent_module_placeholders(names: Sequence[str] = VERL_IMPORT_ONLY_MODULES) -> List[str]:
+    """Placeholders for those of `names` that are not installed; returns the ones placed."""
+    absent = [n for n in names if n not in sys.modules and importlib.util.find_spec(n) is None]
+    if absent and not any(isinstance(f, _PlaceholderFinder) for f in sys.meta_path):
+        sys.meta_path.append(_PlaceholderFinder(absent))
+    return absent
+
+
+def prepare_cpu_process() -> None:
+    """Imports in the order that works without TE and without an accelerator, then verl."""
+    install_absent_module_placeholders()
+    from ps_bridge.compat import cuda_on_cpu
+    from ps_bridge.compat.te_placeholder import import_megatron_bridge
+
+    cuda_on_cpu.enable()
+    import_megatron_bridge()
+    use_cpu_platform()
+    _megatron_rng_tracker_on_cpu()
+    _cuda_streams_on_cpu()
+
+
+class _CPUStream:
+    """What megatron's DDP wrapper does with its initialisation stream, on the CPU: nothing."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _cuda_streams_on_cpu() -> None:
+    if torch.cuda.is_available():
+        return
+    torch.cuda.Stream = _CPUStream
+    torch.cuda.current_stream = lambda device=None: _CPUStream()
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+
+
+def _megatron_rng_tracker_on_cpu() -> None:
+    """verl builds the model without `use_cpu_initialization`, so megatron's weight init forks its
+    CUDA RNG tracker; without CUDA the tracker forks the CPU generator instead."""
+    if torch.cuda.is_available():
+        return
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+
+
+def use_cpu_platform() -> None:
+    if torch.cuda.is_available():
+        return
+    from verl.plugin.platform import platform_manager
+    from verl.plugin.platform.platform_cuda import PlatformCUDA
+
+    class CPUPlatform(PlatformCUDA):
+        """verl's CUDA platform with the device name "cpu": verl allocates with get_device_name()."""
+
+        @property
+        def device_name(self) -> str:
+            return "cpu"
+
+        def current_device(self):
+            return torch.device("cpu")  # verl moves batches with .to(get_device_id())
+
+        def is_available(self) -> bool:
+            return True
+
+        def synchronize(self, device_index=None) -> None:
+            pass
+
+        def empty_cache(self) -> None:
+            pass
+
+    if not isinstance(platform_manager._current_platform, CPUPlatform.__mro__[0]):
+        platform_manager._current_platform = CPUPlatform()
+
+
+class _CudaFactoriesOnCpu(torch.overrides.TorchFunctionMode):
+    FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.tensor, torch.arange}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.FACTORIES and str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs = dict(kwargs, device="cpu")
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def engine_call_on_cpu():
+    """Around every engine call in the tests: megatron's `device="cuda"` factory calls land on the
+    CPU, and verl's `torch.compile`d entropy runs eagerly (compiling takes 10-14 s and a C++
+    compiler; scoped here rather than TORCHDYNAMO_DISABLE so other tests keep torch.compile)."""
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(disable=True):
+        if torch.cuda.is_available():
+            yield
+            return
+        with _CudaFactoriesOnCpu():
+            yield

@@ -1,0 +1,156 @@
+"""Packed per-position outputs -> one row of `P_i + R_i` values per sample: the one row extractor.
+
+The packed model output has one position per packed token. A sample's row position `t` reads the
+packed position `layout.row_source[t]` with label `row_label[t]` (the sample's own next token; -1
+for the last row position, which has no label and holds 0). Every row of a shared prompt position
+has the same label except the *fork* rows (row position `P_i - 1`: the shared last prompt position,
+labelled with response i's first token): this is where prefix sharing hands every response its own
+first log-prob.
+
+`PackedRows` is used by the CLI, the schedule, the bench and the verl engine (which passes verl's own
+labels); per-token values that need no label (entropy, sum of squared probabilities) go through
+`values`. Log-probs are computed once per packed position plus once per fork row, never for an
+`[N, V]` copy of the logits with N the unshared token count.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from ps_bridge.layout import PackedPrefixLayout
+
+
+class PackedRows:
+    """Where each row position of each sample reads its packed value, and with which label."""
+
+    def __init__(self, layout: PackedPrefixLayout, labels: Optional[torch.Tensor] = None):
+        device = layout.device
+        self.layout = layout
+        self.source = layout.row_source.to(device)
+        self.labels = (layout.row_label if labels is None else labels).to(device=device, dtype=torch.long)
+        if self.labels.shape != self.source.shape:
+            raise ValueError(f"{self.labels.numel()} row labels for {self.source.numel()} row positions")
+        self.offsets = layout.row_offsets.tolist()
+        self.has_label = self.labels >= 0
+        self.safe_labels = self.labels.clamp(min=0)
+
+    @classmethod
+    def of(cls, layout: PackedPrefixLayout) -> "PackedRows":
+        """The rows of `layout` with its own labels (built once per layout and device)."""
+        return layout.derived(("packed_rows", str(layout.device)), lambda: cls(layout))
+
+    # ---- values -> rows --------------------------------------------------------------------
+    def values(self, packed: torch.Tensor) -> torch.Tensor:
+        """Flattened rows `[sum(P_i + R_i)]` of a per-position value `[T]` (entropy, ...)."""
+        return packed.reshape(-1).index_select(0, self.source)
+
+    def logprobs(self, logits: torch.Tensor, vocab_parallel: bool = False, tp_group=None, chunk_rows: int = 1024) -> torch.Tensor:
+        """Flattened rows of log-probs, float32, from packed logits `[T, V]` (or `[1, T, V]`).
+
+        `vocab_parallel`: `logits` is this rank's `[T, V / tp]` shard (megatron's parallel output
+        layer); megatron's `vocab_parallel_cross_entropy` reduces across the TP group and every rank
+        returns the same full rows. Otherwise the full vocabulary, normalised chunk by chunk."""
+        logits = self._packed_2d(logits)
+        if vocab_parallel:
+            rows = self._vocab_parallel_logprobs(logits, tp_group)
+        else:
+            if chunk_rows < 1:
+                raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+            rows = _RowLogprobs.apply(logits.contiguous(), self.source, self.safe_labels, int(chunk_rows))
+        return torch.where(self.has_label, rows, torch.zeros_like(rows))
+
+    # ---- rows -> per sample ----------------------------------------------------------------
+    def split(self, rows: torch.Tensor) -> List[torch.Tensor]:
+        """One tensor of length `P_i + R_i` per sample, input order."""
+        return [rows[a:b] for a, b in zip(self.offsets[:-1], self.offsets[1:])]
+
+    def nested(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows as a jagged nested tensor (verl's engine output)."""
+        return torch.nested.as_nested_tensor(self.split(rows), layout=torch.jagged)
+
+    def responses(self, rows: torch.Tensor) -> List[torch.Tensor]:
+        """`log p(response[j] | prompt + response[:j])` per sample: row positions P-1 .. P+R-2."""
+        prompt_lengths = self.layout.host_lengths("sample_prompt_length")
+        response_lengths = self.layout.host_lengths("sample_response_length")
+        return [row[P - 1 : P - 1 + R] for row, P, R in zip(self.split(rows), prompt_lengths, response_lengths)]
+
+    # ---- internals -------------------------------------------------------------------------
+    def _packed_2d(self, logits: torch.Tensor) -> torch.Tensor:
+        if logits.dim() == 3:
+            logits = logits.reshape(-1, logits.shape[-1])
+        if logits.shape[0] != self.layout.num_tokens:
+            raise ValueError(f"logits have {logits.shape[0]} positions, the layout has {self.layout.num_tokens}")
+        return logits
+
+    def _fork_rows(self):
+        """(fork row mask, label of each packed position read by the other rows): every row that
+        reads a packed position with a label other than that position's common label is a fork row
+        (in a shared layout, row position P_i - 1 of every sample)."""
+
+        def build():
+            fork = torch.zeros_like(self.has_label)
+            if self.layout.shared:
+                starts = self.layout.row_offsets[:-1].to(fork.device)
+                fork[starts + self.layout.sample_prompt_length.to(fork.device) - 1] = True
+            packed_labels = torch.zeros(self.layout.num_tokens, dtype=torch.long, device=fork.device)
+            packed_labels[self.source[~fork]] = self.safe_labels[~fork]
+            return fork, packed_labels
+
+        if not hasattr(self, "_fork_cache"):
+            self._fork_cache = build()
+        return self._fork_cache
+
+    def _vocab_parallel_logprobs(self, logits: torch.Tensor, tp_group) -> torch.Tensor:
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        fork, packed_labels = self._fork_rows()
+        fork_source = self.source[fork]
+        # one cross entropy per packed position (its common label) plus one per fork row; the
+        # concatenation is a fresh float32 tensor, which megatron's cross entropy edits in place
+        ce_logits = torch.cat([logits, logits.index_select(0, fork_source)]).float()
+        ce_labels = torch.cat([packed_labels, self.safe_labels[fork]])
+        nll = vocab_parallel_cross_entropy(ce_logits, ce_labels, tp_group=tp_group)
+        index = self.source.clone()
+        index[fork] = self.layout.num_tokens + torch.arange(int(fork.sum()), device=index.device)
+        return -nll.index_select(0, index)
+
+
+class _RowLogprobs(torch.autograd.Function):
+    """Full-vocabulary row log-probs without `[N, V]` float32 copies.
+
+    The log-sum-exp is taken once per *packed* position (T rows, not N: a shared prompt position is
+    normalised once however many responses read it), chunk by chunk in float32 from the logits'
+    own dtype, and only a row's label logit is gathered. The backward writes the logits' gradient
+    chunk by chunk: `onehot(label) * g - softmax * (sum of g over the rows reading that position)`.
+    Peak extra memory is one float32 chunk, plus the `[T, V]` gradient every backward produces.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, src, label, chunk_rows):
+        T, V = logits.shape
+        lse = torch.empty(T, dtype=torch.float32, device=logits.device)
+        for a in range(0, T, chunk_rows):
+            lse[a : a + chunk_rows] = torch.logsumexp(logits[a : a + chunk_rows].float(), dim=-1)
+        target = logits.reshape(-1).index_select(0, src * V + label).float()
+        ctx.save_for_backward(logits, src, label, lse)
+        ctx.chunk_rows = chunk_rows
+        return target - lse.index_select(0, src)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        logits, src, label, lse = ctx.saved_tensors
+        T, V = logits.shape
+        g = grad_rows.float()
+        weight = torch.zeros(T, dtype=torch.float32, device=logits.device).index_add_(0, src, g)
+        grad = torch.empty_like(logits)
+        c = ctx.chunk_rows
+        for a in range(0, T, c):
+            # in place: one float32 chunk alive at a time (this runs when every activation is alive,
+            # so its temporaries add directly to the step's peak memory)
+            probs = logits[a : a + c].float()
+            probs.sub_(lse[a : a + c, None]).exp_().mul_(-weight[a : a + c, None])
+            grad[a : a + c] = probs
+        grad.view(-1).index_put_((src * V + label,), g.to(grad.dtype), accumulate=True)
+        return grad, None, None, None
