@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ps_bridge.kernels.attention import BACKENDS, get_attention_backend
-from ps_bridge.kernels.attention import flash, varlen
+from ps_bridge.kernels.attention import cascade, expand, varlen
 from ps_bridge.kernels.attention.flex import bucket_length
 from ps_bridge.layout import Sample, build_layout
 from ps_bridge.rows import PackedRows
@@ -75,7 +75,7 @@ def test_merge_partials_equals_softmax_over_union():
     out_a, lse_a = partial(slice(0, ka))
     out_b, lse_b = partial(slice(ka, None))
     out_full, lse_full = partial(slice(None))
-    out, lse = flash.merge_partials(out_a, lse_a, out_b, lse_b)
+    out, lse = cascade.merge_partials(out_a, lse_a, out_b, lse_b)
     torch.testing.assert_close(out, out_full, rtol=0, atol=1e-12)
     torch.testing.assert_close(lse, lse_full, rtol=0, atol=1e-12)
 
@@ -100,12 +100,12 @@ def test_cascade_backward_from_merged_output_matches_autograd_through_merge():
     equal plain autograd through the two partials and `merge_partials`."""
     layout = make_layout("shared", 2, seed=5)
     q, k, v = qkv(layout, 4, 2, 32, torch.float64, seed=3)
-    plan = flash.cascade_plan(layout)
+    plan = cascade.cascade_plan(layout)
     kernel = varlen.CpuFlashKernel()
     scale = 32 ** -0.5
-    out, lse, aux = flash.cascade_forward(q, k, v, plan, scale, kernel)
+    out, lse, aux = cascade.cascade_forward(q, k, v, plan, scale, kernel)
     dout = torch.randn_like(out) * layout.valid[:, None, None]
-    dq, dk, dv = flash.cascade_backward(dout, q, k, v, out, lse, plan, scale, kernel, aux)
+    dq, dk, dv = cascade.cascade_backward(dout, q, k, v, out, lse, plan, scale, kernel, aux)
 
     qa, ka, va = (x.clone().requires_grad_(True) for x in (q, k, v))
     e = plan.prompt_block_end
@@ -130,7 +130,7 @@ def test_cascade_backward_from_merged_output_matches_autograd_through_merge():
 
     o1, l1 = dense_partial(qa, ka, va, plan.segments)
     o2, l2 = dense_partial(qa[e:], ka[:e], va[:e], plan.cross)
-    merged, _ = flash.merge_partials(o1[e:], l1[:, e:], o2, l2)
+    merged, _ = cascade.merge_partials(o1[e:], l1[:, e:], o2, l2)
     full = torch.cat([o1[:e], merged])
     torch.testing.assert_close(full, out, rtol=1e-10, atol=1e-10)
     for got, want in zip((dq, dk, dv), torch.autograd.grad(full, (qa, ka, va), dout)):
@@ -150,9 +150,9 @@ def test_cascade_copies_no_key_value():
 
     layout = make_layout("shared", 4, seed=2)
     q, k, v = qkv(layout, 4, 2, 16, torch.float32)
-    plan = flash.cascade_plan(layout)
+    plan = cascade.cascade_plan(layout)
     kernel = Recording()
-    flash.cascade_forward(q, k, v, plan, 0.25, kernel)
+    cascade.cascade_forward(q, k, v, plan, 0.25, kernel)
     assert len(kernel.seen) == 2
     for kk, vv in kernel.seen:
         assert kk.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
@@ -165,7 +165,7 @@ def test_cascade_copies_no_key_value():
 
 def test_expand_plan_gathers_prompt_once_per_response():
     layout = make_layout("shared", 1, seed=4)
-    plan = flash.expand_plan(layout)
+    plan = expand.expand_plan(layout)
     host = layout.host
     responses = [s for s, p in enumerate(host["segment_is_prompt"]) if not p]
     expected = layout.num_tokens + sum(host["valid_lengths"][host["segment_group"][s]] for s in responses)

@@ -97,7 +97,7 @@ def test_qwen35_bf16_shared_is_as_close_to_fp32_as_unshared(tmp_path):
     """Gated DeltaNet through fla (bf16) and gated attention through the cascade, against the
     float32 twin with torch_ref kernels."""
     from ps_bridge.config import PrefixSharingConfig
-    from ps_bridge.kernels.gdn.fla_backend import hopper_backward_problem
+    from ps_bridge.kernels.gdn.fla import hopper_backward_problem
     from ps_bridge.runtime import load_model
     from ps_bridge.tiny_checkpoints import build_tiny_qwen35, grpo_like_samples
 

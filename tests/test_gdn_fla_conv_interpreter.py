@@ -40,7 +40,7 @@ CHILD = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     from gdn_cases import make_case, packed_inputs, sample_outputs
     from ps_bridge.kernels.gdn import GDN_BACKENDS, forked_causal_conv1d, plan_from_layout
-    from ps_bridge.kernels.gdn import fla_backend, torch_ref
+    from ps_bridge.kernels.gdn import fla as fla_backend, torch_ref
     from ps_bridge.layout import build_layout
 
     def rel(a, b):

@@ -16,7 +16,7 @@ from ps_bridge.kernels.gdn import (
     prefix_shared_gated_delta_net,
     resolve_gdn_backend,
 )
-from ps_bridge.kernels.gdn.fla_backend import hopper_backward_problem
+from ps_bridge.kernels.gdn.fla import hopper_backward_problem
 from ps_bridge.layout import build_layout
 
 pytestmark = [

@@ -98,7 +98,7 @@ def test_export_round_trip_exact(tiny):
 def test_forgetting_the_state_fork_breaks_equality(tiny, monkeypatch, forgotten):
     """Negative check: responses that start from a zero recurrent state, or a zero conv state, or
     both, no longer match the unshared run (each fork is needed on its own)."""
-    import ps_bridge.kernels.gdn as gdn
+    import ps_bridge.kernels.gdn.forked as gdn
 
     name, _, loaded, _ = tiny
     samples = samples_for(loaded, num_prompts=2, n=2)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ps_bridge.config import PrefixSharingConfig
-from ps_bridge.kernels.gdn import check_gdn_backend_usable, fla_backend
+from ps_bridge.kernels.gdn import check_gdn_backend_usable, fla as fla_backend
 from ps_bridge.providers.registry import get_provider_entry, resolve_provider
 
 

@@ -2,4 +2,7 @@
 
 - `attention`: prefix-shared causal softmax attention over a packed layout.
 - `gdn`: Gated DeltaNet with the prompt's states forked into its responses (Qwen3.5).
+
+Each package has one module per design or backend and a `registry.py` of backends by name (records
+of the shape in `backend.py`), with `auto` among them; its `__init__.py` only re-exports.
 """

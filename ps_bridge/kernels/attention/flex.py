@@ -1,6 +1,6 @@
-"""Prefix-shared attention with FlexAttention (`flex`) and the device-dependent choice (`auto`).
+"""`flex`: prefix-shared attention with FlexAttention.
 
-`flex`: one `flex_attention` call over the whole pack with a block mask built from the layout's
+One `flex_attention` call over the whole pack with a block mask built from the layout's
 per-token metadata: key k is visible to query q when both are in the same group, k is valid, and
 either k is a prompt token while q is a response token, or both are in the same segment and k is not
 after q. Blocks where nothing is visible are skipped by the kernel, so the cost follows the shared
@@ -10,11 +10,6 @@ Recompilation: the compiled kernels and the block mask are specialised on the se
 pack is therefore padded up to a *bucket* length (a power of two times 1, 1.25, 1.5 or 1.75, at
 least 256), so micro-batches of varying lengths reuse a handful of compiled variants instead of
 compiling once per length. Bucket padding tokens see nothing and are seen by nothing.
-
-`auto`: `flash_atten_gpu` (the cascade) on CUDA for fp16/bf16 inputs with a head dim the flash
-kernels take (a multiple of 8, at most 256), `torch_ref` otherwise (CPU, float32 runs). The cascade is the default
-because it copies no key/value and was fastest or within a few percent of the fastest in the
-measurements (DESIGN.md section 4, BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -141,13 +136,3 @@ def prefix_shared_attention_flex(q, k, v, layout: PackedPrefixLayout, softmax_sc
     )
     # fully masked rows (padding) come out as zeros, which nobody reads
     return out[0].transpose(0, 1)[:T]
-
-
-def prefix_shared_attention_auto(q, k, v, layout: PackedPrefixLayout, softmax_scale: float) -> torch.Tensor:
-    from ps_bridge.kernels.attention import BACKENDS
-
-    from ps_bridge.kernels.attention.varlen import flash_supports
-
-    # float32 (exactness runs) and unusual head dims are outside the flash kernels: use the reference
-    name = "flash_atten_gpu" if flash_supports(q) else "torch_ref"
-    return BACKENDS[name](q, k, v, layout, softmax_scale)

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ps_bridge.kernels.attention.flash import _check_shapes, expand_plan
+from ps_bridge.kernels.attention.expand import expand_plan
+from ps_bridge.kernels.attention.varlen import check_shapes
 from ps_bridge.layout import PackedPrefixLayout
 
 # sparse_mode=3 takes a fixed 2048 x 2048 upper-triangular mask whatever the sequence lengths
@@ -43,7 +44,7 @@ def _fusion_attention():
 
 
 def prefix_shared_attention_npu(q, k, v, layout: PackedPrefixLayout, softmax_scale: float) -> torch.Tensor:
-    _check_shapes(q, k, v, layout)
+    check_shapes(q, k, v, layout)
     fusion_attention = _fusion_attention()
     plan = expand_plan(layout)
     rows = plan.key_rows(q.device)

@@ -1,10 +1,11 @@
 """Variable-length flash-attention calls with their log-sum-exp, behind one small interface.
 
-The prefix-shared designs (ps_bridge.kernels.attention.flash) are written against
+The prefix-shared designs (`cascade.py`, `expand.py`) are written against
 `VarlenKernel.forward/backward`: one call attends the queries of batch element b,
 `q[cu_q[b]:cu_q[b+1]]`, to the keys `k[cu_k[b]:cu_k[b+1]]`, and returns the output together with its
 fp32 log-sum-exp `[Hq, total_q]`. The backward takes the output and log-sum-exp it should use, which
-need not be the ones the forward produced: the cascade passes the *merged* ones (see flash.py).
+need not be the ones the forward produced: the cascade passes the *merged* ones (see cascade.py).
+`PlannedAttention` is the autograd function both designs run their plan's calls through.
 
 Causal masking follows flash-attention's convention (bottom-right aligned): when a batch element has
 `Lq` queries and `Lk` keys, query j sees keys `0 .. Lk - Lq + j`. With `Lq == Lk` that is ordinary
@@ -94,10 +95,14 @@ def _check_lse(lse: torch.Tensor, heads: int, total_q: int, who: str) -> torch.T
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
+def flash_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the CUDA flash kernels take such inputs: fp16/bf16, head dim a multiple of 8 up to 256."""
+    return torch.device(device).type == "cuda" and dtype in FLASH_DTYPES and head_dim <= 256 and head_dim % 8 == 0
+
+
 def flash_supports(q: torch.Tensor) -> bool:
-    """Whether the CUDA flash kernels take these inputs: fp16/bf16, head dim a multiple of 8 up to 256."""
-    D = q.shape[-1]
-    return q.device.type == "cuda" and q.dtype in FLASH_DTYPES and D <= 256 and D % 8 == 0
+    """`flash_takes` for the query tensor `q [T, H, D]`."""
+    return flash_takes(q.device, q.dtype, q.shape[-1])
 
 
 def _require_flash_support(q: torch.Tensor, who: str) -> None:
@@ -272,3 +277,35 @@ def kernel_for(device: torch.device) -> VarlenKernel:
     if key not in _KERNELS:
         _KERNELS[key] = {"flash_attn": FlashAttnKernel, "torch": TorchFlashKernel, "cpu": CpuFlashKernel}[key]()
     return _KERNELS[key]
+
+
+# ---- what the designs on top share ------------------------------------------------------------
+
+
+def check_shapes(q, k, v, layout) -> None:
+    """Packed `q [T, Hq, D]`, `k, v [T, Hkv, D]` over `layout`'s T tokens, Hq a multiple of Hkv."""
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"expected q [T, Hq, D], k/v [T, Hkv, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[0] != layout.num_tokens or k.shape[0] != layout.num_tokens:
+        raise ValueError(f"q/k have {q.shape[0]}/{k.shape[0]} tokens, the layout {layout.num_tokens}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+
+
+class PlannedAttention(torch.autograd.Function):
+    """Runs a plan's varlen calls forward (`plan.forward`), and their backwards (`plan.backward`)
+    from the saved output and log-sum-exp (for the cascade: the merged ones)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan, scale, kernel):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out, lse, aux = plan.forward(q, k, v, scale, kernel)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.scale, ctx.kernel, ctx.aux = plan, scale, kernel, aux
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.plan.backward(dout.contiguous(), q, k, v, out, lse, ctx.scale, ctx.kernel, ctx.aux)
+        return dq, dk, dv, None, None, None

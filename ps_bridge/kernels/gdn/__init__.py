@@ -1,158 +1,37 @@
-"""Gated DeltaNet (Qwen3.5) with each prompt's final states forked into its responses.
+"""Gated DeltaNet (Qwen3.5) with each prompt's final states forked into its responses, by named backend.
 
-A GDN layer's sequence mixing is a causal depthwise conv1d followed by the gated delta rule; both
-carry state along the sequence (the last W conv inputs, and the `[HV, K, V]` recurrent state). With
-prefix sharing a response does not see its prompt's tokens, it starts from its prompt's *final
-states*. `prefix_shared_gated_delta_net` runs the delta rule twice per layer: once over all prompts
-(`output_final_state=True`) and once over all responses, whose initial states are the prompt states
-indexed by `plan.response_prompt` (`fork_states`). The fork is an `index_select`, so in the backward
-every response's state gradient is summed into its prompt's state: exactly the unshared gradient.
-The conv needs one call only: its state is the last W inputs, gathered from the prompt directly.
-
-Backends (`GDN_BACKENDS`): `torch_ref` (plain PyTorch, exact, any device), `fla` (fla-core Triton
-kernels, CUDA), `auto` (fla on CUDA, else torch_ref).
+One module per part:
+- `forked.py`: the algorithm (`prefix_shared_gated_delta_net`: forked causal conv, forked delta rule,
+  `fork_states`, `l2_normalize`);
+- `plan.py`: where the kernels find prompts, responses and the fork between them (`GDNPlan`);
+- `torch_ref.py`: the `torch_ref` backend, plain PyTorch, exact, any device (the reference);
+- `fla.py`: the `fla` backend, fla-core's Triton kernels (CUDA);
+- `registry.py`: `GDN_BACKENDS` by name, `auto` (fla on CUDA, else torch_ref), and
+  `check_gdn_backend_usable`.
 """
 
-from __future__ import annotations
-
-from types import SimpleNamespace
-from typing import Optional
-
-import torch
-
-from ps_bridge.kernels.gdn import fla_backend, torch_ref
+from ps_bridge.kernels.gdn.forked import (
+    fork_states,
+    forked_causal_conv1d,
+    forked_gated_delta_rule,
+    l2_normalize,
+    prefix_shared_gated_delta_net,
+)
 from ps_bridge.kernels.gdn.plan import GDNPlan, plan_from_layout, plan_from_rows
-
-GDN_BACKENDS = {
-    "auto": None,  # resolved per device by resolve_gdn_backend
-    "torch_ref": SimpleNamespace(
-        name="torch_ref", causal_conv1d=torch_ref.causal_conv1d, gated_delta_rule=torch_ref.gated_delta_rule
-    ),
-    "fla": SimpleNamespace(
-        name="fla", causal_conv1d=fla_backend.causal_conv1d, gated_delta_rule=fla_backend.gated_delta_rule
-    ),
-}
-
-
-def resolve_gdn_backend(name: str, device: torch.device) -> SimpleNamespace:
-    """The backend object for `name` on `device` (`auto`: fla on CUDA, torch_ref elsewhere)."""
-    if name not in GDN_BACKENDS:
-        raise ValueError(f"unknown Gated DeltaNet backend {name!r}; valid backends: {', '.join(sorted(GDN_BACKENDS))}")
-    if name == "auto":
-        name = "fla" if device.type == "cuda" else "torch_ref"
-    if name == "fla" and device.type != "cuda":
-        raise ValueError(f"the fla Gated DeltaNet backend needs a CUDA device (got {device}); use torch_ref")
-    return GDN_BACKENDS[name]
-
-
-def check_gdn_backend_usable(name: str, device: torch.device, training: bool = True) -> None:
-    """Fail early (at model build) when the selected backend cannot run the backward pass here."""
-    backend = resolve_gdn_backend(name, device)
-    if backend.name == "fla" and training:
-        problem = fla_backend.hopper_backward_problem(device)
-        if problem:
-            raise RuntimeError(problem)
-
-
-def fork_states(prompt_states: torch.Tensor, plan: GDNPlan) -> torch.Tensor:
-    """Each response's initial state: its prompt's final state (`[Nr, ...]`, differentiable)."""
-    return prompt_states.index_select(0, plan.response_prompt)
-
-
-def forked_causal_conv1d(x, weight, bias, plan: GDNPlan, backend, activation="silu", fork: bool = True):
-    """Causal conv over compacted `x [L, D]`, responses continuing from their prompt's conv state.
-
-    A conv state is only the last W raw *inputs*, which are known before the conv runs, so unlike the
-    delta rule this needs no second pass: one varlen call covers prompts and responses, each response
-    starting from its prompt's input tail (gathered with `prompt_tail_index`, so the backward adds
-    the responses' state gradients into the prompt's inputs). One call instead of two per layer
-    matters where the GPU work is small: each fla call costs about a millisecond of host time.
-    `fork=False` starts responses from zeros (a deliberately wrong variant, for negative tests)."""
-    if plan.num_responses == 0:
-        y, _ = backend.causal_conv1d(x, weight, bias, plan.cu_prompts, plan.cu_prompts_host, None, False, activation)
-        return y
-    init = None
-    if fork:
-        D, W = weight.shape
-        index, valid = plan.prompt_tail_index(W, x.device)
-        tails = x.index_select(0, index).view(-1, W, D) * valid.unsqueeze(-1).to(x.dtype)  # [Nr, W, D]
-        init = torch.cat([x.new_zeros(plan.num_prompts, D, W), tails.transpose(1, 2)])  # fla's [N, D, W]
-    y, _ = backend.causal_conv1d(x, weight, bias, plan.cu_all, plan.cu_all_host, init, False, activation)
-    return y
-
-
-def forked_gated_delta_rule(q, k, v, g, beta, scale, plan: GDNPlan, backend, fork: bool = True):
-    """Gated delta rule over compacted tokens: prompts, then responses from their prompt's state."""
-    Lp = plan.num_prompt_tokens
-    has_responses = plan.num_responses > 0
-    o_p, state_p = backend.gated_delta_rule(
-        q[:Lp], k[:Lp], v[:Lp], g[:Lp], beta[:Lp], scale, plan.cu_prompts, plan.cu_prompts_host, None, has_responses
-    )
-    if not has_responses:
-        return o_p
-    init = fork_states(state_p, plan) if fork else None
-    o_r, _ = backend.gated_delta_rule(
-        q[Lp:], k[Lp:], v[Lp:], g[Lp:], beta[Lp:], scale, plan.cu_responses, plan.cu_responses_host, init, False
-    )
-    return torch.cat([o_p, o_r], dim=0)
-
-
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """`x / sqrt(sum(x^2) + eps)` over the last dim, in float32 at least (fla's and HF's l2norm)."""
-    xf = x.to(torch.promote_types(x.dtype, torch.float32))
-    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def prefix_shared_gated_delta_net(
-    mixed_qkv: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: Optional[torch.Tensor],
-    plan: GDNPlan,
-    backend,
-    *,
-    num_key_heads: int,
-    key_head_dim: int,
-    value_head_dim: int,
-    use_qk_l2norm: bool = True,
-    scale: Optional[float] = None,
-    activation: str = "silu",
-    fork: bool = True,
-) -> torch.Tensor:
-    """GDN sequence mixing over flattened input tokens (padding included).
-
-    mixed_qkv `[N, 2*H*K + HV*V]` (conv input, channels q|k|v), g (log decay) and beta `[N, HV]`,
-    conv_weight `[D, W]`. Returns `[N, HV, V]`, zero at padding positions."""
-    if mixed_qkv.shape[0] != plan.num_input_tokens:
-        raise ValueError(
-            f"Gated DeltaNet received {mixed_qkv.shape[0]} tokens but the plan describes {plan.num_input_tokens}"
-        )
-    idx = plan.gather_index
-    if idx is not None:  # compact: valid prompt tokens, then valid response tokens
-        mixed_qkv, g, beta = mixed_qkv.index_select(0, idx), g.index_select(0, idx), beta.index_select(0, idx)
-    qkv = forked_causal_conv1d(mixed_qkv, conv_weight, conv_bias, plan, backend, activation, fork=fork)
-    qk_dim = num_key_heads * key_head_dim
-    q, k, v = torch.split(qkv, [qk_dim, qk_dim, qkv.shape[-1] - 2 * qk_dim], dim=-1)
-    L = qkv.shape[0]
-    q = q.reshape(L, num_key_heads, key_head_dim)
-    k = k.reshape(L, num_key_heads, key_head_dim)
-    v = v.reshape(L, -1, value_head_dim)
-    if use_qk_l2norm:
-        q, k = l2_normalize(q), l2_normalize(k)
-    scale = key_head_dim**-0.5 if scale is None else scale
-    o = forked_gated_delta_rule(
-        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), scale, plan, backend, fork=fork
-    )
-    if idx is not None:
-        o = o.new_zeros(plan.num_input_tokens, *o.shape[1:]).index_copy(0, idx, o)
-    return o
-
+from ps_bridge.kernels.gdn.registry import (
+    GDN_BACKENDS,
+    GDNBackend,
+    check_gdn_backend_usable,
+    choose_gdn_backend,
+    resolve_gdn_backend,
+)
 
 __all__ = [
     "GDN_BACKENDS",
+    "GDNBackend",
     "GDNPlan",
     "check_gdn_backend_usable",
+    "choose_gdn_backend",
     "fork_states",
     "forked_causal_conv1d",
     "forked_gated_delta_rule",

@@ -1,9 +1,8 @@
-"""Prefix-shared attention on varlen flash kernels: the cascade (default) and the expand-K/V design.
+"""`flash_atten_gpu`: prefix-shared attention as a cascade of varlen flash calls, copying no key/value.
 
-Both run on the packed layout of ps_bridge.layout: all prompt segments first (the *prompt block*),
+It runs on the packed layout of ps_bridge.layout: all prompt segments first (the *prompt block*),
 then the responses group by group (the *response block*), each segment padded at its end.
 
-`flash_atten_gpu` -- the cascade, which copies no key/value:
   1. one causal call over every segment of the pack, with the padded segment offsets: a prompt
      token sees its prompt causally, a response token its own response causally (padding sits at
      segment ends, so no valid query ever sees it);
@@ -17,10 +16,6 @@ then the responses group by group (the *response block*), each segment padded at
   exp(scores - lse) and the row term from (dout * out), so with the merged values each call yields
   its share of the true gradient, and no gradient through the log-sum-exp is needed.
 
-`flash_atten_gpu_expand` -- one call, bottom-right causal: a response's queries attend to the
-  gathered keys/values `[prompt (valid tokens); response]`. Simple, one kernel launch, but it copies
-  each prompt's key/value once per response (2 * n * P * Hkv * D elements per layer).
-
 Kernels come from ps_bridge.kernels.attention.varlen: flash-attn if installed, else torch's own
 CUDA flash kernels; on a CPU torch's CPU flash op (slow, used by the tests).
 """
@@ -32,19 +27,8 @@ from typing import List, Optional
 
 import torch
 
-from ps_bridge.kernels.attention.varlen import VarlenCall, VarlenKernel, kernel_for
+from ps_bridge.kernels.attention.varlen import PlannedAttention, VarlenCall, VarlenKernel, check_shapes, kernel_for
 from ps_bridge.layout import PackedPrefixLayout
-
-def _check_shapes(q, k, v, layout):
-    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
-        raise ValueError(f"expected q [T, Hq, D], k/v [T, Hkv, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape[0] != layout.num_tokens or k.shape[0] != layout.num_tokens:
-        raise ValueError(f"q/k have {q.shape[0]}/{k.shape[0]} tokens, the layout {layout.num_tokens}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
-
-
-# ---- cascade --------------------------------------------------------------------------------
 
 
 @dataclass
@@ -137,73 +121,6 @@ def cascade_backward(dout, q, k, v, out, lse, plan: CascadePlan, scale: float, k
     return dq, dk, dv
 
 
-class _PlannedAttention(torch.autograd.Function):
-    """Runs a plan's flash calls forward, and their backwards from the saved (merged) output and lse."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, plan, scale, kernel):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out, lse, aux = plan.forward(q, k, v, scale, kernel)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.scale, ctx.kernel, ctx.aux = plan, scale, kernel, aux
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.plan.backward(dout.contiguous(), q, k, v, out, lse, ctx.scale, ctx.kernel, ctx.aux)
-        return dq, dk, dv, None, None, None
-
-
 def prefix_shared_attention_cascade(q, k, v, layout: PackedPrefixLayout, softmax_scale: float) -> torch.Tensor:
-    _check_shapes(q, k, v, layout)
-    return _PlannedAttention.apply(q, k, v, cascade_plan(layout), float(softmax_scale), kernel_for(q.device))
-
-
-# ---- expand K/V -----------------------------------------------------------------------------
-
-
-@dataclass
-class ExpandPlan:
-    call: VarlenCall  # bottom-right causal, queries = the pack, keys = the gathered rows
-    key_rows_host: List[int]  # packed position of each gathered key row
-
-    def forward(self, q, k_rows, v_rows, scale, kernel):
-        return kernel.forward(q, k_rows, v_rows, self.call, scale)
-
-    def backward(self, dout, q, k_rows, v_rows, out, lse, scale, kernel, aux):
-        return kernel.backward(dout, q, k_rows, v_rows, out, lse, self.call, scale, aux)
-
-    def key_rows(self, device) -> torch.Tensor:
-        device = torch.device(device)
-        cached = self.__dict__.setdefault("_rows", {})
-        if device not in cached:
-            cached[device] = torch.tensor(self.key_rows_host, dtype=torch.long, device=device)
-        return cached[device]
-
-
-def expand_plan(layout: PackedPrefixLayout) -> ExpandPlan:
-    return layout.derived("flash_expand_plan", lambda: _build_expand_plan(layout))
-
-
-def _build_expand_plan(layout: PackedPrefixLayout) -> ExpandPlan:
-    host = layout.host
-    offsets = host["cu_seqlens_padded"]
-    rows: List[int] = []
-    cu_k = [0]
-    for s in range(len(offsets) - 1):
-        if not host["segment_is_prompt"][s]:
-            p = host["segment_group"][s]  # group g's prompt is segment g
-            rows.extend(range(offsets[p], offsets[p] + host["valid_lengths"][p]))
-        rows.extend(range(offsets[s], offsets[s + 1]))
-        cu_k.append(len(rows))
-    return ExpandPlan(call=VarlenCall(cu_q=list(offsets), cu_k=cu_k, causal=True), key_rows_host=rows)
-
-
-def prefix_shared_attention_expand(q, k, v, layout: PackedPrefixLayout, softmax_scale: float) -> torch.Tensor:
-    _check_shapes(q, k, v, layout)
-    plan = expand_plan(layout)
-    rows = plan.key_rows(q.device)
-    # index_select's backward scatters (sums) the gathered rows' gradients back onto the pack
-    k_rows, v_rows = k.index_select(0, rows), v.index_select(0, rows)
-    return _PlannedAttention.apply(q, k_rows, v_rows, plan, float(softmax_scale), kernel_for(q.device))
+    check_shapes(q, k, v, layout)
+    return PlannedAttention.apply(q, k, v, cascade_plan(layout), float(softmax_scale), kernel_for(q.device))

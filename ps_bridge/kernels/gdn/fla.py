@@ -1,4 +1,4 @@
-"""Gated DeltaNet kernels from fla-core (GPU): `causal_conv1d` and `chunk_gated_delta_rule`.
+"""The `fla` Gated DeltaNet backend: fla-core's Triton kernels (GPU), `causal_conv1d` and `chunk_gated_delta_rule`.
 
 One call covers a whole varlen block (all prompts, or all responses) with per-sequence initial and
 final states. CPU copies of `cu_seqlens` are passed so fla does not sync the device to read them.

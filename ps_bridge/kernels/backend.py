@@ -1,0 +1,44 @@
+"""What every kernel registry shares: a backend's description and the lookup of one by name.
+
+Each op (`attention`, `gdn`) has a `registry.py` with a dict of frozen backend records by name
+(a subclass of `Backend` that adds the op's callables), an `auto` entry, and one `resolve_*`
+function that turns a name (`auto` included) into the concrete backend for the inputs at hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional, Tuple, TypeVar
+
+import torch
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class Backend:
+    """name: registry key; description: one line; devices: device types it runs on (None: any),
+    checked by the registry's `resolve_*`; dtypes: input dtypes of its fast path (None: any),
+    checked by the kernels themselves (some also run other dtypes on the CPU, for tests)."""
+
+    name: str
+    description: str
+    devices: Optional[Tuple[str, ...]]
+    dtypes: Optional[Tuple[torch.dtype, ...]]
+
+    def check_device(self, device: torch.device, op: str) -> None:
+        if self.devices is not None and device.type not in self.devices:
+            needs = " or ".join(d.upper() for d in self.devices)
+            article = "an" if needs[0] in "AEFHILMNORSX" else "a"  # "an NPU", "a CUDA"
+            raise ValueError(f"the {self.name} {op} backend needs {article} {needs} device (got {device}); use torch_ref")
+
+
+B = TypeVar("B", bound=Backend)
+
+
+def lookup(backends: Mapping[str, B], name: str, op: str) -> B:
+    """`backends[name]`, or the error every registry gives for an unknown name."""
+    try:
+        return backends[name]
+    except KeyError:
+        raise ValueError(f"unknown {op} backend {name!r}; valid backends: {', '.join(sorted(backends))}") from None
