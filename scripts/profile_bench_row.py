@@ -17,7 +17,11 @@ from torch.profiler import ProfilerActivity, profile
 
 
 def main() -> None:
-    from ps_bridge import bench
+    from ps_bridge.compat.quiet import quiet_third_party
+
+    quiet_third_party(verbose=False)
+    from ps_bridge.bench.catalog import FAMILIES, MODEL_SHAPES, make_samples, response_row_mask
+    from ps_bridge.bench.timing import run_actor_step
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.layout import build_layout
     from ps_bridge.runtime import load_model_from_hf_config
@@ -30,20 +34,20 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     P, R, n = (int(x) for x in args.row.split(","))
-    shape = bench.MODEL_SHAPES[args.model]
+    shape = MODEL_SHAPES[args.model]
     layers = args.layers or shape.bench_layers
     config = PrefixSharingConfig(enabled=True, backend=args.backend, pad_multiple=1)
-    loaded = load_model_from_hf_config(bench.FAMILIES[shape.family](shape.dims, layers), config, dtype=torch.bfloat16)
-    samples = bench.make_samples(P, R, n, 1, loaded.vocab_size, 1234)
+    loaded = load_model_from_hf_config(FAMILIES[shape.family](shape.dims, layers), config, dtype=torch.bfloat16)
+    samples = make_samples(P, R, n, 1, loaded.vocab_size, 1234)
     summary = {}
     for share in (False, True):
         layout = build_layout(samples, share=share, vocab_size=loaded.vocab_size).to(loaded.device)
-        mask = bench.response_row_mask(layout).to(loaded.device)
+        mask = response_row_mask(layout).to(loaded.device)
         count = float(mask.sum())
 
         def step():
             loaded.model.zero_grad(set_to_none=True)
-            bench.run_actor_step(loaded, [layout], [mask], count, 1024)
+            run_actor_step(loaded, [layout], [mask], count, 1024)
 
         for _ in range(3):
             step()

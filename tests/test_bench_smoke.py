@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ps_bridge import bench
+from ps_bridge.bench import timing
 
 
 def parse(argv):
@@ -56,8 +57,9 @@ def test_bench_smoke_runs_and_reports(tmp_path, capsys):
 
 
 def out_of_memory_above(max_unshared_samples):
-    """A run_mode that raises CUDA's OOM for an unshared micro-batch of more samples than given."""
-    real_run_mode = bench.run_mode
+    """A run_mode that raises CUDA's OOM for an unshared micro-batch of more samples than given
+    (patched where the unshared run calls it, `bench.timing`)."""
+    real_run_mode = timing.run_mode
 
     def run_mode(loaded, layouts, *args, **kwargs):
         for layout in layouts if isinstance(layouts, list) else [layouts]:
@@ -72,7 +74,7 @@ def out_of_memory_above(max_unshared_samples):
 def test_bench_splits_an_unshared_batch_that_does_not_fit(monkeypatch, capsys):
     """An unshared batch too large for memory runs as consecutive micro-batches (gradient
     accumulation); its log-probs still line up sample by sample with the shared run's."""
-    monkeypatch.setattr(bench, "run_mode", out_of_memory_above(2))
+    monkeypatch.setattr(timing, "run_mode", out_of_memory_above(2))
     argv = ["--smoke", "--no-progress", "--models", "tiny-qwen2.5", "--grid", "24,8,4", "--json", "-"]
     assert bench.run_bench(parse(argv)) == 0
     out = capsys.readouterr().out
@@ -86,7 +88,7 @@ def test_bench_splits_an_unshared_batch_that_does_not_fit(monkeypatch, capsys):
 def test_bench_reports_shared_alone_when_unshared_runs_out_of_memory(monkeypatch, capsys):
     """A row whose unshared batch does not fit even split is a result (OOM), not an error: the
     shared packing is still timed and reported."""
-    monkeypatch.setattr(bench, "run_mode", out_of_memory_above(0))
+    monkeypatch.setattr(timing, "run_mode", out_of_memory_above(0))
 
     argv = ["--smoke", "--no-progress", "--models", "tiny-qwen2.5", "--grid", "24,8,4", "--json", "-"]
     assert bench.run_bench(parse(argv)) == 0

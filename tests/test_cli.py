@@ -1,6 +1,7 @@
 """`ps-bridge logprobs` and `ps-bridge demo`: happy paths and each bad input."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -101,18 +102,114 @@ def test_unknown_backend(tmp_path, qwen2_checkpoint, good_batch, capsys):
     assert "valid backends" in err
 
 
+def run_cli(*argv):
+    """`python -m ps_bridge.cli ARGV` in a fresh process (the heavy imports happen in it)."""
+    return subprocess.run([sys.executable, "-m", "ps_bridge.cli", *argv], capture_output=True, text=True, timeout=600)
+
+
+def noisy_lines(proc):
+    """Lines of stdout+stderr that look like a traceback or a warning."""
+    return [line for line in (proc.stdout + proc.stderr).splitlines() if "Traceback" in line or "warning" in line.lower()]
+
+
 def test_demo_json_in_a_fresh_process():
-    """The installed console script runs the main job end to end and reports fp32-level agreement."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "ps_bridge.cli", "demo", "--json", "--prompts", "2", "--n", "4"],
-        capture_output=True, text=True, timeout=600,
-    )
+    """`python -m ps_bridge.cli demo` runs the main job end to end, reports fp32-level agreement, and
+    prints no traceback or third-party warning (nor our INFO lines) without -v."""
+    proc = run_cli("demo", "--json", "--prompts", "2", "--n", "4")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert noisy_lines(proc) == [], proc.stderr[-3000:]
+    assert "[PS]" not in proc.stdout + proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["tokens_shared"] < result["tokens_unshared"]
     assert result["max_logprob_diff_shared_vs_hf"] <= 1e-5
     assert result["max_logprob_diff_shared_vs_unshared"] <= 1e-5
     assert result["max_rel_grad_diff_shared_vs_unshared"] <= 1e-5
+
+
+@pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "verbose"])
+def test_logprobs_in_a_fresh_process_quiet_unless_verbose(tmp_path, qwen2_checkpoint, verbose):
+    """`ps-bridge logprobs` on a tiny checkpoint: no traceback or warning line without -v; with -v
+    the [PS] log lines (and the third-party notices) are shown."""
+    batch = write_batch(tmp_path / "batch.json", grpo_like_samples(256, num_prompts=1, n=2, seed=3))
+    out = tmp_path / "out.json"
+    proc = run_cli(*(["-v"] if verbose else []), "logprobs", "--hf-path", qwen2_checkpoint[0], "--batch", batch,
+                   "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(json.loads(out.read_text())["samples"]) == 2
+    text = proc.stdout + proc.stderr
+    if verbose:
+        assert "[PS][prepare]" in text
+    else:
+        assert noisy_lines(proc) == [], proc.stderr[-3000:]
+        assert "[PS]" not in text
+
+
+def test_quiet_third_party_keeps_our_warnings(monkeypatch):
+    """Silenced: a third-party import notice (warning filter by module) and a megatron logger's
+    warning; kept: our logger's warnings and a warning raised in our own modules."""
+    import logging
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    from ps_bridge.compat import quiet
+
+    hf_verbosity, hf_bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    monkeypatch.setattr(logging.getLogger("ps_bridge"), "propagate", True)
+    for name in ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS"):
+        monkeypatch.delenv(name, raising=False)  # restored after the test
+    saved = {name: (logging.getLogger(name).level, list(logging.getLogger(name).filters)) for name in quiet._QUIET_LOGGERS}
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    handler = Keep(level=logging.DEBUG)
+    logging.getLogger().addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            quiet.quiet_third_party(verbose=False)
+            quiet.quiet_third_party(verbose=False)  # idempotent
+            warnings.warn_explicit("Apex is not installed. Falling back to Torch Norm", UserWarning,
+                                   "backends.py", 34, module="megatron.core.models.backends")
+            warnings.warn_explicit("ours", UserWarning, "runtime.py", 1, module="ps_bridge.runtime")
+            logging.getLogger("megatron.core.models.gpt.gpt_model").warning("GPTModel IS DEPRECATED")
+            logging.getLogger("megatron.bridge.utils.import_utils").info("Import of X failed with: Traceback")
+            logging.getLogger("ps_bridge").warning("our warning")
+            logging.getLogger("megatron.core").error("a third-party error")
+    finally:
+        logging.getLogger().removeHandler(handler)
+        for name, (level, filters) in saved.items():
+            logging.getLogger(name).setLevel(level)
+            logging.getLogger(name).filters[:] = filters
+        hf_logging.set_verbosity(hf_verbosity)
+        if hf_bars:
+            hf_logging.enable_progress_bar()
+    assert [str(w.message) for w in caught] == ["ours"]
+    assert [r.getMessage() for r in records] == ["our warning", "a third-party error"]
+    assert os.environ["TRANSFORMERS_VERBOSITY"] == "error"
+
+
+@pytest.mark.slow
+def test_demo_under_torchrun_is_quiet_on_every_rank():
+    """`torchrun --nproc-per-node 2 -m ps_bridge.cli demo --tp 2`: no rank prints a traceback or a
+    warning (torchrun's own OMP_NUM_THREADS notice is avoided by setting it)."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from parallel_cases import torchrun
+
+    proc = torchrun(2, ["-m", "ps_bridge.cli", "demo", "--tp", "2", "--prompts", "2", "--responses", "3"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert noisy_lines(proc) == [], proc.stderr[-4000:]
+    assert proc.stdout.count("ps-bridge demo: prefix-shared vs unshared") == 1  # rank 0's table only
+
+
+def test_verbose_flag_is_seen_before_the_command():
+    from ps_bridge.cli import verbose_requested
+
+    assert verbose_requested(["-v", "demo"]) and verbose_requested(["--verbose", "logprobs", "--out", "x"])
+    assert not verbose_requested(["demo", "-v"]) and not verbose_requested([])
 
 
 def test_qwen35_vl_checkpoint_through_the_cli(tmp_path, capsys):

@@ -11,6 +11,14 @@ from __future__ import annotations
 import json
 import tempfile
 
+from ps_bridge.cli.errors import UsageError
+
+
+def add_parser(sub) -> None:
+    dm = sub.add_parser("demo", help="the main job on a tiny random checkpoint: shared vs unshared vs HF")
+    add_demo_arguments(dm)
+    dm.set_defaults(func=run_demo)
+
 
 def add_demo_arguments(parser) -> None:
     from ps_bridge.parallel import add_parallel_arguments
@@ -68,7 +76,6 @@ def format_table(r: dict) -> str:
 
 
 def run_demo(args) -> int:
-    from ps_bridge.cli import UsageError
     from ps_bridge.parallel import is_output_rank, settings_from_args
 
     parallel = settings_from_args(args)

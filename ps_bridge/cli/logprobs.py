@@ -1,28 +1,27 @@
-"""`ps-bridge`: check prefix sharing on a checkpoint (`logprobs`), run the main job (`demo`),
-measure the speed-up on a GPU (`bench`).
-
-Errors a user can fix (missing file, bad JSON, bad token ids, unsupported architecture, unknown
-backend) exit with status 2 and one line `ps-bridge: error: ...` on stderr.
-"""
+"""`ps-bridge logprobs`: log-probs of each response token of a batch, from an HF checkpoint."""
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
-import os
-import sys
 from pathlib import Path
-from typing import List
 
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-
-
-class UsageError(Exception):
-    """An error in the user's input: printed without a traceback."""
+from ps_bridge.cli.errors import UsageError
 
 
-# ---- logprobs --------------------------------------------------------------------------------
+def add_parser(sub) -> None:
+    from ps_bridge.kernels.attention import BACKENDS
+    from ps_bridge.parallel import add_parallel_arguments
+
+    lp = sub.add_parser("logprobs", help="log-probs of each response token of a batch, from an HF checkpoint")
+    lp.add_argument("--hf-path", required=True, help="Hugging Face checkpoint directory")
+    lp.add_argument("--batch", required=True, help='JSON {"samples": [{"prompt": [ids], "response": [ids]}, ...]}')
+    lp.add_argument("--out", required=True, help="output JSON path")
+    lp.add_argument("--no-prefix-sharing", action="store_true", help="run every sample unshared")
+    lp.add_argument("--backend", default="torch_ref", help=f"attention backend ({', '.join(sorted(BACKENDS))})")
+    lp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    lp.add_argument("--provider", default=None, help="provider name (default: detected from the checkpoint)")
+    add_parallel_arguments(lp)
+    lp.set_defaults(func=run_logprobs)
 
 
 def read_batch(path: str):
@@ -58,7 +57,7 @@ def _hf_vocab_size(hf_config: dict, hf_path: str) -> int:
     return int(vocab)
 
 
-def cmd_logprobs(args) -> int:
+def run_logprobs(args) -> int:
     import torch
 
     from ps_bridge.config import PrefixSharingConfig
@@ -107,61 +106,3 @@ def cmd_logprobs(args) -> int:
         f"tokens {layout.tokens_unshared} unshared -> {layout.tokens_shared} packed"
     )
     return 0
-
-
-# ---- argument parsing -------------------------------------------------------------------------
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from ps_bridge.kernels.attention import BACKENDS
-    from ps_bridge.parallel import add_parallel_arguments
-
-    parser = argparse.ArgumentParser(prog="ps-bridge", description=__doc__.split("\n\n")[0])
-    parser.add_argument("-v", "--verbose", action="store_true", help="show the [PS] log lines")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    lp = sub.add_parser("logprobs", help="log-probs of each response token of a batch, from an HF checkpoint")
-    lp.add_argument("--hf-path", required=True, help="Hugging Face checkpoint directory")
-    lp.add_argument("--batch", required=True, help='JSON {"samples": [{"prompt": [ids], "response": [ids]}, ...]}')
-    lp.add_argument("--out", required=True, help="output JSON path")
-    lp.add_argument("--no-prefix-sharing", action="store_true", help="run every sample unshared")
-    lp.add_argument("--backend", default="torch_ref", help=f"attention backend ({', '.join(sorted(BACKENDS))})")
-    lp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    lp.add_argument("--provider", default=None, help="provider name (default: detected from the checkpoint)")
-    add_parallel_arguments(lp)
-    lp.set_defaults(func=cmd_logprobs)
-
-    from ps_bridge import demo
-
-    dm = sub.add_parser("demo", help="the main job on a tiny random checkpoint: shared vs unshared vs HF")
-    demo.add_demo_arguments(dm)
-    dm.set_defaults(func=demo.run_demo)
-
-    try:
-        from ps_bridge import bench
-    except ImportError:
-        bench = None
-    if bench is not None:
-        bp = sub.add_parser("bench", help="GPU benchmark: prefix-shared vs unshared actor step and log-prob pass")
-        bench.add_bench_arguments(bp)
-        bp.set_defaults(func=bench.run_bench)
-    return parser
-
-
-def main(argv: List[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s", stream=sys.stderr
-    )
-    if not args.verbose:
-        logging.getLogger("ps_bridge").setLevel(logging.WARNING)
-    try:
-        return int(args.func(args) or 0)
-    except UsageError as e:
-        print(f"ps-bridge: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

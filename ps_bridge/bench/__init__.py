@@ -1,0 +1,43 @@
+"""`ps-bridge bench`: how much faster is a prefix-shared step than the unshared one, on a GPU.
+
+One process builds each requested model shape through our Megatron-Bridge provider (random weights,
+the real hidden size, heads and head dim of the named checkpoint, possibly fewer layers: the count
+is printed), and for each grid row (prompt length P, response length R, n responses per prompt)
+times, on the *same* micro-batch packed shared and unshared:
+
+- the actor step: forward, per-sample log-probs, a masked log-prob loss, backward;
+- the log-prob pass: forward and log-probs, no gradient (the old/ref log-prob pass of GRPO).
+
+Timing is with CUDA events after warm-up, median of repeats; the micro-batch's layout is built
+before timing (verl prepares it on the host while the GPU works). Peak memory is torch's peak
+allocated bytes during one actor step. The ideal speed-up is the token ratio S = n(P+R)/(P+nR);
+tokens/s counts the micro-batch's unshared tokens n(P+R), so it is comparable between the modes.
+
+Model shapes are table entries (`catalog.MODEL_SHAPES`), built by their family's HF-config builder
+(`catalog.FAMILIES`): a new family adds one builder and its shapes.
+
+`--smoke` runs tiny shapes (on a CPU too, with wall-clock timing) so CI exercises the whole path.
+
+Modules: `catalog` (model shapes, grids, ideal speed-up, the micro-batch), `timing` (timer, peak
+memory, actor step, one packing's run, the unshared batch split on OOM), `fp32_reference` (the
+float32 twin), `report` (row result, table, plot, environment, JSON), `run` (arguments, the run).
+This module only re-exports their public names.
+"""
+
+from ps_bridge.bench.catalog import (
+    DEFAULT_GRID, DEFAULT_MODELS, FAMILIES, MODEL_SHAPES, SMOKE_GRID, ModelShape, ideal_speedup, make_samples,
+    qwen2_hf_config, qwen35_hf_config, response_row_mask,
+)
+from ps_bridge.bench.fp32_reference import Fp32Reference
+from ps_bridge.bench.report import RowResult, environment, format_table, write_plot
+from ps_bridge.bench.run import add_bench_arguments, main, run_bench, run_row
+from ps_bridge.bench.timing import (
+    UNSHARED_SPLITS, ModeResult, run_actor_step, run_mode, run_unshared, split_in_order,
+)
+
+__all__ = [
+    "DEFAULT_GRID", "DEFAULT_MODELS", "FAMILIES", "MODEL_SHAPES", "SMOKE_GRID", "ModelShape", "ideal_speedup",
+    "make_samples", "qwen2_hf_config", "qwen35_hf_config", "response_row_mask", "Fp32Reference", "RowResult",
+    "environment", "format_table", "write_plot", "add_bench_arguments", "main", "run_bench", "run_row",
+    "UNSHARED_SPLITS", "ModeResult", "run_actor_step", "run_mode", "run_unshared", "split_in_order",
+]

@@ -1,0 +1,132 @@
+"""What the bench measures: model shapes (table entries built by their family's HF-config builder),
+the default grids, the ideal speed-up and the micro-batch of a grid row.
+
+A new family (e.g. another hybrid architecture) adds one builder to `FAMILIES` and its shapes to
+`MODEL_SHAPES`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Tuple
+
+import torch
+
+
+def qwen2_hf_config(dims: dict, num_layers: int):
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(**dict(dims, num_hidden_layers=num_layers))
+    cfg.architectures = ["Qwen2ForCausalLM"]
+    return cfg
+
+
+def qwen35_hf_config(dims: dict, num_layers: int):
+    """Qwen3.5 text model (`Qwen3_5ForCausalLM`): the hybrid pattern of the real checkpoint
+    (three Gated DeltaNet layers, then one full-attention layer) cut to `num_layers`."""
+    from transformers import Qwen3_5TextConfig
+
+    layer_types = [("full_attention" if (i + 1) % 4 == 0 else "linear_attention") for i in range(num_layers)]
+    cfg = Qwen3_5TextConfig(**dict(dims, num_hidden_layers=num_layers, layer_types=layer_types))
+    cfg.architectures = ["Qwen3_5ForCausalLM"]
+    return cfg
+
+
+# family -> builder(real dims, number of layers) -> transformers config our provider registry serves.
+FAMILIES: Dict[str, Callable] = {"qwen2.5": qwen2_hf_config, "qwen3.5": qwen35_hf_config}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    family: str
+    dims: dict  # the checkpoint's config.json values that set the shape
+    full_layers: int
+    bench_layers: int  # default layer count for the bench (fewer layers keep a grid row quick)
+
+
+_QWEN25_COMMON = dict(rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=32768)
+
+_QWEN35_COMMON = dict(
+    vocab_size=248320, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    rms_norm_eps=1e-6, max_position_embeddings=262144,
+    rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25),
+)
+
+MODEL_SHAPES: Dict[str, ModelShape] = {
+    "qwen2.5-1.5b": ModelShape(
+        "qwen2.5",
+        dict(_QWEN25_COMMON, vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+             num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
+        full_layers=28,
+        bench_layers=8,
+    ),
+    "qwen2.5-7b": ModelShape(
+        "qwen2.5",
+        dict(_QWEN25_COMMON, vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+             num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
+        full_layers=28,
+        bench_layers=4,
+    ),
+    # Qwen3.5 text models (values of the released config.json files; GDN + gated attention)
+    "qwen3.5-0.8b": ModelShape(
+        "qwen3.5",
+        dict(_QWEN35_COMMON, hidden_size=1024, intermediate_size=3584, num_attention_heads=8,
+             num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=16, tie_word_embeddings=True),
+        full_layers=24,
+        bench_layers=8,
+    ),
+    "qwen3.5-9b": ModelShape(
+        "qwen3.5",
+        dict(_QWEN35_COMMON, hidden_size=4096, intermediate_size=12288, num_attention_heads=16,
+             num_key_value_heads=4, linear_num_key_heads=16, linear_num_value_heads=32, tie_word_embeddings=False),
+        full_layers=32,
+        bench_layers=4,
+    ),
+    "tiny-qwen3.5": ModelShape(
+        "qwen3.5",
+        dict(_QWEN35_COMMON, vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=512, tie_word_embeddings=False),
+        full_layers=4,
+        bench_layers=4,
+    ),
+    # --smoke: Qwen2-shaped and tiny
+    "tiny-qwen2.5": ModelShape(
+        "qwen2.5",
+        dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False),
+        full_layers=2,
+        bench_layers=2,
+    ),
+}
+
+DEFAULT_MODELS = ("qwen2.5-1.5b", "qwen2.5-7b", "qwen3.5-0.8b", "qwen3.5-9b")
+DEFAULT_GRID: Tuple[Tuple[int, int, int], ...] = ((2048, 512, 8), (4096, 256, 16), (1024, 1024, 8), (512, 4096, 8))
+SMOKE_GRID: Tuple[Tuple[int, int, int], ...] = ((24, 8, 4), (8, 24, 2))
+
+
+def ideal_speedup(P: int, R: int, n: int) -> float:
+    return n * (P + R) / (P + n * R)
+
+
+def make_samples(P: int, R: int, n: int, groups: int, vocab: int, seed: int):
+    from ps_bridge.layout import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(groups):
+        prompt = torch.randint(vocab, (P,), generator=g).tolist()
+        for _ in range(n):
+            samples.append(Sample(prompt, torch.randint(vocab, (R,), generator=g).tolist()))
+    return samples
+
+
+def response_row_mask(layout) -> torch.Tensor:
+    """True at the row positions that hold a response token's log-prob (P-1 .. P+R-2 per sample)."""
+    mask = torch.zeros(int(layout.row_offsets[-1]), dtype=torch.bool)
+    offsets = layout.row_offsets.tolist()
+    for i in range(layout.num_samples):
+        P = int(layout.sample_prompt_length[i])
+        R = int(layout.sample_response_length[i])
+        mask[offsets[i] + P - 1 : offsets[i] + P - 1 + R] = True
+    return mask

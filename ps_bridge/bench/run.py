@@ -1,0 +1,240 @@
+"""`ps-bridge bench`'s arguments and its run: every model shape, every grid row, the report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from ps_bridge.bench.catalog import (
+    DEFAULT_GRID, DEFAULT_MODELS, FAMILIES, MODEL_SHAPES, SMOKE_GRID, ideal_speedup, make_samples,
+)
+from ps_bridge.bench.fp32_reference import Fp32Reference, row_errors
+from ps_bridge.bench.report import RowResult, environment, format_table, payload, write_plot
+from ps_bridge.bench.timing import UNSHARED_SPLITS, ModeResult, run_mode, run_unshared
+
+# ---- arguments --------------------------------------------------------------------------------
+
+
+def _parse_grid(text: str) -> List[Tuple[int, int, int]]:
+    rows = []
+    for part in text.replace(" ", "").split(";"):
+        if not part:
+            continue
+        try:
+            P, R, n = (int(x) for x in part.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"grid row {part!r} is not 'P,R,n' (three integers)") from None
+        if min(P, R, n) < 1:
+            raise argparse.ArgumentTypeError(f"grid row {part!r}: P, R and n must be >= 1")
+        rows.append((P, R, n))
+    if not rows:
+        raise argparse.ArgumentTypeError("the grid is empty")
+    return rows
+
+
+def _parse_list(text: str) -> List[str]:
+    return [x for x in text.replace(" ", "").split(",") if x]
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", type=_parse_list, default=None,
+                        help=f"comma-separated model shapes ({', '.join(MODEL_SHAPES)}); default "
+                        f"{','.join(DEFAULT_MODELS)} (tiny-qwen2.5,tiny-qwen3.5 with --smoke)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="decoder layers of every model (default: each shape's bench default, printed)")
+    parser.add_argument("--grid", type=_parse_grid, default=None,
+                        help="rows 'P,R,n;P,R,n;...' (default: 2048,512,8;4096,256,16;1024,1024,8;512,4096,8)")
+    parser.add_argument("--groups", type=int, default=1, help="prompts (groups of n responses) per micro-batch")
+    parser.add_argument("--backends", type=_parse_list, default=["auto"],
+                        help="comma-separated attention backends to time prefix-shared (default auto); "
+                        "the unshared baseline uses the first")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before timing (default 2)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps; the median is reported (default 5)")
+    parser.add_argument("--logprob-chunk", type=int, default=1024,
+                        help="rows per float32 log-softmax chunk (default 1024; 0.6 GB at a 152k vocabulary)")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                        help="also write the results as JSON to FILE (stdout when FILE is omitted)")
+    parser.add_argument("--plot", default=None, metavar="FILE", help="write a PNG of measured vs ideal speed-up")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes and grid, few repeats; runs on a CPU (for CI)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--fp32-reference", action="store_true",
+                        help="also compare both bf16 runs with a float32 reference on the same weights (unshared "
+                             "packing, torch_ref kernels, TF32 off): relative error of the response log-probs")
+
+
+# ---- one grid row ------------------------------------------------------------------------------
+
+
+def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, reference=None) -> List[RowResult]:
+    from ps_bridge.layout import build_layout
+
+    samples = make_samples(P, R, n, args.groups, loaded.vocab_size, args.seed)
+    shared_layout = build_layout(samples, share=True, vocab_size=loaded.vocab_size)
+    common = dict(warmup=args.warmup, repeats=args.repeats, chunk=args.logprob_chunk, progress=progress)
+    base, base_rows, layouts = run_unshared(loaded, samples, backends[0], **common)
+    if base is None:  # not even split: time the shared packing alone
+        base = ModeResult(shared_layout.tokens_unshared, math.nan, math.nan, None, None, micro_batches=0)
+    reference_rows = None
+    if reference is not None and base_rows is not None:  # on the same micro-batches as the unshared run
+        reference_rows = reference.response_logprobs(layouts)
+    results = []
+    for backend in backends:
+        shared, rows = run_mode(loaded, shared_layout, backend, **common)
+        fp32 = row_errors(reference_rows, rows, base_rows)
+        useful = shared_layout.tokens_unshared
+        results.append(
+            RowResult(
+                model=model_name,
+                layers=layers,
+                backend=backend,
+                P=P, R=R, n=n, groups=args.groups,
+                tokens_unshared=shared_layout.tokens_unshared,
+                tokens_shared=shared_layout.tokens_shared,
+                ideal_speedup=ideal_speedup(P, R, n),
+                actor_speedup=base.actor_ms / shared.actor_ms,
+                logprob_speedup=base.logprob_ms / shared.logprob_ms,
+                actor_peak_ratio=(shared.actor_peak_mib / base.actor_peak_mib) if base.actor_peak_mib else None,
+                unshared=base,
+                shared=shared,
+                unshared_tokens_per_s=useful / (base.actor_ms / 1e3),
+                shared_tokens_per_s=useful / (shared.actor_ms / 1e3),
+                max_logprob_diff=float((rows - base_rows).abs().max()) if base_rows is not None else math.nan,
+                unshared_out_of_memory=base_rows is None,
+                **fp32,
+            )
+        )
+    return results
+
+
+# ---- entry point ------------------------------------------------------------------------------------
+
+
+def _error(message: str) -> int:
+    print(f"ps-bridge: error: {message}", file=sys.stderr)
+    return 2
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from ps_bridge.config import PrefixSharingConfig
+    from ps_bridge.kernels.attention import BACKENDS
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        return _error(
+            "ps-bridge bench measures GPU speed and needs an NVIDIA GPU, but CUDA is not available "
+            "here; run 'ps-bridge bench --smoke' for a tiny functional run on the CPU"
+        )
+    models = args.models or (["tiny-qwen2.5", "tiny-qwen3.5"] if args.smoke else list(DEFAULT_MODELS))
+    grid = args.grid or list(SMOKE_GRID if args.smoke else DEFAULT_GRID)
+    for name in models:
+        if name not in MODEL_SHAPES:
+            return _error(f"unknown model shape {name!r}; known: {', '.join(MODEL_SHAPES)}")
+        if MODEL_SHAPES[name].family not in FAMILIES:
+            return _error(f"model shape {name!r}: family {MODEL_SHAPES[name].family!r} has no builder yet")
+    for b in args.backends:
+        if b not in BACKENDS:
+            return _error(f"unknown attention backend {b!r}; valid backends: {', '.join(sorted(BACKENDS))}")
+    if args.layers is not None and args.layers < 1:
+        return _error("--layers must be >= 1")
+    if args.groups < 1 or args.repeats < 1 or args.warmup < 0:
+        return _error("--groups and --repeats must be >= 1, --warmup >= 0")
+    warmup, repeats = (min(args.warmup, 1), min(args.repeats, 2)) if args.smoke else (args.warmup, args.repeats)
+    args.warmup, args.repeats = warmup, repeats
+    dtype = torch.bfloat16 if cuda else torch.float32
+
+    from ps_bridge.runtime import default_device, load_model_from_hf_config
+
+    device = default_device()
+    env = environment(device)
+    print(f"ps-bridge bench on {env['device']} (torch {env['torch']}, triton {env['triton']}, "
+          f"megatron-core {env['megatron_core']}, megatron-bridge {env['megatron_bridge']}), {str(dtype)[6:]}, "
+          f"warm-up {warmup}, median of {repeats}", flush=True)
+
+    steps_per_row = 1 + len(args.backends)
+    total = len(models) * len(grid) * steps_per_row * (warmup + repeats)
+    progress_bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        progress_bar = tqdm(total=total, desc="bench", unit="step", file=sys.stderr, dynamic_ncols=True)
+
+    def progress(k):
+        if progress_bar is not None:
+            progress_bar.update(k)
+
+    results: List[RowResult] = []
+    model_info = []
+    say = progress_bar.write if progress_bar else lambda text: print(text, flush=True)
+
+    def write_json():  # after every row, so a run cut short still leaves its finished rows
+        if args.json is None or args.json == "-":
+            return
+        with open(args.json, "w") as f:
+            f.write(json.dumps(payload(env, dtype, warmup, repeats, args.groups, model_info, results), indent=2) + "\n")
+
+    for name in models:
+        shape = MODEL_SHAPES[name]
+        layers = args.layers or shape.bench_layers
+        hf_config = FAMILIES[shape.family](shape.dims, layers)
+        config = PrefixSharingConfig(enabled=True, backend=args.backends[0], pad_multiple=1)
+        loaded = load_model_from_hf_config(hf_config, config, dtype=dtype)
+        reference = Fp32Reference(hf_config, loaded, args.logprob_chunk) if args.fp32_reference else None
+        head_dim = int(loaded.provider.kv_channels)  # Qwen3.5 sets head_dim apart from hidden/heads
+        info = (f"{name}: {layers} of {shape.full_layers} layers, hidden {shape.dims['hidden_size']}, "
+                f"heads {shape.dims['num_attention_heads']}/{shape.dims['num_key_value_heads']} kv, head dim "
+                f"{head_dim}, vocab {shape.dims['vocab_size']}, random weights")
+        model_info.append(info)
+        say(info)
+        for P, R, n in grid:
+            try:
+                row = run_row(loaded, name, layers, args.backends, P, R, n, args, progress, reference)
+            except Exception as e:  # keep the other rows (an OOM on one shape is a result too)
+                msg = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                row = [RowResult.failed(name, layers, b, P, R, n, args.groups, msg) for b in args.backends]
+                if cuda:
+                    torch.cuda.empty_cache()
+            results += row
+            say(format_table(row).splitlines()[-1] if len(row) == 1 else "\n".join(format_table(row).splitlines()[2:]))
+            write_json()
+        del loaded, reference
+        if cuda:
+            torch.cuda.empty_cache()
+    if progress_bar is not None:
+        progress_bar.close()
+
+    print()
+    for info in model_info:
+        print(info)
+    print(format_table(results))
+    for r in results:
+        if r.unshared.micro_batches > 1:
+            print(f"{r.model} ({r.P}, {r.R}, {r.n}): the unshared batch did not fit in GPU memory at once and ran as "
+                  f"{r.unshared.micro_batches} micro-batches (gradient accumulation); the shared one ran as one.")
+    if any(r.unshared_out_of_memory for r in results):
+        print(f"OOM: the unshared batch did not fit in GPU memory even as {max(UNSHARED_SPLITS)} micro-batches; "
+              "the shared one was timed alone.")
+    if args.json == "-":
+        print(json.dumps(payload(env, dtype, warmup, repeats, args.groups, model_info, results), indent=2))
+    write_json()
+    if args.plot:
+        write_plot(results, args.plot)
+        print(f"plot written to {args.plot}")
+    return 1 if any(r.error for r in results) else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m ps_bridge.bench ARGS` is `ps-bridge bench ARGS` (same quiet output and errors)."""
+    from ps_bridge.cli import main as cli_main
+
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
