@@ -138,13 +138,16 @@ def _provide_model(bridge, provider_name, config, dtype, tp, pp, sequence_parall
         # activations. Set after finalize(): its validation rejects the flag for MoE's allgather
         # dispatcher even in dense models, and only the pipeline schedule reads it.
         provider.variable_seq_lengths = True
-    models = provider.provide_distributed_model(
-        wrap_with_ddp=False,
-        use_cpu_initialization=not torch.cuda.is_available(),
-        mixed_precision_wrapper=None,
-        bf16=dtype == torch.bfloat16,
-        fp16=False,
-    )
+    from ps_bridge.compat.quiet import third_party_prints
+
+    with third_party_prints():  # megatron's parameter count, the bridge's loading progress
+        models = provider.provide_distributed_model(
+            wrap_with_ddp=False,
+            use_cpu_initialization=not torch.cuda.is_available(),
+            mixed_precision_wrapper=None,
+            bf16=dtype == torch.bfloat16,
+            fp16=False,
+        )
     model = models[0]
     device = default_device()
     model.to(device=device, dtype=dtype)

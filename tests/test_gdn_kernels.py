@@ -10,7 +10,6 @@ import torch
 from gdn_cases import make_case, packed_inputs, sample_outputs
 from ps_bridge.kernels.gdn import (
     plan_from_layout,
-    plan_from_rows,
     prefix_shared_gated_delta_net,
     resolve_gdn_backend,
 )
@@ -99,68 +98,6 @@ def test_prompt_shorter_than_conv_width():
     unshared = build_layout(case.samples, share=False, pad_multiple=3)
     out_diff, grad_diff = compare(case, shared, unshared)
     assert out_diff < 1e-12 and grad_diff < 1e-12
-
-
-def bshd_rows(case, rows, width):
-    """Stack (mixed, g, beta) row sources into right-padded [B, width, ...] tensors."""
-    out = []
-    for j in range(3):
-        padded = []
-        for src in rows:
-            t = src[j]
-            pad = torch.full((width - t.shape[0], t.shape[1]), -3.0, dtype=t.dtype)
-            padded.append(torch.cat([t, pad]))
-        out.append(torch.stack(padded))
-    return out
-
-
-def run_bshd(case, rows, response_prompt_row):
-    width = max(r[0].shape[0] for r in rows) + 2
-    mixed, g, beta = bshd_rows(case, rows, width)
-    B = len(rows)
-    plan = plan_from_rows([r[0].shape[0] for r in rows], width, response_prompt_row, device="cpu")
-    o = prefix_shared_gated_delta_net(
-        mixed.reshape(B * width, -1), g.reshape(B * width, -1), beta.reshape(B * width, -1),
-        case.conv_weight, case.conv_bias, plan, REF,
-        num_key_heads=case.num_key_heads, key_head_dim=case.key_head_dim, value_head_dim=case.value_head_dim)
-    o = o.reshape(B, width, *o.shape[1:])
-    return [o[b, : rows[b][0].shape[0]] for b in range(B)]
-
-
-def test_bshd_fork_equals_unshared():
-    case = make_case()
-    G = len(case.prompt_leaves)
-    # rows: responses interleaved before their prompts on purpose (the map decides, not the order)
-    rows, row_map = [], []
-    for i, r in enumerate(case.response_leaves):
-        rows.append(r)
-        row_map.append(None)
-    prompt_row = {}
-    for g_idx, p in enumerate(case.prompt_leaves):
-        prompt_row[g_idx] = len(rows)
-        rows.append(p)
-        row_map.append(-1)
-    row_map = [prompt_row[case.sample_group[i]] if m is None else m for i, m in enumerate(row_map)]
-    shared_rows = run_bshd(case, rows, row_map)
-    unshared_rows = run_bshd(case, [case.sample_inputs(i) for i in range(len(case.samples))], [-1] * len(case.samples))
-    gen = torch.Generator().manual_seed(1)
-    per_sample_shared, weights = [], []
-    for i in range(len(case.samples)):
-        p = shared_rows[prompt_row[case.sample_group[i]]]
-        per_sample_shared.append(torch.cat([p, shared_rows[i]]))
-        weights.append(torch.randn(unshared_rows[i].shape, generator=gen, dtype=torch.float64))
-    out_diff = max((a - b).abs().max().item() for a, b in zip(per_sample_shared, unshared_rows))
-    assert out_diff < 1e-12
-    g_s = grads(case, weighted_loss(case, per_sample_shared, weights))
-    g_u = grads(case, weighted_loss(case, unshared_rows, weights))
-    for a, b in zip(g_s, g_u):
-        assert (a - b).abs().max() <= 1e-12 * b.abs().max()
-    assert G == 3
-
-
-def test_bshd_rejects_bad_map():
-    with pytest.raises(ValueError, match="not a prompt row"):
-        plan_from_rows([3, 2, 2], 4, [-1, 2, 0], device="cpu")
 
 
 def test_backend_resolution():

@@ -83,15 +83,29 @@ def test_mtp_layers_are_dropped_with_a_warning(caplog):
 
     provider = types.SimpleNamespace(mtp_num_layers=1, num_moe_experts=None)
     with caplog.at_level(logging.WARNING, logger="ps_bridge"):
-        make_prefix_shared(provider)
+        make_prefix_shared(provider, "auto")
     assert provider.mtp_num_layers is None
     assert "multi-token-prediction" in caplog.text
 
 
-def test_gdn_backend_from_environment(monkeypatch):
-    _gdn_backend_from_env = qwen35_module()._gdn_backend_from_env
+def test_gdn_backend_from_environment_reaches_the_provider(monkeypatch, tmp_path):
+    """`PS_BRIDGE_GDN_BACKEND` is read by config.py only; the config given to `register_all` puts it
+    on every provider our bridges build (as in a verl worker, where Megatron-Bridge builds them)."""
+    from megatron.bridge import AutoBridge
 
+    from ps_bridge.config import PrefixSharingConfig
+    from ps_bridge.providers.registry import register_all
+    from ps_bridge.tiny_checkpoints import build_tiny_qwen35
+
+    build_tiny_qwen35(str(tmp_path))
     monkeypatch.setenv("PS_BRIDGE_GDN_BACKEND", "torch_ref")
-    assert _gdn_backend_from_env() == "torch_ref"
-    monkeypatch.delenv("PS_BRIDGE_GDN_BACKEND")
-    assert _gdn_backend_from_env() == "auto"
+    try:
+        register_all(PrefixSharingConfig.from_env())
+        provider = AutoBridge.from_hf_pretrained(str(tmp_path)).to_megatron_provider(load_weights=False)
+        assert provider.gdn_backend == "torch_ref"
+        monkeypatch.delenv("PS_BRIDGE_GDN_BACKEND")
+        register_all(PrefixSharingConfig.from_env())
+        provider = AutoBridge.from_hf_pretrained(str(tmp_path)).to_megatron_provider(load_weights=False)
+        assert provider.gdn_backend == "auto"
+    finally:
+        register_all()

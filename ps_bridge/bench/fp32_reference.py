@@ -23,7 +23,7 @@ class Fp32Reference:
 
     def response_logprobs(self, unshared_layouts) -> torch.Tensor:
         """Response-token log-probs over the unshared micro-batches, in sample order."""
-        from ps_bridge.logprobs import packed_row_logprobs_chunked
+        from ps_bridge.rows import PackedRows
         from ps_bridge.runtime import forward_logits, tf32_disabled
 
         out = []
@@ -31,7 +31,7 @@ class Fp32Reference:
             for layout in unshared_layouts:
                 layout = layout.to(self.loaded.device)
                 mask = response_row_mask(layout).to(self.loaded.device)
-                out.append(packed_row_logprobs_chunked(forward_logits(self.loaded, layout), layout, self.chunk)[mask])
+                out.append(PackedRows.of(layout).logprobs(forward_logits(self.loaded, layout), chunk_rows=self.chunk)[mask])
         return torch.cat(out).double().cpu()
 
 

@@ -58,11 +58,11 @@ def _peak_mib(device: torch.device, fn) -> Optional[float]:
 def run_actor_step(loaded, layouts, masks, count: float, chunk: int) -> None:
     """What the bench times as the actor step: for each micro-batch, forward, per-sample log-probs
     and the backward of a masked mean log-prob loss over the `count` response tokens of all of them."""
-    from ps_bridge.logprobs import packed_row_logprobs_chunked
+    from ps_bridge.rows import PackedRows
     from ps_bridge.runtime import forward_logits
 
     for layout, mask in zip(layouts, masks):
-        rows = packed_row_logprobs_chunked(forward_logits(loaded, layout), layout, chunk)
+        rows = PackedRows.of(layout).logprobs(forward_logits(loaded, layout), chunk_rows=chunk)
         (-(rows * mask).sum() / count).backward()
 
 
@@ -72,7 +72,7 @@ def run_mode(loaded, layouts, backend: str, warmup: int, repeats: int, chunk: in
     `layouts` is one layout, or several that split the samples in order: then one actor step runs
     them as consecutive micro-batches with gradient accumulation (how a trainer runs a batch that does
     not fit at once), and the log-prob pass runs each of them."""
-    from ps_bridge.logprobs import packed_row_logprobs_chunked
+    from ps_bridge.rows import PackedRows
     from ps_bridge.runtime import forward_logits
 
     device = loaded.device
@@ -87,7 +87,7 @@ def run_mode(loaded, layouts, backend: str, warmup: int, repeats: int, chunk: in
 
     def logprob_pass():
         with torch.no_grad():
-            holder["rows"] = [packed_row_logprobs_chunked(forward_logits(loaded, layout), layout, chunk)
+            holder["rows"] = [PackedRows.of(layout).logprobs(forward_logits(loaded, layout), chunk_rows=chunk)
                               for layout in layouts]
 
     def actor_step():

@@ -13,6 +13,8 @@ run before the heavy imports. Our own logger (`ps_bridge`) and every third-party
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
 import sys
@@ -54,6 +56,7 @@ def quiet_third_party(verbose: bool) -> None:
     megatron or transformers (the environment switches are read at their import)."""
     if verbose:
         return
+    _QUIET["active"] = True
     warnings.filterwarnings("ignore", message=_NOTICE_MESSAGES, module=_THIRD_PARTY_MODULES)
     for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
         warnings.filterwarnings("ignore", category=category, module=_THIRD_PARTY_MODULES)
@@ -70,3 +73,19 @@ def quiet_third_party(verbose: bool) -> None:
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
+
+
+_QUIET = {"active": False}
+
+
+@contextlib.contextmanager
+def third_party_prints():
+    """Around calls into megatron / Megatron-Bridge that `print` progress (megatron's
+    "number of parameters on ... rank" line, the bridge's weight-loading progress): their stdout and
+    stderr are dropped once `quiet_third_party(False)` ran, shown otherwise. Exceptions propagate."""
+    if not _QUIET["active"]:
+        yield
+        return
+    sink = io.StringIO()
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        yield

@@ -17,7 +17,7 @@ from ps_bridge.kernels.gdn.forked import (
     l2_normalize,
     prefix_shared_gated_delta_net,
 )
-from ps_bridge.kernels.gdn.plan import GDNPlan, plan_from_layout, plan_from_rows
+from ps_bridge.kernels.gdn.plan import GDNPlan, plan_from_layout
 from ps_bridge.kernels.gdn.registry import (
     GDN_BACKENDS,
     GDNBackend,
@@ -37,7 +37,6 @@ __all__ = [
     "forked_gated_delta_rule",
     "l2_normalize",
     "plan_from_layout",
-    "plan_from_rows",
     "prefix_shared_gated_delta_net",
     "resolve_gdn_backend",
 ]

@@ -7,10 +7,8 @@ token, and padding never enters any state. The two blocks are two varlen batches
 for all prompts (returning their final states) and one for all responses (starting from the state
 of their prompt, selected by `response_prompt`).
 
-A plan is built from the packed THD layout (`plan_from_layout`) or from padded rows
-(`plan_from_rows`, the bshd form: a row per prompt and per response, each right-padded, and a
-map from each response row to its prompt row). Both produce the same kind of plan, so the kernels
-and the fork logic are shared.
+A plan is built from the packed THD layout (`plan_from_layout`); `build_plan` is its general form
+(segments anywhere in the input, each response pointing at its prompt).
 """
 
 from __future__ import annotations
@@ -150,32 +148,4 @@ def plan_from_layout(layout, device=None) -> GDNPlan:
             num_input_tokens=host["cu_seqlens_padded"][-1],
             device=device,
         ),
-    )
-
-
-def plan_from_rows(
-    row_lengths: Sequence[int],
-    row_width: int,
-    response_prompt_row: Sequence[int],
-    device,
-) -> GDNPlan:
-    """bshd form: `B` right-padded rows of width `row_width`; `response_prompt_row[b]` is -1 for a
-    prompt row (or an unshared sequence) and the prompt row's index for a response row."""
-    B = len(row_lengths)
-    if len(response_prompt_row) != B:
-        raise ValueError(f"response_prompt_row has {len(response_prompt_row)} entries for {B} rows")
-    for b, n in enumerate(row_lengths):
-        if not 0 < n <= row_width:
-            raise ValueError(f"row {b}: valid length {n} is outside 1..{row_width}")
-    is_prompt = [p < 0 for p in response_prompt_row]
-    for b, p in enumerate(response_prompt_row):
-        if p >= 0 and (p >= B or not is_prompt[p]):
-            raise ValueError(f"row {b} maps to row {p}, which is not a prompt row")
-    return build_plan(
-        starts=[b * row_width for b in range(B)],
-        valid_lengths=list(row_lengths),
-        is_prompt=is_prompt,
-        prompt_of=list(response_prompt_row),
-        num_input_tokens=B * row_width,
-        device=device,
     )
