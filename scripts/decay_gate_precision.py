@@ -1,4 +1,4 @@
-"""Where the Qwen3.5 GDN decay-gate gradients of transformers and ours differ (GATE_FINDINGS.md).
+"""Where the Qwen3.5 GDN decay-gate gradients of transformers and ours differ (docs/gate_findings.md).
 
 Runs on CPU in about half a minute. One tiny Qwen3.5 checkpoint, the log-prob loss of
 `ps_bridge.compare` (a weight per response token), the gradients of every parameter from:

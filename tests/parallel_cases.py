@@ -16,7 +16,7 @@ from ps_bridge.compare import loss_weights
 from ps_bridge.layout import Sample
 from ps_bridge.tiny_checkpoints import grpo_like_samples
 
-# DESIGN.md section 6: valid lengths [5, 2] become padded [6, 2] at TP=2
+# docs/design.md section 6: valid lengths [5, 2] become padded [6, 2] at TP=2
 PADDING_EXAMPLE = Sample([11, 12, 13, 14, 15], [16, 17])
 
 

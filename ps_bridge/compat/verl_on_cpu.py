@@ -1,4 +1,4 @@
-"""verl 0.9.1's Megatron engine on a machine without an accelerator (DESIGN.md section 8).
+"""verl 0.9.1's Megatron engine on a machine without an accelerator (docs/design.md section 8).
 
 Everything here only makes verl's own engine code runnable on a CPU (the tests, and the `--smoke`
 runs of the commands); none of it changes what the engines compute:

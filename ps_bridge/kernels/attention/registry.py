@@ -37,7 +37,7 @@ def choose_attention_backend(device: torch.device, dtype: torch.dtype, head_dim:
     """`auto`'s choice: the cascade where the CUDA flash kernels take the inputs (fp16/bf16, a head
     dim that is a multiple of 8 up to 256), else the reference (CPU, float32 exactness runs). The
     cascade copies no key/value and was fastest or within a few percent of the fastest in the
-    measurements (DESIGN.md section 4, BENCHMARKS.md)."""
+    measurements (docs/design.md section 4, BENCHMARKS.md)."""
     return "flash_atten_gpu" if flash_takes(device, dtype, head_dim) else "torch_ref"
 
 

@@ -1,0 +1,54 @@
+"""Every reference in the docs resolves: markdown links to files of the repository, and the
+repository paths the README's layout table names."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_markdown_links_resolve():
+    missing = []
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)#\s]+)", doc.read_text()):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            if not (doc.parent / target).exists():
+                missing.append(f"{doc.relative_to(ROOT)} -> {target}")
+    assert not missing, missing
+
+
+def test_doc_mentions_of_repository_files_resolve():
+    """Mentions like `docs/verl.md` in code and docs (not only links) name files that exist."""
+    missing = []
+    files = [p for p in ROOT.rglob("*") if p.suffix in {".py", ".md", ".sh"} and ".venv" not in p.parts and ".git" not in p.parts]
+    for path in files:
+        for target in re.findall(r"\b((?:docs|scripts|configs)/[\w./-]+\.(?:md|py|sh|png|yaml))", path.read_text(errors="ignore")):
+            if not (ROOT / target).exists():
+                missing.append(f"{path.relative_to(ROOT)} -> {target}")
+    assert not missing, missing
+
+
+def test_layout_table_matches_the_tree():
+    table = README_LAYOUT_ROWS()
+    assert table, "README has no layout table"
+    for path in table:
+        assert (ROOT / path.rstrip("/")).exists(), f"README layout table names {path}, which does not exist"
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    top_level = {f.split("/")[0] for f in tracked if "/" in f and not f.startswith(".")}
+    if not tracked:
+        pytest.skip("not a git checkout")
+    named = {p.rstrip("/").split("/")[0] for p in table}
+    assert top_level <= named, f"folders missing from README's layout table: {sorted(top_level - named)}"
+
+
+def README_LAYOUT_ROWS():
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Layout of the repository", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `([^`]+)` \|", section, flags=re.M)
