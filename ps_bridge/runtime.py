@@ -87,13 +87,16 @@ class LoadedModel:
     bridge: object  # megatron.bridge AutoBridge
     provider: object
     provider_name: str
-    vocab_size: int
+    vocab_size: int  # the checkpoint's vocabulary (log-probs are over these ids)
     config: PrefixSharingConfig
     device: torch.device
     dtype: torch.dtype
     tp: int = 1
     pp: int = 1
     sequence_parallel: bool = False
+    # the vocabulary megatron's embedding and output layer have: `vocab_size` padded up when TP
+    # does not divide it (the logits of the padded ids are kept out of the log-probs)
+    padded_vocab_size: Optional[int] = None
 
 
 def load_model(
@@ -110,7 +113,7 @@ def load_model(
     this rank's TP shard and PP stage and Megatron-Bridge loads the matching slices.
     """
     config = config or PrefixSharingConfig()
-    entry = _prepare_bridge(config, read_hf_architectures(hf_path), tp, pp, sequence_parallel)
+    entry = _prepare_bridge(config, read_hf_config(hf_path), tp, pp, sequence_parallel)
     from megatron.bridge import AutoBridge
 
     bridge = AutoBridge.from_hf_pretrained(hf_path, torch_dtype=dtype)
@@ -128,22 +131,24 @@ def load_model_from_hf_config(
     """Like `load_model`, from a transformers config object: same bridge and provider, random
     weights (megatron's own initialisation, on the GPU when there is one). For benchmarks."""
     config = config or PrefixSharingConfig()
-    entry = _prepare_bridge(config, list(getattr(hf_config, "architectures", None) or []), tp, pp, sequence_parallel)
+    entry = _prepare_bridge(config, hf_config.to_dict(), tp, pp, sequence_parallel)
     from megatron.bridge import AutoBridge
 
     bridge = AutoBridge.from_hf_config(hf_config)
     return _provide_model(bridge, entry.name, config, dtype, tp, pp, sequence_parallel, load_weights=False)
 
 
-def _prepare_bridge(config: PrefixSharingConfig, hf_architectures: List[str], tp: int, pp: int, sequence_parallel: bool):
-    """Check the parallel settings, pick our provider for the architectures, import Megatron-Bridge
-    with our bridges registered, and set up the parallel groups; returns the provider entry."""
+def _prepare_bridge(config: PrefixSharingConfig, hf_config: dict, tp: int, pp: int, sequence_parallel: bool):
+    """Check the parallel settings (against the checkpoint's config.json dict too), pick our
+    provider for its architectures, import Megatron-Bridge with our bridges registered, and set up
+    the parallel groups; returns the provider entry."""
     from ps_bridge.compat.te_placeholder import import_megatron_bridge
     from ps_bridge.parallel import ParallelSettings
     from ps_bridge.providers.registry import register_all, resolve_provider
 
-    ParallelSettings(tp=tp, pp=pp, sequence_parallel=sequence_parallel).check()
-    entry = resolve_provider(config.provider, hf_architectures)
+    # before any process group: every rank refuses alike
+    ParallelSettings(tp=tp, pp=pp, sequence_parallel=sequence_parallel).check(hf_config=hf_config)
+    entry = resolve_provider(config.provider, list(hf_config.get("architectures") or []))
     import_megatron_bridge()
     register_all()
     init_parallel(tp=tp, pp=pp)
@@ -151,10 +156,11 @@ def _prepare_bridge(config: PrefixSharingConfig, hf_architectures: List[str], tp
 
 
 def _provide_model(bridge, provider_name, config, dtype, tp, pp, sequence_parallel, load_weights) -> LoadedModel:
+    from ps_bridge.parallel import ParallelSettings, configure_provider, padded_vocab_size
+
     provider = bridge.to_megatron_provider(load_weights=load_weights)
-    provider.tensor_model_parallel_size = tp
-    provider.pipeline_model_parallel_size = pp
-    provider.sequence_parallel = sequence_parallel
+    # TP / PP / SP, plus the vocabulary padding and uneven pipeline stages the shapes may need
+    configure_provider(provider, ParallelSettings(tp=tp, pp=pp, sequence_parallel=sequence_parallel))
     provider.pipeline_dtype = dtype
     provider.params_dtype = dtype
     provider.bf16 = dtype == torch.bfloat16
@@ -193,6 +199,7 @@ def _provide_model(bridge, provider_name, config, dtype, tp, pp, sequence_parall
         tp=tp,
         pp=pp,
         sequence_parallel=sequence_parallel,
+        padded_vocab_size=padded_vocab_size(provider),
     )
 
 
@@ -233,7 +240,8 @@ def make_layout(samples, loaded: LoadedModel, share: Optional[bool] = None) -> P
 
 def forward_logits(loaded: LoadedModel, layout: PackedPrefixLayout) -> torch.Tensor:
     """Packed logits `[T, V / tp]` for a layout on a single pipeline stage: the full vocabulary at
-    TP=1, this rank's vocabulary shard at TP>1 (megatron's parallel output layer)."""
+    TP=1, this rank's vocabulary shard at TP>1 (megatron's parallel output layer); `V` is
+    `loaded.padded_vocab_size` (pass `loaded.vocab_size` to the log-prob extractors)."""
     from ps_bridge.models.packed_seq import PrefixSharedPackedSeqParams
 
     if loaded.pp > 1:
@@ -255,4 +263,4 @@ def forward_logits(loaded: LoadedModel, layout: PackedPrefixLayout) -> torch.Ten
 def row_logprobs(loaded: LoadedModel, layout: PackedPrefixLayout) -> torch.Tensor:
     """Per-sample rows of log-probs (every TP rank gets the full rows); single pipeline stage."""
     logits = forward_logits(loaded, layout)
-    return row_logprobs_from_logits(logits, layout.to(loaded.device), vocab_parallel=loaded.tp > 1)
+    return row_logprobs_from_logits(logits, layout.to(loaded.device), vocab_parallel=loaded.tp > 1, vocab_size=loaded.vocab_size)

@@ -73,11 +73,11 @@ def _forward_step(loaded: LoadedModel, share, num_microbatches: int, data_iterat
         attention_mask=None,
         packed_seq_params=params,
     )
-    return output, partial(_logprob_loss, layout, weights, num_microbatches, loaded.tp > 1)
+    return output, partial(_logprob_loss, layout, weights, num_microbatches, loaded.tp > 1, loaded.vocab_size)
 
 
-def _logprob_loss(layout: PackedPrefixLayout, weights, num_microbatches: int, vocab_parallel: bool, logits):
-    rows = row_logprobs_from_logits(logits, layout, vocab_parallel=vocab_parallel)
+def _logprob_loss(layout: PackedPrefixLayout, weights, num_microbatches: int, vocab_parallel: bool, vocab_size: int, logits):
+    rows = row_logprobs_from_logits(logits, layout, vocab_parallel=vocab_parallel, vocab_size=vocab_size)
     per_sample = response_logprobs(rows, layout)
     if weights is None:
         loss = rows.sum() * 0.0
