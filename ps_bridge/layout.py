@@ -96,6 +96,9 @@ class PackedPrefixLayout:
     tokens_shared: int
     # host copies of small per-segment metadata, so kernels need no device->host sync
     host: dict = field(default_factory=dict, repr=False)
+    # the model's true vocabulary when the layout was built for one (token ids are checked against
+    # it, and the row extractor keeps a padded vocabulary's extra ids out of the log-probs)
+    vocab_size: Optional[int] = None
 
     # ---- sizes ---------------------------------------------------------------------------
     @property
@@ -343,6 +346,7 @@ def build_layout(
             max_valid_length=max(valid_lengths),
             max_padded_length=max(padded_lengths),
         ),
+        vocab_size=vocab_size,
     )
     return layout
 

@@ -3,8 +3,10 @@
 Prefix sharing supports tensor parallelism (TP), TP-bound sequence parallelism (SP) and physical
 pipeline parallelism (PP); it refuses context parallelism (CP) and virtual pipeline stages. The
 model is parallelised from outside, by megatron-core: this module checks the settings up front
-(`ParallelSettings.check_supported`, the one place that knows what is refused; a refused setting
-fails before any process group exists, on every rank alike, without hanging), sets up the process
+(`ParallelSettings.check_supported`, the one place that knows what is refused, and
+`check_model`, against the checkpoint's shapes; a refused setting fails before any process group
+exists, on every rank alike, without hanging), sets them on the provider (with the vocabulary
+padding and the uneven pipeline split a checkpoint's shapes may need), sets up the process
 groups, finishes gradients the way megatron's `finalize_model_grads` would without a DDP wrapper,
 and gathers sharded gradients under Hugging Face names for comparisons.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -66,9 +68,14 @@ class ParallelSettings:
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1 (SP is bound to TP)")
 
-    def check(self, world_size: Optional[int] = None) -> None:
-        """`check_supported`, and that the world (torchrun's, by default) can hold the settings."""
+    def check(self, world_size: Optional[int] = None, hf_config: Optional[dict] = None) -> None:
+        """`check_supported`, that the checkpoint (`hf_config`, its config.json as a dict:
+        `check_model`) can be split so, and that the world (torchrun's, by default) can hold the
+        settings. Needs no process group; a shape problem is reported before the world size (no
+        launch would fix it)."""
         self.check_supported()
+        if hf_config is not None:
+            self.check_model(hf_config)
         world_size = launched_world_size() if world_size is None else world_size
         model_parallel = self.tp * self.pp * self.cp
         if world_size % model_parallel:
@@ -76,6 +83,139 @@ class ParallelSettings:
                 f"world size {world_size} is not divisible by tensor x pipeline x context parallel size "
                 f"{self.tp} x {self.pp} x {self.cp} = {model_parallel}"
             )
+
+
+    def check_model(self, hf_config: dict) -> None:
+        """Raise `ModelShapeError` naming the setting and the fix if no split of the checkpoint
+        (its config.json, as a dict) fits these settings. Needs no process group.
+
+        Refused, as megatron cannot build them: fewer layers than pipeline stages; attention heads
+        not divisible by TP; KV heads neither a multiple nor a divisor of TP (megatron replicates
+        KV heads when TP is a multiple of their number); Gated DeltaNet key/value heads or MLP
+        widths not divisible by TP. Accepted: a vocabulary TP does not divide (padded) and a layer
+        count PP does not divide (uneven stages), see `configure_provider`.
+        """
+        shape = ModelShape.from_hf_config(hf_config)
+        if shape.num_layers is not None and self.pp > shape.num_layers:
+            raise ModelShapeError(
+                f"pipeline_model_parallel_size={self.pp} (--pp {self.pp}) is larger than the checkpoint's "
+                f"{shape.num_layers} layers (num_hidden_layers) and every stage needs one: "
+                f"use --pp {shape.num_layers} or fewer"
+            )
+        problem = shape.tp_problem(self.tp)
+        if problem is not None:
+            fits = [str(t) for t in range(1, (shape.num_attention_heads or self.tp) + 1) if shape.tp_problem(t) is None]
+            raise ModelShapeError(
+                f"tensor_model_parallel_size={self.tp} (--tp {self.tp}) cannot split the checkpoint's "
+                f"{problem}: use --tp {' or '.join(fits)}"
+            )
+
+
+class ModelShapeError(ValueError):
+    """A parallel setting no split of the checkpoint can hold (see `ParallelSettings.check_model`)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a checkpoint that the parallel settings split, from its config.json (the
+    `text_config` of a ConditionalGeneration checkpoint). A size the config lacks is None and not
+    checked here: the conversion reports what it needs."""
+
+    num_layers: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    num_key_value_heads: Optional[int] = None
+    tp_split: Tuple[Tuple[str, int], ...] = ()  # (config key, size) that TP must divide
+
+    # what TP splits besides the attention heads: Qwen3.5's Gated DeltaNet heads, the MLP widths
+    TP_SPLIT_KEYS = (
+        "linear_num_key_heads", "linear_num_value_heads",
+        "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+    )
+
+    @classmethod
+    def from_hf_config(cls, hf_config: dict) -> "ModelShape":
+        text = hf_config.get("text_config") or hf_config
+        heads = text.get("num_attention_heads")
+        return cls(
+            num_layers=text.get("num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=text.get("num_key_value_heads") or heads,
+            tp_split=tuple((key, int(text[key])) for key in cls.TP_SPLIT_KEYS if text.get(key)),
+        )
+
+    def tp_problem(self, tp: int) -> Optional[str]:
+        """What of this shape `tp` tensor-parallel ranks cannot split (megatron's rules), or None."""
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        if heads is not None and heads % tp:
+            return f"num_attention_heads={heads} (not divisible by {tp})"
+        if kv is not None and kv % tp and tp % kv:
+            return f"num_key_value_heads={kv} (neither a multiple nor a divisor of {tp})"
+        for key, size in self.tp_split:
+            if size % tp:
+                return f"{key}={size} (not divisible by {tp})"
+        return None
+
+
+def pipeline_stage_layers(num_layers: int, pp: int) -> Tuple[Optional[int], Optional[int]]:
+    """The split policy: megatron's (`num_layers_in_first_pipeline_stage`,
+    `num_layers_in_last_pipeline_stage`) for `num_layers` on `pp` stages; (None, None) when `pp`
+    divides the layers evenly.
+
+    Megatron gives every middle stage the same number of layers; only the first and last stage
+    may differ. The largest stage is made as small as possible; among equal choices the middle
+    stages get more and the ends less (the first stage also embeds, the last also runs the
+    output layer and the loss), and the first stage takes the larger half of the ends.
+    3 layers on 2 stages: 2 + 1; 10 on 4: 2 + 3 + 3 + 2; 5 on 4: 2 + 1 + 1 + 1.
+    """
+    if pp < 1 or num_layers < pp:
+        raise ModelShapeError(
+            f"pipeline_model_parallel_size={pp} (--pp {pp}) is larger than the {num_layers} layers: "
+            f"use --pp {num_layers} or fewer"
+        )
+    if num_layers % pp == 0:
+        return None, None
+    if pp == 2:
+        return (num_layers + 1) // 2, num_layers // 2
+    best = None
+    for middle in range(1, (num_layers - 2) // (pp - 2) + 1):
+        ends = num_layers - (pp - 2) * middle  # >= 2: one layer or more on each end
+        first, last = (ends + 1) // 2, ends // 2
+        key = (max(first, middle), -middle)
+        if best is None or key < best[0]:
+            best = (key, first, last)
+    return best[1], best[2]
+
+
+def configure_provider(provider, settings: ParallelSettings) -> None:
+    """Set the parallel settings on a Megatron-Bridge provider, before its `finalize()`.
+
+    Beyond the TP / PP / SP sizes: a vocabulary TP does not divide is padded the way
+    Megatron-Bridge pads it (`should_pad_vocab`: up to a multiple of the bridge's
+    `make_vocab_size_divisible_by` x TP; the bridge loads the HF embedding and output layer with
+    zero rows appended), and a layer count PP does not divide gets megatron's uneven first and
+    last stages (`pipeline_stage_layers`). `provider.vocab_size` stays the checkpoint's;
+    `padded_vocab_size(provider)` is the one the model is built with.
+    """
+    provider.tensor_model_parallel_size = settings.tp
+    provider.pipeline_model_parallel_size = settings.pp
+    provider.sequence_parallel = settings.sequence_parallel
+    if int(provider.vocab_size) % settings.tp:
+        provider.should_pad_vocab = True
+    first, last = pipeline_stage_layers(int(provider.num_layers), settings.pp)
+    provider.num_layers_in_first_pipeline_stage = first
+    provider.num_layers_in_last_pipeline_stage = last
+
+
+def padded_vocab_size(provider) -> int:
+    """The vocabulary size megatron builds the embedding and output layer with."""
+    if not getattr(provider, "should_pad_vocab", False):
+        return int(provider.vocab_size)
+    from megatron.bridge.utils.vocab_utils import calculate_padded_vocab_size
+
+    return calculate_padded_vocab_size(
+        int(provider.vocab_size), int(provider.make_vocab_size_divisible_by),
+        int(provider.tensor_model_parallel_size), logging_enabled=False,
+    )
 
 
 # ---- process groups (torchrun's variables are read here) ------------------------------------------
@@ -188,6 +328,9 @@ def hf_named_gradients(bridge, model: torch.nn.Module) -> Dict[str, torch.Tensor
     Some mappings are affine, not linear: Qwen3.5's GDN output norm is zero-centred in megatron and
     a plain scale in HF, so its export adds 1. The gradient is therefore export(grad) - export(0),
     both computed in float64 so that adding and removing the 1 loses nothing of a small gradient.
+
+    A padded vocabulary (`configure_provider`) exports the embedding and output layer with their
+    padded rows; those rows are cut, so every gradient has its HF parameter's shape.
     """
     params = list(model.parameters())
     saved = [p.data for p in params]
@@ -203,7 +346,19 @@ def hf_named_gradients(bridge, model: torch.nn.Module) -> Dict[str, torch.Tensor
     finally:
         for p, data in zip(params, saved):
             p.data = data
-    return {name: (g - offsets[name]).float() for name, g in grads.items()}
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)  # the provider's: the true size
+    out = {}
+    for name, g in grads.items():
+        g = (g - offsets[name]).float()
+        if vocab and _is_vocab_parameter(name) and g.shape[0] > vocab:
+            g = g[:vocab].clone()
+        out[name] = g
+    return out
+
+
+def _is_vocab_parameter(hf_name: str) -> bool:
+    """The HF embedding and LM head: the parameters a padded vocabulary pads."""
+    return hf_name.endswith(("embed_tokens.weight", "lm_head.weight"))
 
 
 # ---- command line --------------------------------------------------------------------------------

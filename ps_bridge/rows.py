@@ -11,6 +11,11 @@ first log-prob.
 labels); per-token values that need no label (entropy, sum of squared probabilities) go through
 `values`. Log-probs are computed once per packed position plus once per fork row, never for an
 `[N, V]` copy of the logits with N the unshared token count.
+
+When tensor parallelism does not divide the vocabulary, megatron's embedding and output layer are
+padded (Megatron-Bridge's `should_pad_vocab`) with zero rows: the padded columns' logits are 0, not
+-inf. A layout built for a model knows its true `vocab_size`; the ids at or above it are kept out of
+the softmax (and get no gradient), so the log-probs are those of the true vocabulary.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
+import torch.distributed as dist
 
 from ps_bridge.layout import PackedPrefixLayout
 
@@ -25,8 +31,9 @@ from ps_bridge.layout import PackedPrefixLayout
 class PackedRows:
     """Where each row position of each sample reads its packed value, and with which label."""
 
-    def __init__(self, layout: PackedPrefixLayout, labels: Optional[torch.Tensor] = None):
+    def __init__(self, layout: PackedPrefixLayout, labels: Optional[torch.Tensor] = None, vocab_size: Optional[int] = None):
         device = layout.device
+        self.vocab_size = layout.vocab_size if vocab_size is None else vocab_size
         self.layout = layout
         self.source = layout.row_source.to(device)
         self.labels = (layout.row_label if labels is None else labels).to(device=device, dtype=torch.long)
@@ -58,7 +65,8 @@ class PackedRows:
         else:
             if chunk_rows < 1:
                 raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-            rows = _RowLogprobs.apply(logits.contiguous(), self.source, self.safe_labels, int(chunk_rows))
+            keep = logits.shape[-1] if self.vocab_size is None else min(self.vocab_size, logits.shape[-1])
+            rows = _RowLogprobs.apply(logits.contiguous(), self.source, self.safe_labels, int(chunk_rows), keep)
         return torch.where(self.has_label, rows, torch.zeros_like(rows))
 
     # ---- rows -> per sample ----------------------------------------------------------------
@@ -103,6 +111,7 @@ class PackedRows:
         return self._fork_cache
 
     def _vocab_parallel_logprobs(self, logits: torch.Tensor, tp_group) -> torch.Tensor:
+        from megatron.core import parallel_state
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         fork, packed_labels = self._fork_rows()
@@ -111,6 +120,12 @@ class PackedRows:
         # concatenation is a fresh float32 tensor, which megatron's cross entropy edits in place
         ce_logits = torch.cat([logits, logits.index_select(0, fork_source)]).float()
         ce_labels = torch.cat([packed_labels, self.safe_labels[fork]])
+        if self.vocab_size is not None:  # a padded vocabulary: this shard's ids >= vocab_size get -inf
+            group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
+            first_id = dist.get_rank(group) * ce_logits.shape[-1] if dist.is_initialized() else 0
+            keep = max(self.vocab_size - first_id, 0)
+            if keep < ce_logits.shape[-1]:
+                ce_logits[:, keep:] = float("-inf")
         nll = vocab_parallel_cross_entropy(ce_logits, ce_labels, tp_group=tp_group)
         index = self.source.clone()
         index[fork] = self.layout.num_tokens + torch.arange(int(fork.sum()), device=index.device)
@@ -125,17 +140,19 @@ class _RowLogprobs(torch.autograd.Function):
     own dtype, and only a row's label logit is gathered. The backward writes the logits' gradient
     chunk by chunk: `onehot(label) * g - softmax * (sum of g over the rows reading that position)`.
     Peak extra memory is one float32 chunk, plus the `[T, V]` gradient every backward produces.
+    Columns from `keep` on (a padded vocabulary's extra ids) are out of the log-sum-exp and get no
+    gradient.
     """
 
     @staticmethod
-    def forward(ctx, logits, src, label, chunk_rows):
+    def forward(ctx, logits, src, label, chunk_rows, keep):
         T, V = logits.shape
         lse = torch.empty(T, dtype=torch.float32, device=logits.device)
         for a in range(0, T, chunk_rows):
-            lse[a : a + chunk_rows] = torch.logsumexp(logits[a : a + chunk_rows].float(), dim=-1)
+            lse[a : a + chunk_rows] = torch.logsumexp(logits[a : a + chunk_rows, :keep].float(), dim=-1)
         target = logits.reshape(-1).index_select(0, src * V + label).float()
         ctx.save_for_backward(logits, src, label, lse)
-        ctx.chunk_rows = chunk_rows
+        ctx.chunk_rows, ctx.keep = chunk_rows, keep
         return target - lse.index_select(0, src)
 
     @staticmethod
@@ -149,8 +166,10 @@ class _RowLogprobs(torch.autograd.Function):
         for a in range(0, T, c):
             # in place: one float32 chunk alive at a time (this runs when every activation is alive,
             # so its temporaries add directly to the step's peak memory)
-            probs = logits[a : a + c].float()
+            # a copy even for float32 logits, whose .float() would be the saved logits themselves
+            probs = logits[a : a + c].to(torch.float32, copy=True)
             probs.sub_(lse[a : a + c, None]).exp_().mul_(-weight[a : a + c, None])
+            probs[:, ctx.keep :] = 0.0  # a padded vocabulary's extra ids (none when keep == V)
             grad[a : a + c] = probs
         grad.view(-1).index_put_((src * V + label,), g.to(grad.dtype), accumulate=True)
-        return grad, None, None, None
+        return grad, None, None, None, None

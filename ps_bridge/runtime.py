@@ -11,7 +11,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
@@ -28,10 +28,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def read_hf_architectures(hf_path: str) -> List[str]:
-    return list(read_hf_config(hf_path).get("architectures") or [])
 
 
 def read_hf_config(hf_path: str) -> dict:
@@ -54,13 +50,16 @@ class LoadedModel:
     bridge: object  # megatron.bridge AutoBridge
     provider: object
     provider_name: str
-    vocab_size: int
+    vocab_size: int  # the checkpoint's vocabulary (log-probs are over these ids)
     config: PrefixSharingConfig
     device: torch.device
     dtype: torch.dtype
     tp: int = 1
     pp: int = 1
     sequence_parallel: bool = False
+    # the vocabulary megatron's embedding and output layer have: `vocab_size` padded up when TP
+    # does not divide it (the logits of the padded ids are kept out of the log-probs)
+    padded_vocab_size: Optional[int] = None
 
 
 def load_model(
@@ -77,7 +76,7 @@ def load_model(
     this rank's TP shard and PP stage and Megatron-Bridge loads the matching slices.
     """
     config = config or PrefixSharingConfig()
-    entry = _prepare_bridge(config, read_hf_architectures(hf_path), tp, pp, sequence_parallel)
+    entry = _prepare_bridge(config, read_hf_config(hf_path), tp, pp, sequence_parallel)
     from megatron.bridge import AutoBridge
 
     bridge = AutoBridge.from_hf_pretrained(hf_path, torch_dtype=dtype)
@@ -95,22 +94,24 @@ def load_model_from_hf_config(
     """Like `load_model`, from a transformers config object: same bridge and provider, random
     weights (megatron's own initialisation, on the GPU when there is one). For benchmarks."""
     config = config or PrefixSharingConfig()
-    entry = _prepare_bridge(config, list(getattr(hf_config, "architectures", None) or []), tp, pp, sequence_parallel)
+    entry = _prepare_bridge(config, hf_config.to_dict(), tp, pp, sequence_parallel)
     from megatron.bridge import AutoBridge
 
     bridge = AutoBridge.from_hf_config(hf_config)
     return _provide_model(bridge, entry.name, config, dtype, tp, pp, sequence_parallel, load_weights=False)
 
 
-def _prepare_bridge(config: PrefixSharingConfig, hf_architectures: List[str], tp: int, pp: int, sequence_parallel: bool):
-    """Check the parallel settings, pick our provider for the architectures, import Megatron-Bridge
-    with our bridges registered, and set up the parallel groups; returns the provider entry."""
+def _prepare_bridge(config: PrefixSharingConfig, hf_config: dict, tp: int, pp: int, sequence_parallel: bool):
+    """Check the parallel settings (against the checkpoint's config.json dict too), pick our
+    provider for its architectures, import Megatron-Bridge with our bridges registered, and set up
+    the parallel groups; returns the provider entry."""
     from ps_bridge.compat.te_placeholder import import_megatron_bridge
     from ps_bridge.parallel import ParallelSettings, init_parallel
     from ps_bridge.providers.registry import register_all, resolve_provider
 
-    ParallelSettings(tp=tp, pp=pp, sequence_parallel=sequence_parallel).check()
-    entry = resolve_provider(config.provider, hf_architectures)
+    # before any process group: every rank refuses alike
+    ParallelSettings(tp=tp, pp=pp, sequence_parallel=sequence_parallel).check(hf_config=hf_config)
+    entry = resolve_provider(config.provider, list(hf_config.get("architectures") or []))
     import_megatron_bridge()
     register_all(config)
     init_parallel(tp=tp, pp=pp)
@@ -118,10 +119,11 @@ def _prepare_bridge(config: PrefixSharingConfig, hf_architectures: List[str], tp
 
 
 def _provide_model(bridge, provider_name, config, dtype, tp, pp, sequence_parallel, load_weights) -> LoadedModel:
+    from ps_bridge.parallel import ParallelSettings, configure_provider, padded_vocab_size
+
     provider = bridge.to_megatron_provider(load_weights=load_weights)
-    provider.tensor_model_parallel_size = tp
-    provider.pipeline_model_parallel_size = pp
-    provider.sequence_parallel = sequence_parallel
+    # TP / PP / SP, plus the vocabulary padding and uneven pipeline stages the shapes may need
+    configure_provider(provider, ParallelSettings(tp=tp, pp=pp, sequence_parallel=sequence_parallel))
     provider.pipeline_dtype = dtype
     provider.params_dtype = dtype
     provider.bf16 = dtype == torch.bfloat16
@@ -163,6 +165,7 @@ def _provide_model(bridge, provider_name, config, dtype, tp, pp, sequence_parall
         tp=tp,
         pp=pp,
         sequence_parallel=sequence_parallel,
+        padded_vocab_size=padded_vocab_size(provider),
     )
 
 
@@ -203,7 +206,8 @@ def make_layout(samples, loaded: LoadedModel, share: Optional[bool] = None) -> P
 
 def forward_logits(loaded: LoadedModel, layout: PackedPrefixLayout) -> torch.Tensor:
     """Packed logits `[T, V / tp]` for a layout on a single pipeline stage: the full vocabulary at
-    TP=1, this rank's vocabulary shard at TP>1 (megatron's parallel output layer)."""
+    TP=1, this rank's vocabulary shard at TP>1 (megatron's parallel output layer); `V` is
+    `loaded.padded_vocab_size` (the layout's rows mask the padded ids: `make_layout`)."""
     if loaded.pp > 1:
         raise ValueError(
             f"forward_logits runs one pipeline stage; with pipeline_model_parallel_size={loaded.pp} "

@@ -76,14 +76,17 @@ def format_table(r: dict) -> str:
 
 
 def run_demo(args) -> int:
-    from ps_bridge.parallel import is_output_rank, settings_from_args
+    from ps_bridge.parallel import ModelShapeError, is_output_rank, settings_from_args
 
     parallel = settings_from_args(args)
     try:
         parallel.check()  # before any process group exists: every rank fails alike, nothing hangs
     except ValueError as e:
         raise UsageError(str(e)) from None
-    result = demo_result(args.model, args.prompts, args.n, args.backend, args.seed, parallel.tp, parallel.pp, parallel.sequence_parallel)
+    try:  # load_model refuses the tiny model's shapes that no split holds, before any process group
+        result = demo_result(args.model, args.prompts, args.n, args.backend, args.seed, parallel.tp, parallel.pp, parallel.sequence_parallel)
+    except ModelShapeError as e:
+        raise UsageError(str(e)) from None
     if is_output_rank():
         print(json.dumps(result) if args.json else format_table(result))
     return 0

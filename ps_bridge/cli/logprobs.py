@@ -70,8 +70,8 @@ def run_logprobs(args) -> int:
     samples = read_batch(args.batch)
     try:
         parallel = settings_from_args(args)
-        parallel.check()  # before any process group exists: every rank fails alike, nothing hangs
         hf_config = read_hf_config(args.hf_path)
+        parallel.check(hf_config=hf_config)  # before any process group exists: every rank fails alike, nothing hangs
         archs = list(hf_config.get("architectures") or [])
         config = PrefixSharingConfig(enabled=not args.no_prefix_sharing, backend=args.backend, provider=args.provider)
         resolve_provider(config.provider, archs)

@@ -201,15 +201,17 @@ class PrefixSharingEngineMixin:
         device = batch["input_ids"].device
         temperature = per_sample_temperature(batch, len(samples), device)
         pad = cfg.pad_multiple or mpu.get_tensor_model_parallel_world_size()
-        layout = build_layout(samples, share=cfg.enabled, pad_multiple=pad)
+        # the true vocabulary: a padded one's extra ids stay out of the log-probs (ps_bridge.rows)
+        vocab = self.model_config.hf_config.get_text_config().vocab_size
+        layout = build_layout(samples, share=cfg.enabled, pad_multiple=pad, vocab_size=vocab)
         if layout.shared and layout.has_sharing and not temperatures_agree_within_groups(layout, temperature):
             # a shared prompt position is scaled by one temperature; samples of one prompt with
             # different temperatures cannot share it
             logger.info("[PS][prepare] samples of one prompt carry different temperatures: not shared")
-            layout = build_layout(samples, share=False, pad_multiple=pad)
+            layout = build_layout(samples, share=False, pad_multiple=pad, vocab_size=vocab)
         elif layout.shared and not layout.has_sharing:
             # nothing to share: one THD sequence per sample, the stock engine's computation
-            layout = build_layout(samples, share=False, pad_multiple=pad)
+            layout = build_layout(samples, share=False, pad_multiple=pad, vocab_size=vocab)
         log_layout(layout, f"[{rank_tag()}]")
         layout = layout.to(device)
 
