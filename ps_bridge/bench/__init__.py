@@ -30,7 +30,7 @@ from ps_bridge.bench.catalog import (
 )
 from ps_bridge.bench.fp32_reference import Fp32Reference
 from ps_bridge.bench.report import RowResult, environment, format_table, write_plot
-from ps_bridge.bench.run import add_bench_arguments, main, run_bench, run_row
+from ps_bridge.bench.run import add_bench_arguments, run_bench, run_row
 from ps_bridge.bench.timing import (
     UNSHARED_SPLITS, ModeResult, run_actor_step, run_mode, run_unshared, split_in_order,
 )
@@ -38,6 +38,6 @@ from ps_bridge.bench.timing import (
 __all__ = [
     "DEFAULT_GRID", "DEFAULT_MODELS", "FAMILIES", "MODEL_SHAPES", "SMOKE_GRID", "ModelShape", "ideal_speedup",
     "make_samples", "qwen2_hf_config", "qwen35_hf_config", "response_row_mask", "Fp32Reference", "RowResult",
-    "environment", "format_table", "write_plot", "add_bench_arguments", "main", "run_bench", "run_row",
+    "environment", "format_table", "write_plot", "add_bench_arguments", "run_bench", "run_row",
     "UNSHARED_SPLITS", "ModeResult", "run_actor_step", "run_mode", "run_unshared", "split_in_order",
 ]

@@ -1,7 +1,7 @@
-"""`python -m ps_bridge.bench ARGS`: the same as `ps-bridge bench ARGS`."""
+"""`python -m ps_bridge.bench ARGS` is `ps-bridge bench ARGS` (same quiet output and errors)."""
 
 import sys
 
-from ps_bridge.bench.run import main
+from ps_bridge.cli import main
 
-sys.exit(main())
+sys.exit(main(["bench", *sys.argv[1:]]))

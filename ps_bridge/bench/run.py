@@ -6,7 +6,7 @@ import argparse
 import json
 import math
 import sys
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Tuple
 
 import torch
 
@@ -227,14 +227,3 @@ def run_bench(args: argparse.Namespace) -> int:
         write_plot(results, args.plot)
         print(f"plot written to {args.plot}")
     return 1 if any(r.error for r in results) else 0
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m ps_bridge.bench ARGS` is `ps-bridge bench ARGS` (same quiet output and errors)."""
-    from ps_bridge.cli import main as cli_main
-
-    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 

@@ -9,7 +9,7 @@ q/k keep their H key heads: fla applies grouped value heads natively with the sa
 from __future__ import annotations
 
 import importlib.util
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 
