@@ -111,3 +111,16 @@ def sample_outputs(out, layout):
         a, b = layout.row_offsets[i].item(), layout.row_offsets[i + 1].item()
         res.append(out.index_select(0, src[a:b]))
     return res
+
+
+# The one Gated DeltaNet head configuration of every GPU test (tests/*_gpu.py): fla's Triton kernels
+# autotune once per (key heads, value heads, head dims, dtype), minutes each on a fresh machine, so
+# the GPU tests share it (2 key heads, 4 value heads: grouped value heads; head dims 64).
+GPU_GDN_HEADS = dict(H=2, HV=4, K=64, V=64)
+
+
+def tiny_qwen35_gpu_gdn_heads() -> dict:
+    """`build_tiny_qwen35` overrides giving its GDN layers the heads of `GPU_GDN_HEADS`."""
+    h = GPU_GDN_HEADS
+    return dict(linear_num_key_heads=h["H"], linear_num_value_heads=h["HV"],
+                linear_key_head_dim=h["K"], linear_value_head_dim=h["V"])

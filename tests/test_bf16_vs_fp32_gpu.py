@@ -96,6 +96,7 @@ def test_qwen2_bf16_shared_is_as_close_to_fp32_as_unshared(tmp_path):
 def test_qwen35_bf16_shared_is_as_close_to_fp32_as_unshared(tmp_path):
     """Gated DeltaNet through fla (bf16) and gated attention through the cascade, against the
     float32 twin with torch_ref kernels."""
+    from gdn_cases import tiny_qwen35_gpu_gdn_heads
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.kernels.gdn.fla import hopper_backward_problem
     from ps_bridge.runtime import load_model
@@ -104,9 +105,9 @@ def test_qwen35_bf16_shared_is_as_close_to_fp32_as_unshared(tmp_path):
     problem = hopper_backward_problem(torch.device("cuda"))
     if problem:
         pytest.skip(problem)
-    # the GDN heads of Qwen3.5-0.8B (16 x 128): the kernels' autotune keys match the bench's
-    build_tiny_qwen35(str(tmp_path), linear_num_key_heads=16, linear_num_value_heads=16,
-                      linear_key_head_dim=128, linear_value_head_dim=128)
+    # the GDN heads of every GDN GPU test (grouped value heads, head dims 64): fla's bf16 kernels
+    # autotune once for tests/test_gdn_fla_gpu.py and this test
+    build_tiny_qwen35(str(tmp_path), **tiny_qwen35_gpu_gdn_heads())
     loaded = load_model(str(tmp_path), PrefixSharingConfig(backend="flash_atten_gpu", gdn_backend="fla"),
                         dtype=torch.bfloat16)
     samples = grpo_like_samples(loaded.vocab_size, num_prompts=3, n=4, prompt_len=(20, 90), response_len=(1, 40))

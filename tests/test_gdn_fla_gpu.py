@@ -1,15 +1,16 @@
 """fla backend vs torch_ref on a GPU: outputs and gradients (bf16 and fp32 inputs).
 
 Run on an H200:  python -m pytest -q -s -m gpu tests/test_gdn_fla_gpu.py
-(`-s` shows the measured differences, to note on the issue). Skipped without CUDA. On Hopper the
-fla GDN backward needs Triton >= 3.7.1 or tilelang: without either, the tests check that the
-project's own error names both fixes, then skip.
+(`-s` shows the measured differences, to note on the issue). Skipped without CUDA. Every GDN GPU
+test uses the heads of `gdn_cases.GPU_GDN_HEADS`, so fla's kernels autotune once per dtype. On
+Hopper the fla GDN backward needs Triton >= 3.7.1 or tilelang: without either, the tests check that
+the project's own error names both fixes, then skip.
 """
 
 import pytest
 import torch
 
-from gdn_cases import make_case, packed_inputs
+from gdn_cases import GPU_GDN_HEADS, make_case, packed_inputs, tiny_qwen35_gpu_gdn_heads
 from ps_bridge.kernels.gdn import (
     check_gdn_backend_usable,
     plan_from_layout,
@@ -60,13 +61,15 @@ def run_kernel(case, layout, backend, dtype, device):
     return out.float(), [g_.float() for g_ in grads]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# ids name the dtype: scripts/gpu_checks.sh selects the float32 and the bfloat16 GDN tests by them
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_fla_matches_torch_ref(dtype):
     device = torch.device("cuda")
     skip_if_backward_refused(device)
-    # head dims the Triton kernels like; several groups (one of size 1), uneven lengths, padding
+    # several groups (one of size 1), uneven lengths across fla's 64-token chunks, padding, grouped
+    # value heads
     case = make_case(seed=1, group_sizes=(4, 1, 3), prompt_lens=(70, 5, 129),
-                     response_lens=[33, 1, 64, 90, 7, 12, 65, 3], dtype=torch.float32, H=2, K=64, HV=4, V=64)
+                     response_lens=[33, 1, 64, 90, 7, 12, 65, 3], dtype=torch.float32, **GPU_GDN_HEADS)
     layout = build_layout(case.samples, share=True, pad_multiple=8)
     out_ref, g_ref = run_kernel(case, layout, resolve_gdn_backend("torch_ref", device), dtype, device)
     out_fla, g_fla = run_kernel(case, layout, resolve_gdn_backend("fla", device), dtype, device)
@@ -88,7 +91,7 @@ def test_model_fla_matches_torch_ref_and_sharing_is_exact(tmp_path):
 
     device = torch.device("cuda", torch.cuda.current_device())
     skip_if_backward_refused(device)
-    build_tiny_qwen35(str(tmp_path), linear_key_head_dim=64, linear_value_head_dim=64)
+    build_tiny_qwen35(str(tmp_path), **tiny_qwen35_gpu_gdn_heads())
     loaded = load_model(str(tmp_path), PrefixSharingConfig(gdn_backend="fla"))
     samples = grpo_like_samples(248, num_prompts=3, n=4, prompt_len=(20, 90), response_len=(1, 40))
     gen = torch.Generator().manual_seed(0)
