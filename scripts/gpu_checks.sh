@@ -68,6 +68,7 @@ done
 GDN_FP32='test_fla_matches_torch_ref and float32 or test_model_fla_matches_torch_ref'
 GDN_BF16='test_fla_matches_torch_ref and bfloat16 or test_qwen35_bf16_shared'
 # one pytest process: part name, then pytest arguments; writes $OUT/gpu_tests.<name>.log
+mkdir -p /tmp/ps-bridge-pytest
 run_part() {
   local name=$1 t0=$SECONDS rc; shift
   TORCHDYNAMO_DISABLE=1 python3 -m pytest -q -s -ra -m gpu -p no:cacheprovider --durations=15 \
