@@ -1,7 +1,8 @@
 """Parallel settings of a prefix-shared run, and what a run needs beyond the model itself.
 
-Prefix sharing supports tensor parallelism (TP), TP-bound sequence parallelism (SP) and physical
-pipeline parallelism (PP); it refuses context parallelism (CP) and virtual pipeline stages. The
+Prefix sharing supports tensor parallelism (TP), TP-bound sequence parallelism (SP), physical
+pipeline parallelism (PP) and context parallelism (CP: head-parallel over contiguous shards of the
+pack, see `models/context_parallel.py`); it refuses virtual pipeline stages and dynamic CP. The
 model is parallelised from outside, by megatron-core: this module checks the settings up front
 (`ParallelSettings.check_supported`, the one place that knows what is refused, and
 `check_model`, against the checkpoint's shapes; a refused setting fails before any process group
@@ -54,11 +55,10 @@ class ParallelSettings:
         for name, value in sizes:
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.cp > 1 or self.dynamic_cp:
+        if self.dynamic_cp:
             raise ValueError(
-                f"prefix sharing does not support context parallelism: context_parallel_size={self.cp}"
-                f"{', dynamic_context_parallel=True' if self.dynamic_cp else ''}; set context_parallel_size=1 "
-                "(TP, sequence parallelism and physical PP are supported)"
+                "prefix sharing does not support dynamic context parallelism: dynamic_context_parallel=True; "
+                f"leave it off (a fixed context_parallel_size={self.cp} is supported)"
             )
         if self.vpp is not None and self.vpp > 1:
             raise ValueError(
@@ -103,6 +103,13 @@ class ParallelSettings:
                 f"use --pp {shape.num_layers} or fewer"
             )
         problem = shape.tp_problem(self.tp)
+        if problem is None and self.cp > 1:
+            problem = shape.cp_problem(self.tp, self.cp)
+            if problem is not None:
+                raise ModelShapeError(
+                    f"context_parallel_size={self.cp} (--cp {self.cp}) cannot split the checkpoint's heads "
+                    f"at tensor_model_parallel_size={self.tp}: {problem}; use a --cp that divides them"
+                )
         if problem is not None:
             fits = [str(t) for t in range(1, (shape.num_attention_heads or self.tp) + 1) if shape.tp_problem(t) is None]
             raise ModelShapeError(
@@ -142,6 +149,18 @@ class ModelShape:
             num_key_value_heads=text.get("num_key_value_heads") or heads,
             tp_split=tuple((key, int(text[key])) for key in cls.TP_SPLIT_KEYS if text.get(key)),
         )
+
+    def cp_problem(self, tp: int, cp: int) -> Optional[str]:
+        """What of this shape (split by `tp` first) head-parallel CP over `cp` ranks cannot split, or
+        None. Query heads and Gated DeltaNet heads per TP rank must divide by `cp`; softmax KV heads
+        need not (they are repeated up to a multiple of `cp` before the all-to-all)."""
+        heads = self.num_attention_heads
+        if heads is not None and (heads // tp) % cp:
+            return f"num_attention_heads={heads} gives {heads // tp} query heads per TP rank, not divisible by {cp}"
+        for key, size in self.tp_split:
+            if key.startswith("linear_num_") and (size // tp) % cp:
+                return f"{key}={size} gives {size // tp} heads per TP rank, not divisible by {cp}"
+        return None
 
     def tp_problem(self, tp: int) -> Optional[str]:
         """What of this shape `tp` tensor-parallel ranks cannot split (megatron's rules), or None."""
@@ -198,6 +217,7 @@ def configure_provider(provider, settings: ParallelSettings) -> None:
     """
     provider.tensor_model_parallel_size = settings.tp
     provider.pipeline_model_parallel_size = settings.pp
+    provider.context_parallel_size = settings.cp
     provider.sequence_parallel = settings.sequence_parallel
     if int(provider.vocab_size) % settings.tp:
         provider.should_pad_vocab = True
@@ -295,9 +315,21 @@ def finish_gradients(model: torch.nn.Module, config) -> None:
     megatron's `finalize_model_grads` does this inside its DDP wrapper; verl training uses that.
     Our runs (CLI, demo, tests) call the model without DDP, so they finish gradients here:
     TP sum for SP norms and q/k norms, mean across TP for `average_gradients_across_tp_domain`
-    parameters, and the tied word-embedding sum between the first and last pipeline stage.
+    parameters, the tied word-embedding sum between the first and last pipeline stage, and, under
+    context parallelism, the mean over the CP group of every gradient: megatron's schedule scales
+    each CP rank's loss (its own shard's rows) by the CP size and its DDP averages gradients over
+    the data-parallel group *with* context parallelism, so the mean of the CP ranks' gradients is
+    the gradient of the sum of every shard's loss. (Our runs have one data-parallel replica, so the
+    data-parallel-with-CP group is the CP group.)
     """
     from megatron.core import parallel_state
+
+    cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if parallel_state.get_context_parallel_world_size() > 1 and dist.get_world_size(cp_group) > 1:
+        for param in model.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad, group=cp_group)
+                param.grad /= dist.get_world_size(cp_group)
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     if dist.get_world_size(tp_group) > 1:
@@ -369,7 +401,7 @@ def add_parallel_arguments(parser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (physical stages)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
-    parser.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel size (head-parallel over contiguous shards)")
 
 
 def settings_from_args(args) -> ParallelSettings:
