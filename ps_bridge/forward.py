@@ -27,6 +27,26 @@ def local_shard(layout: PackedPrefixLayout) -> Optional[slice]:
     return layout.cp_shard(cp_rank, cp_size) if cp_size > 1 else None
 
 
+def cp_total_multiple() -> int:
+    """What the whole pack is padded to a multiple of: under context parallelism 2 x TP x CP (equal
+    contiguous CP shards, each split evenly by sequence parallelism and in two halves by megatron's
+    THD RoPE under CP, `models/gpt_model.py`); 1 without CP."""
+    from ps_bridge.models.context_parallel import cp_rank_size
+
+    _, cp_size = cp_rank_size()
+    if cp_size == 1:
+        return 1
+    from megatron.core import parallel_state
+
+    return 2 * parallel_state.get_tensor_model_parallel_world_size() * cp_size
+
+
+def shard_tag(layout: PackedPrefixLayout) -> str:
+    """` cp_shard=[a, b) of T` for the `[PS][prepare]` layout line under CP; empty without."""
+    shard = local_shard(layout)
+    return "" if shard is None else f" cp_shard=[{shard.start}, {shard.stop}) of {layout.num_tokens}"
+
+
 def run_packed(model: torch.nn.Module, layout: PackedPrefixLayout, config: PrefixSharingConfig) -> torch.Tensor:
     """`model` (megatron's module, wrapped or not) on the packed sequence of `layout` (on the model's
     device), with `config.backend` as the softmax-attention backend."""

@@ -43,10 +43,10 @@ class ParallelSettings:
             dynamic_cp=bool(getattr(config, "dynamic_context_parallel", False)),
         )
 
-    def check_supported(self) -> None:
+    def check_supported(self, verl_engine: bool = False) -> None:
         """Refuse, naming the setting and the fix, what prefix sharing does not support. The only
         place that knows: the CLI (before any process group), our providers (when the model is
-        built) and the verl engine (before it builds anything) all call this."""
+        built) and the verl engine (before it builds anything, `verl_engine=True`) all call this."""
         sizes = (
             ("tensor_model_parallel_size", self.tp),
             ("pipeline_model_parallel_size", self.pp),
@@ -59,6 +59,14 @@ class ParallelSettings:
             raise ValueError(
                 "prefix sharing does not support dynamic context parallelism: dynamic_context_parallel=True; "
                 f"leave it off (a fixed context_parallel_size={self.cp} is supported)"
+            )
+        if verl_engine and self.cp > 1:
+            # the engine's forward step would need its labels (verl's preprocess slices them by CP
+            # rank) and outputs per CP shard; not built nor tested yet
+            raise ValueError(
+                f"the prefix-shared verl engine does not support context parallelism yet: context_parallel_size="
+                f"{self.cp}; set actor_rollout_ref.actor.megatron.context_parallel_size=1 (and the ref's). "
+                "CP with prefix sharing runs in ps_bridge.schedule.logprob_pass and the CLI (--cp)"
             )
         if self.vpp is not None and self.vpp > 1:
             raise ValueError(
@@ -256,9 +264,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234) -> None:
+def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234, timeout_s: Optional[float] = None) -> None:
     """torch.distributed (gloo on CPU, NCCL on GPU; world size 1 when not launched by torchrun) and
-    megatron's model-parallel groups, seeded; idempotent."""
+    megatron's model-parallel groups, seeded; idempotent. `timeout_s`: how long a collective may
+    wait before it fails (torch's default when None)."""
+    import datetime
+
     from ps_bridge.compat import cuda_on_cpu
 
     cuda_on_cpu.enable()
@@ -266,10 +277,11 @@ def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234) -> No
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
         if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:  # launched by torchrun
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, **timeout)
         else:  # a single process: a private store on a free port, the environment left alone
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, **timeout)
     from megatron.core import parallel_state, tensor_parallel
 
     if not parallel_state.model_parallel_is_initialized():
@@ -347,6 +359,21 @@ def finish_gradients(model: torch.nn.Module, config) -> None:
             for param in model.parameters():
                 if getattr(param, "shared_embedding", False) and param.grad is not None:
                     dist.all_reduce(param.grad, group=embedding_group)
+
+
+def broadcast_replicas(model: torch.nn.Module) -> None:
+    """Make the context-parallel replicas of a randomly initialised model identical: every
+    parameter from CP rank 0 over the data-parallel-with-CP group, as megatron's DDP wrapper
+    broadcasts them at the start of training (`broadcast_params`). Weights loaded from a checkpoint
+    are identical already."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    src = dist.get_global_rank(group, 0)
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        dist.broadcast(tensor.data, src=src, group=group)
 
 
 def hf_named_gradients(bridge, model: torch.nn.Module) -> Dict[str, torch.Tensor]:

@@ -72,16 +72,19 @@ class PackedRows:
         return layout.derived(key, lambda: cls(layout, cp_shard=cp_shard))
 
     def complete(self, rows: torch.Tensor, cp_group=None) -> torch.Tensor:
-        """The full rows on every rank from each CP rank's rows of its shard (summed over the CP
-        group; detached: for reporting, not for the loss). The rows themselves without CP."""
+        """The full rows on every CP rank from each rank's rows of its shard, as verl's CP output
+        gather hands them back (`postprocess_packed_seqs`): the other ranks' values are summed in
+        without gradient, so a loss of the full rows sends gradient to this rank's own rows only
+        (megatron's CP gradient reduction completes it). The rows themselves without CP."""
         if self.cp_shard is None:
             return rows
         from megatron.core import parallel_state
 
         group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
-        full = rows.detach().clone()
-        dist.all_reduce(full, group=group)
-        return full
+        summed = rows.detach().clone()
+        dist.all_reduce(summed, group=group)
+        # own rows: r + (r - r) = r exactly (the other ranks hold exact zeros there); others: 0 + s
+        return rows + (summed - rows.detach())
 
     # ---- values -> rows --------------------------------------------------------------------
     def values(self, packed: torch.Tensor) -> torch.Tensor:
@@ -112,8 +115,9 @@ class PackedRows:
         return [rows[a:b] for a, b in zip(self.offsets[:-1], self.offsets[1:])]
 
     def nested(self, rows: torch.Tensor) -> torch.Tensor:
-        """The rows as a jagged nested tensor (verl's engine output)."""
-        return torch.nested.as_nested_tensor(self.split(rows), layout=torch.jagged)
+        """The rows as a jagged nested tensor (verl's engine output); under CP the full rows
+        (`complete`)."""
+        return torch.nested.as_nested_tensor(self.split(self.complete(rows)), layout=torch.jagged)
 
     def responses(self, rows: torch.Tensor) -> List[torch.Tensor]:
         """`log p(response[j] | prompt + response[:j])` per sample: row positions P-1 .. P+R-2."""

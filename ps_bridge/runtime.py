@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from ps_bridge.config import PrefixSharingConfig
-from ps_bridge.forward import local_shard, run_packed
+from ps_bridge.forward import cp_total_multiple, local_shard, run_packed, shard_tag
 from ps_bridge.layout import PackedPrefixLayout, build_layout, log_layout
 from ps_bridge.parallel_info import rank_tag
 from ps_bridge.rows import PackedRows
@@ -165,6 +165,10 @@ def _provide_model(bridge, provider_name, config, dtype, settings, load_weights)
     model = models[0]
     device = default_device()
     model.to(device=device, dtype=dtype)
+    if not load_weights:  # random weights: the CP replicas must be one model
+        from ps_bridge.parallel import broadcast_replicas
+
+        broadcast_replicas(model)
     return LoadedModel(
         model=model,
         bridge=bridge,
@@ -197,11 +201,12 @@ def tf32_disabled():
 def float32_reference_model(loaded: LoadedModel, hf_config) -> LoadedModel:
     """A float32 twin of a (bf16) model with exactly its weights (bf16 values upcast exactly) and the
     `torch_ref` attention and Gated DeltaNet kernels: the computation a bf16 run approximates.
-    Single rank (TP = PP = 1); run it under `tf32_disabled()` to make it a true float32 reference."""
-    if loaded.tp > 1 or loaded.pp > 1 or loaded.cp > 1:
-        raise ValueError("float32_reference_model builds a single-rank twin; got tp/pp/cp > 1")
+    TP = PP = 1, the model's CP size (CP ranks hold whole replicas); run it under `tf32_disabled()`
+    to make it a true float32 reference."""
+    if loaded.tp > 1 or loaded.pp > 1:
+        raise ValueError("float32_reference_model builds a twin without TP / PP; got tp/pp > 1")
     config = PrefixSharingConfig(enabled=False, backend="torch_ref", gdn_backend="torch_ref", pad_multiple=1)
-    twin = load_model_from_hf_config(hf_config, config, dtype=torch.float32)
+    twin = load_model_from_hf_config(hf_config, config, dtype=torch.float32, cp=loaded.cp)  # CP: same shards
     target = twin.model.state_dict()
     twin.model.load_state_dict({
         name: value.to(target[name].dtype) if torch.is_tensor(value) and value.is_floating_point() else value
@@ -211,22 +216,13 @@ def float32_reference_model(loaded: LoadedModel, hf_config) -> LoadedModel:
 
 def make_layout(samples, loaded: LoadedModel, share: Optional[bool] = None) -> PackedPrefixLayout:
     """The packed layout of `samples` for this model: segments padded to the TP size (sequence
-    parallelism scatters the pack evenly), and under context parallelism the whole pack padded to
-    a multiple of 2 x TP x CP: equal contiguous CP shards, each split evenly by SP and in two
-    halves by megatron's THD RoPE under CP (`models/gpt_model.py`)."""
-    from ps_bridge.models.context_parallel import cp_rank_size
-
+    parallelism scatters the pack evenly), the whole pack to `cp_total_multiple()` under CP."""
     share = loaded.config.enabled if share is None else share
-    tp = int(getattr(loaded.provider, "tensor_model_parallel_size", 1))
-    pad = loaded.config.pad_multiple or tp
-    total = 2 * tp * loaded.cp if loaded.cp > 1 else 1
-    layout = build_layout(samples, share=share, pad_multiple=pad, vocab_size=loaded.vocab_size, total_multiple=total)
-    shard = ""
-    if loaded.cp > 1:
-        cp_rank, cp_size = cp_rank_size()
-        part = layout.cp_shard(cp_rank, cp_size)
-        shard = f" cp_shard=[{part.start}, {part.stop}) of {layout.num_tokens}"
-    log_layout(layout, f"[{rank_tag()}]{shard}")
+    pad = loaded.config.pad_multiple or int(getattr(loaded.provider, "tensor_model_parallel_size", 1))
+    layout = build_layout(
+        samples, share=share, pad_multiple=pad, vocab_size=loaded.vocab_size, total_multiple=cp_total_multiple()
+    )
+    log_layout(layout, f"[{rank_tag()}]{shard_tag(layout)}")
     return layout
 
 
@@ -243,9 +239,11 @@ def forward_logits(loaded: LoadedModel, layout: PackedPrefixLayout) -> torch.Ten
     return logits.reshape(-1, logits.shape[-1])
 
 
-def row_logprobs(loaded: LoadedModel, layout: PackedPrefixLayout) -> torch.Tensor:
-    """Flattened per-sample rows of log-probs (every TP and CP rank gets the full rows, without
-    gradient under CP); single pipeline stage."""
+def row_logprobs(loaded: LoadedModel, layout: PackedPrefixLayout, chunk_rows: int = 1024) -> torch.Tensor:
+    """Flattened per-sample rows of log-probs, single pipeline stage. Every TP and CP rank gets the
+    full rows; under CP their gradient flows to this rank's own rows only (`PackedRows.complete`:
+    megatron's CP gradient reduction completes it)."""
     layout = layout.to(loaded.device)
     rows = PackedRows.of(layout, cp_shard=local_shard(layout))
-    return rows.complete(rows.logprobs(forward_logits(loaded, layout), vocab_parallel=loaded.tp > 1))
+    logits = forward_logits(loaded, layout)
+    return rows.complete(rows.logprobs(logits, vocab_parallel=loaded.tp > 1, chunk_rows=chunk_rows))

@@ -18,20 +18,15 @@ mkdir -p "$OUT"
 if [ -f .whl/gpusite.tar.xz ]; then
   tar -C /tmp -xJf .whl/gpusite.tar.xz || exit 1
 fi
-export PYTHONPATH="/tmp/gpusite" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+source scripts/gpu_env.sh
 # ps_bridge (with providers/ and models/ mapped into it by pyproject.toml) through an editable
 # install, offline: no build isolation, no dependencies
 python3 -m pip install -q --no-deps --no-build-isolation --disable-pip-version-check -e . >/tmp/ps-bridge-install.log 2>&1 \
   || { cat /tmp/ps-bridge-install.log; echo "editable install of ps-bridge failed"; exit 1; }
-export TRITON_CACHE_DIR=/tmp/triton-cache FLA_CACHE_RESULTS=1
 mkdir -p "$TRITON_CACHE_DIR"
 if [ -f .whl/triton-autotune.tar.gz ]; then
   tar -C "$TRITON_CACHE_DIR" -xzf .whl/triton-autotune.tar.gz && echo "triton autotune results restored"
 fi
-save_autotune() {
-  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 | tar --null -czf "$OUT/.autotune.tmp" -T - \
-    && mv "$OUT/.autotune.tmp" "$OUT/triton-autotune.tar.gz") 2>/dev/null
-}
 ( while sleep 20; do save_autotune; done ) &
 saver=$!
 trap 'kill $saver 2>/dev/null; save_autotune' EXIT

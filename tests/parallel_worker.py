@@ -15,7 +15,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from parallel_cases import MICRO_BATCHES, micro_batch_weights  # noqa: E402
+from parallel_cases import MICRO_BATCHES, leave_worker, micro_batch_weights  # noqa: E402
 
 
 def main() -> None:
@@ -55,12 +55,7 @@ def main() -> None:
         forward_only = logprob_pass(loaded, micro_batches, share=True)
     if is_output_rank():
         torch.save(dict(logprobs=shared, forward_only=forward_only, grads=grads), args.out)
-    torch.distributed.destroy_process_group()
-    # a normal interpreter shutdown of this stack takes ~10 s per run on 2 cores; the results are
-    # saved, so leave at once
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_worker()
 
 
 if __name__ == "__main__":

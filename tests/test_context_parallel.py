@@ -171,6 +171,9 @@ def test_context_parallel_settings():
     ParallelSettings(tp=2, cp=2, sequence_parallel=True, pp=2).check_supported()
     with pytest.raises(ValueError, match="dynamic_context_parallel"):
         ParallelSettings(cp=2, dynamic_cp=True).check_supported()
+    # not yet in the verl engine (its labels and outputs are not per CP shard): refused there, by name
+    with pytest.raises(ValueError, match="verl engine does not support context parallelism yet: context_parallel_size=2"):
+        ParallelSettings(cp=2).check_supported(verl_engine=True)
     qwen = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
     ParallelSettings(tp=2, cp=2).check(world_size=4, hf_config=qwen)  # 1 KV head per TP rank: repeated
     with pytest.raises(ModelShapeError, match=r"--cp 4.*4 query heads per TP rank|num_attention_heads=4 gives 2 query heads per TP rank, not divisible by 4"):
@@ -194,3 +197,19 @@ def test_cli_refuses_heads_context_parallel_cannot_split(tmp_path, qwen2_checkpo
     assert code == 2 and last_line.startswith("ps-bridge: error: context_parallel_size=4 (--cp 4)"), last_line
     assert "2 query heads per TP rank, not divisible by 4" in last_line
     assert not (tmp_path / "o.json").exists()
+
+
+@pytest.mark.slow
+def test_bench_smoke_under_context_parallel(tmp_path):
+    """`ps-bridge bench --smoke --cp 2` under torchrun (gloo, float32): the random-weight replicas are
+    one model (broadcast from CP rank 0), so shared and unshared agree and both equal the float32
+    twin; rank 0 alone reports; --max-tokens-per-gpu splits the unshared batch without running it."""
+    out = tmp_path / "bench.json"
+    argv = ["-m", "ps_bridge.cli", "bench", "--smoke", "--cp", "2", "--no-progress", "--fp32-reference",
+            "--models", "tiny-qwen2.5", "--grid", "24,8,4", "--max-tokens-per-gpu", "40", "--json", str(out)]
+    proc = torchrun(2, argv, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("ps-bridge bench on") == 1
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["max_logprob_diff"] <= 1e-5 and row["shared_max_err_fp32"] <= 1e-5, row
+    assert row["unshared"]["micro_batches"] == 2  # 128 unshared tokens = 64 per GPU > 40: split once
