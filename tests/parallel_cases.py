@@ -164,9 +164,9 @@ def check_rank_logs(stderr: str, tp: int, pp: int, num_layers: int = NUM_LAYERS,
     assert "[PS][prepare] PATH 5: no sharing detected" in stderr  # the padding example is alone
 
 
-def check_cp_rank_logs(stderr: str, tp: int, cp: int, num_micro_batches: int) -> None:
-    """Under CP every (TP rank, CP rank) logs each layout with its own contiguous, equal shard of
-    the pack, and enters the prefix-sharing path with its CP tag."""
+def check_cp_rank_logs(stderr: str, tp: int, cp: int, pp: int, num_micro_batches: int) -> None:
+    """Under CP every (TP rank, CP rank) of every pipeline stage logs each layout with its own
+    contiguous, equal shard of the pack, and enters the prefix-sharing path with its CP tag."""
     shards = {}
     pattern = (
         r"\[PS\]\[prepare\]\[global_rank=\d+ tp_rank=(\d+)/tp_size=%d cp_rank=(\d+)/cp_size=%d\] "
@@ -177,8 +177,8 @@ def check_cp_rank_logs(stderr: str, tp: int, cp: int, num_micro_batches: int) ->
         assert (a, b) == (c * total // cp, (c + 1) * total // cp), m.group(0)
         shards.setdefault((t, c), []).append(total)
     assert set(shards) == {(t, c) for t in range(tp) for c in range(cp)}, sorted(shards)
-    for lines in shards.values():  # forward+backward and forward-only
-        assert len(lines) == 2 * num_micro_batches, lines
+    for lines in shards.values():  # forward+backward and forward-only, on each pipeline stage
+        assert len(lines) == 2 * num_micro_batches * pp, lines
     for c in range(cp):
         assert re.search(rf"\[PS\]\[(attention|gdn)\]\[global_rank=\d+ tp_rank=\d+/tp_size={tp} cp_rank={c}/cp_size={cp} layer=\d+\] enter prefix-sharing path", stderr)
 
@@ -201,7 +201,7 @@ def run_and_compare(
     wrong = {hf_name: f"{rel:.2e}" for hf_name, rel in grad_diffs.items() if not rel <= 1e-5}
     assert not wrong, f"{name}: gradients differ (relative): {wrong}"
     if cp > 1:
-        check_cp_rank_logs(proc.stderr, tp, cp, len(MICRO_BATCHES[cases]()))
+        check_cp_rank_logs(proc.stderr, tp, cp, pp, len(MICRO_BATCHES[cases]()))
     else:
         check_rank_logs(proc.stderr, tp, pp, **log_checks)
     for rank in range(nproc):

@@ -65,6 +65,20 @@ def test_context_parallel_run_equals_single_rank_unshared(name, cp_case, tmp_pat
     run_and_compare(name, nproc, flags, tp, pp, hf_path, ref, tmp_path, cp=cp, cases="cp")
 
 
+@pytest.mark.slow
+def test_unreduced_context_parallel_gradients_are_detected(cp_case, tmp_path):
+    """Negative control: without the mean over the CP group each rank holds only the gradient of its
+    own shard's rows (times CP), and the comparison with the unshared run fails for every weight."""
+    from parallel_cases import WORKER, relative_grad_diffs
+
+    hf_path, ref = cp_case("qwen2.5", {})
+    out = tmp_path / "result.pt"
+    proc = torchrun(2, [WORKER, "--hf-path", hf_path, "--out", str(out), "--cases", "cp", "--cp", "2", "--skip-finish-gradients"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    diffs = relative_grad_diffs(torch.load(out)["grads"], ref["grads"])
+    assert min(diffs.values()) > 1e-2, diffs
+
+
 # ---- CLI under torchrun vs Hugging Face ------------------------------------------------------
 
 
