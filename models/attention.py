@@ -3,7 +3,8 @@
 It receives THD `query [T, Hq, D]`, `key/value [T, Hkv, D]` (already projected, q/k-normed and
 rotated at the per-token positions of the layout) and returns `[T, Hq * D]`, like megatron's own
 core attentions. The attention pattern comes from the layout in `packed_seq_params`; the kernel
-from the named backend.
+from the named backend. Under context parallelism it receives this rank's shard of the pack and
+runs the kernel on the whole pack with a share of the heads (`models/context_parallel.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 
 from ps_bridge.kernels.attention import get_attention_backend
+from ps_bridge.models.context_parallel import attention_to_head_shards, attention_to_seq_shard
 from ps_bridge.models.packed_seq import require_prefix_layout
 from ps_bridge.parallel_info import rank_tag
 
@@ -63,6 +65,8 @@ class PrefixSharedCoreAttention(MegatronModule):
             raise ValueError(
                 f"prefix-shared attention expects THD query [tokens, heads, dim], got shape {tuple(query.shape)}"
             )
+        cp_group = getattr(self.pg_collection, "cp", None)
+        query, key, value = attention_to_head_shards(query, key, value, cp_group)
         if query.shape[0] != layout.num_tokens:
             raise ValueError(
                 f"prefix-shared attention received {query.shape[0]} tokens but the packed layout has "
@@ -75,7 +79,7 @@ class PrefixSharedCoreAttention(MegatronModule):
         if not self._announced or logger.isEnabledFor(logging.DEBUG):
             logger.info(
                 "[PS][attention][%s layer=%s] enter prefix-sharing path: backend=%s tokens=%d segments=%d groups=%d",
-                rank_tag(self.pg_collection, with_cp=False),
+                rank_tag(self.pg_collection),
                 self.layer_number,
                 backend,
                 layout.num_tokens,
@@ -84,4 +88,4 @@ class PrefixSharedCoreAttention(MegatronModule):
             )
             self._announced = True
         out = get_attention_backend(backend)(query, key, value, layout, self.softmax_scale)
-        return out.reshape(out.shape[0], -1)
+        return attention_to_seq_shard(out.reshape(out.shape[0], -1), cp_group)

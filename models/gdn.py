@@ -8,7 +8,10 @@ replaces `forward`), so Megatron-Bridge's Qwen3.5 names apply unchanged: `in_pro
 `packed_seq_params` (verl's engine packs every micro-batch this way, whatever verl's data format).
 The sequence mixing (causal conv1d + gated delta rule) runs prompts
 first and then every response from its prompt's final states (`ps_bridge.kernels.gdn`). The
-backend is the config's `gdn_backend` (our providers set it; default `auto`).
+backend is the config's `gdn_backend` (our providers set it; default `auto`). Under context
+parallelism the layer receives this rank's shard of the pack; the conv and delta-rule inputs go to
+a head shard over the whole pack and back (`models/context_parallel.py`), the decay and gate are
+computed on the shard, and the conv runs with the channels of this rank's heads.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
 from ps_bridge.kernels.gdn import plan_from_layout, prefix_shared_gated_delta_net, resolve_gdn_backend
+from ps_bridge.models.context_parallel import local_channels, to_head_shard, to_seq_shard
 from ps_bridge.models.packed_seq import require_prefix_layout
 from ps_bridge.parallel_info import rank_tag
 
@@ -63,41 +67,54 @@ class PrefixSharedGatedDeltaNet(GatedDeltaNet):
             raise ValueError(
                 f"prefix-shared Gated DeltaNet expects packed input [T, 1, hidden], got {tuple(hidden_states.shape)}"
             )
-        if S != layout.num_tokens:
+        cp_group = self.pg_collection.cp
+        cp = cp_group.size()
+        if S * cp != layout.num_tokens:
             raise ValueError(
-                f"prefix-shared Gated DeltaNet received {S} tokens but the packed layout has {layout.num_tokens}"
+                f"prefix-shared Gated DeltaNet received {S} tokens (x context_parallel_size={cp}) but the "
+                f"packed layout has {layout.num_tokens}"
             )
         plan = plan_from_layout(layout, qkvzba.device)
         what = f"tokens={layout.num_tokens} segments={layout.num_segments} groups={layout.num_groups}"
         # tokens [T, dims] in packed order
         qkvzba = qkvzba.transpose(0, 1).reshape(B * S, -1)
-        mixed_qkv, z, beta_logits, alpha = torch.split(qkvzba, self.feat_dim_split, dim=-1)
+        # split on this rank's shard with all of the TP rank's heads (megatron's `feat_dim_split`
+        # divides by the CP size: its GDN exchanges the projection before splitting it)
+        qkv_dim = 2 * self.qk_dim_local_tp + self.v_dim_local_tp
+        split = (qkv_dim, self.v_dim_local_tp, self.num_v_heads_local_tp, self.num_v_heads_local_tp)
+        mixed_qkv, z, beta_logits, alpha = torch.split(qkvzba, split, dim=-1)
         # log decay in float32 at least, as HF and megatron compute it (float64 stays float64, so that
         # float64 runs are exact: the decay-gate gradients are checked against finite differences)
         acc = torch.promote_types(torch.promote_types(alpha.dtype, self.A_log.dtype), torch.float32)
         g = -self.A_log.to(acc).exp() * F.softplus(alpha.to(acc) + self.dt_bias.to(acc))
         beta = beta_logits.sigmoid()
+        qkv_sections = (self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp)
+        if cp > 1:  # this rank's shard of every head -> the whole pack with 1/cp of the heads
+            mixed_qkv = to_head_shard(mixed_qkv, cp_group, qkv_sections)
+            g, beta = to_head_shard(g, cp_group), to_head_shard(beta, cp_group)
         backend = resolve_gdn_backend(getattr(self.config, "gdn_backend", "auto"), qkvzba.device)
         if not self._announced or logger.isEnabledFor(logging.DEBUG):
             logger.info(
                 "[PS][gdn][%s layer=%s] enter prefix-sharing path: backend=%s %s",
-                rank_tag(self.pg_collection, with_cp=False), self.layer_number, backend.name, what,
+                rank_tag(self.pg_collection), self.layer_number, backend.name, what,
             )
             self._announced = True
         core = prefix_shared_gated_delta_net(
             mixed_qkv,
             g,
             beta,
-            self.conv1d.weight.squeeze(1),
-            self.conv1d.bias,
+            local_channels(self.conv1d.weight.squeeze(1), cp_group, qkv_sections),
+            local_channels(self.conv1d.bias, cp_group, qkv_sections),
             plan,
             backend,
-            num_key_heads=self.num_k_heads_local_tp,
+            num_key_heads=self.num_k_heads_local_tp // cp,
             key_head_dim=self.key_head_dim,
             value_head_dim=self.value_head_dim,
             use_qk_l2norm=self.use_qk_l2norm,
             activation=self.activation,
-        )  # [B * S, HV_local, V]
+        )  # [T, HV_local / cp, V]
+        if cp > 1:  # back to this rank's shard of every head
+            core = to_seq_shard(core.reshape(core.shape[0], -1), cp_group).reshape(S, -1, self.value_head_dim)
         # gated output norm per value head: out_norm(o) * silu(z)
         y = self._out_norm(core.reshape(-1, self.value_head_dim))
         z = z.reshape(-1, self.value_head_dim)

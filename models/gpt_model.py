@@ -5,6 +5,12 @@ response is its own THD sequence but must continue the positions of its prompt (
 megatron-core applies a frequency table per token when the table is exactly as long as the pack,
 so `_preprocess` replaces the table by one built from `layout.positions`. Everything else is
 megatron-core's GPTModel, so parameter names, pipeline stages and the output layer stay stock.
+
+Under context parallelism each rank runs one contiguous shard of the pack (`forward.run_packed`).
+megatron's THD RoPE under CP reads a rank's table entries in its load-balanced ("zigzag") order:
+the first half of rank r's tokens at table rows `r*h .. (r+1)*h`, the second half at
+`T-(r+1)*h .. T-r*h` (h = half a shard). `cp_rope_table` places every shard's per-token entries
+there, so each rank's tokens get exactly their own layout positions.
 """
 
 from __future__ import annotations
@@ -27,6 +33,21 @@ def rope_table_for_positions(rotary_pos_emb, positions: torch.Tensor) -> torch.T
     return emb[:, None, None, :]
 
 
+def cp_rope_table(table: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """The per-token table `[T, ...]` of the contiguous shards of `cp_size` ranks, reordered so that
+    megatron's THD RoPE under CP (`_get_thd_freqs_on_this_cp_rank`, whole pack as one sequence)
+    hands each rank its own shard's rows."""
+    if cp_size == 1:
+        return table
+    T = table.shape[0]
+    if T % (2 * cp_size):
+        raise ValueError(f"under context parallelism the pack ({T} tokens) must divide by 2 x CP = {2 * cp_size}")
+    h = T // (2 * cp_size)
+    halves = table.view(cp_size, 2, h, *table.shape[1:])  # [rank, first/second half, h, ...]
+    # megatron's order: the first halves of ranks 0..cp-1, then the second halves of ranks cp-1..0
+    return torch.cat([halves[:, 0].reshape(-1, *table.shape[1:]), halves.flip(0)[:, 1].reshape(-1, *table.shape[1:])])
+
+
 class PrefixSharedGPTModel(GPTModel):
     """GPTModel + per-token RoPE positions from `packed_seq_params.prefix_layout`."""
 
@@ -43,4 +64,6 @@ class PrefixSharedGPTModel(GPTModel):
         if layout is None or self.position_embedding_type != "rope" or out[1] is None:
             return out
         table = rope_table_for_positions(self.rotary_pos_emb, layout.positions)
+        if packed_seq_params.cp_shard is not None:
+            table = cp_rope_table(table, self.config.context_parallel_size)
         return (out[0], table) + tuple(out[2:])

@@ -37,10 +37,11 @@ class PrefixSharedTopKRouter(TopKRouter):
         w = self.token_weights
         if w.numel() == num_local_tokens:
             return w
-        # sequence parallelism: this rank routes its contiguous shard of the packed tokens
-        size = dist.get_world_size(self.tp_cp_group) if dist.is_initialized() else 1
+        # sequence parallelism: this rank routes its contiguous TP shard of the tokens the weights
+        # cover (the packed tokens, or under context parallelism this CP rank's shard of them)
+        size = dist.get_world_size(self.tp_group) if dist.is_initialized() else 1
         if self.config.sequence_parallel and w.numel() == num_local_tokens * size:
-            return w.view(size, num_local_tokens)[dist.get_rank(self.tp_cp_group)]
+            return w.view(size, num_local_tokens)[dist.get_rank(self.tp_group)]
         raise ValueError(
             f"MoE router got {num_local_tokens} tokens but the prefix-shared token weights cover {w.numel()}"
         )

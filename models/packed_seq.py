@@ -33,19 +33,33 @@ def moe_token_weights(layout: PackedPrefixLayout) -> torch.Tensor:
 class PrefixSharedPackedSeqParams(PackedSeqParams):
     prefix_layout: Optional[PackedPrefixLayout] = None
     attention_backend: str = "torch_ref"
+    # context parallelism: this rank runs positions `cp_shard` of the layout's pack (all when None)
+    cp_shard: Optional[slice] = None
 
     @property
     def moe_token_weights(self) -> torch.Tensor:
-        """Per-token weights of the MoE load-balancing statistics (see `models/moe.py`)."""
-        return moe_token_weights(self.prefix_layout)
+        """Per-token weights of the MoE load-balancing statistics (see `models/moe.py`), for the
+        tokens this rank runs (its CP shard)."""
+        weights = moe_token_weights(self.prefix_layout)
+        return weights if self.cp_shard is None else weights[self.cp_shard]
+
+    @property
+    def local_positions(self) -> torch.Tensor:
+        """The RoPE positions of the tokens this rank runs (its CP shard)."""
+        positions = self.prefix_layout.positions
+        return positions if self.cp_shard is None else positions[self.cp_shard]
 
     @classmethod
-    def from_layout(cls, layout: PackedPrefixLayout, attention_backend: str = "torch_ref") -> "PrefixSharedPackedSeqParams":
+    def from_layout(
+        cls, layout: PackedPrefixLayout, attention_backend: str = "torch_ref", cp_shard: Optional[slice] = None
+    ) -> "PrefixSharedPackedSeqParams":
         # megatron-core reads cu_seqlens only to apply RoPE (our attention and GDN read the layout).
         # Its THD RoPE loops over the packed sequences with a host sync per sequence; since our
         # RoPE table is already per token (PrefixSharedGPTModel), we present the whole pack as a
         # single THD sequence so RoPE is one vectorised op. The real segment boundaries live in
-        # `prefix_layout.cu_seqlens` / `cu_seqlens_padded`.
+        # `prefix_layout.cu_seqlens` / `cu_seqlens_padded`. Under CP the single sequence is the
+        # whole pack too: megatron's THD RoPE then reads this rank's entries of the table at its
+        # load-balanced offsets (`PrefixSharedGPTModel`).
         T = layout.num_tokens
         whole = layout.cu_seqlens_padded.new_tensor([0, T])
         return cls(
@@ -58,6 +72,7 @@ class PrefixSharedPackedSeqParams(PackedSeqParams):
             max_seqlen_kv=T,
             prefix_layout=layout,
             attention_backend=attention_backend,
+            cp_shard=cp_shard,
         )
 
 

@@ -4,10 +4,14 @@ The CLI, the schedule (and so every parallel layout), the bench and the verl eng
 model through `run_packed`: the layout's tokens and per-token positions as one THD sequence, and
 `PrefixSharedPackedSeqParams` carrying the layout, the attention backend and (derived on demand)
 the MoE token weights. What comes back is megatron's output for this pipeline stage: the packed
-logits `[1, T, V / tp]` on the last stage, hidden states on the others.
+logits `[1, T, V / tp]` on the last stage, hidden states on the others. Under context parallelism
+every CP rank runs its own contiguous shard of the pack (`PackedPrefixLayout.cp_shard`) and gets the
+logits / hidden states of that shard; the layout in `packed_seq_params` stays the whole pack's.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -15,14 +19,45 @@ from ps_bridge.config import PrefixSharingConfig
 from ps_bridge.layout import PackedPrefixLayout
 
 
+def local_shard(layout: PackedPrefixLayout) -> Optional[slice]:
+    """The packed positions this process runs: its context-parallel shard, or None (all) without CP."""
+    from ps_bridge.models.context_parallel import cp_rank_size
+
+    cp_rank, cp_size = cp_rank_size()
+    return layout.cp_shard(cp_rank, cp_size) if cp_size > 1 else None
+
+
+def cp_total_multiple() -> int:
+    """What the whole pack is padded to a multiple of: under context parallelism 2 x TP x CP (equal
+    contiguous CP shards, each split evenly by sequence parallelism and in two halves by megatron's
+    THD RoPE under CP, `models/gpt_model.py`); 1 without CP."""
+    from ps_bridge.models.context_parallel import cp_rank_size
+
+    _, cp_size = cp_rank_size()
+    if cp_size == 1:
+        return 1
+    from megatron.core import parallel_state
+
+    return 2 * parallel_state.get_tensor_model_parallel_world_size() * cp_size
+
+
+def shard_tag(layout: PackedPrefixLayout) -> str:
+    """` cp_shard=[a, b) of T` for the `[PS][prepare]` layout line under CP; empty without."""
+    shard = local_shard(layout)
+    return "" if shard is None else f" cp_shard=[{shard.start}, {shard.stop}) of {layout.num_tokens}"
+
+
 def run_packed(model: torch.nn.Module, layout: PackedPrefixLayout, config: PrefixSharingConfig) -> torch.Tensor:
     """`model` (megatron's module, wrapped or not) on the packed sequence of `layout` (on the model's
     device), with `config.backend` as the softmax-attention backend."""
     from ps_bridge.models.packed_seq import PrefixSharedPackedSeqParams
 
+    shard = local_shard(layout)
+    params = PrefixSharedPackedSeqParams.from_layout(layout, attention_backend=config.backend, cp_shard=shard)
+    tokens = layout.tokens if shard is None else layout.tokens[shard]
     return model(
-        input_ids=layout.tokens.unsqueeze(0),
-        position_ids=layout.positions.unsqueeze(0),
+        input_ids=tokens.unsqueeze(0),
+        position_ids=params.local_positions.unsqueeze(0),
         attention_mask=None,
-        packed_seq_params=PrefixSharedPackedSeqParams.from_layout(layout, attention_backend=config.backend),
+        packed_seq_params=params,
     )

@@ -7,7 +7,9 @@ form a *group*; each group's prompt is stored once. The packed THD sequence is
     '------- prompt block --------'   '------------- response block ------------'
 
 Each prompt and each response is one *segment* (one THD sequence in `cu_seqlens`), padded at its
-end to a multiple of `pad_multiple`. Keeping all prompts before all responses makes both blocks
+end to a multiple of `pad_multiple`; the last segment is padded further so that the whole pack is a
+multiple of `total_multiple` (context parallelism cuts the pack into equal contiguous shards,
+`cp_shard`). Keeping all prompts before all responses makes both blocks
 contiguous: a kernel can treat "all prompts" and "all responses of all groups" as two varlen
 batches without gathering (the cascade attention and the two Gated DeltaNet calls rely on this).
 
@@ -151,6 +153,18 @@ class PackedPrefixLayout:
             moved[name] = value.to(device) if isinstance(value, torch.Tensor) else value
         return PackedPrefixLayout(**moved)
 
+    def cp_shard(self, cp_rank: int, cp_size: int) -> slice:
+        """The packed positions context-parallel rank `cp_rank` of `cp_size` holds: one contiguous,
+        equal shard (the layout was built with `total_multiple` a multiple of `cp_size`)."""
+        T = self.num_tokens
+        if T % cp_size:
+            raise ValueError(
+                f"the packed sequence has {T} tokens, not divisible by context_parallel_size={cp_size}: "
+                "build the layout with total_multiple a multiple of the CP size (runtime.make_layout does)"
+            )
+        size = T // cp_size
+        return slice(cp_rank * size, (cp_rank + 1) * size)
+
     def describe(self) -> str:
         valid = self.host["valid_lengths"]
         padded = self.host["padded_lengths"]
@@ -220,10 +234,13 @@ def build_layout(
     pad_multiple: int = 1,
     vocab_size: Optional[int] = None,
     pad_token_id: int = 0,
+    total_multiple: int = 1,
 ) -> PackedPrefixLayout:
     """Pack `samples` (any order) into one prefix-shared THD layout; see the module docstring."""
     if pad_multiple < 1:
         raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
+    if total_multiple < 1:
+        raise ValueError(f"total_multiple must be >= 1, got {total_multiple}")
     samples = [s if isinstance(s, Sample) else Sample(*s) for s in samples]
     _check_samples(samples, vocab_size)
 
@@ -265,6 +282,7 @@ def build_layout(
 
     valid_lengths = [len(t) for t in seg_tokens]
     padded_lengths = [_padded(n, pad_multiple) for n in valid_lengths]
+    padded_lengths[-1] += _padded(sum(padded_lengths), total_multiple) - sum(padded_lengths)
     offsets = cumulative_offsets(padded_lengths)
     cu_valid = cumulative_offsets(valid_lengths)
 

@@ -1,7 +1,8 @@
 """Parallel settings of a prefix-shared run, and what a run needs beyond the model itself.
 
-Prefix sharing supports tensor parallelism (TP), TP-bound sequence parallelism (SP) and physical
-pipeline parallelism (PP); it refuses context parallelism (CP) and virtual pipeline stages. The
+Prefix sharing supports tensor parallelism (TP), TP-bound sequence parallelism (SP), physical
+pipeline parallelism (PP) and context parallelism (CP: head-parallel over contiguous shards of the
+pack, see `models/context_parallel.py`); it refuses virtual pipeline stages and dynamic CP. The
 model is parallelised from outside, by megatron-core: this module checks the settings up front
 (`ParallelSettings.check_supported`, the one place that knows what is refused, and
 `check_model`, against the checkpoint's shapes; a refused setting fails before any process group
@@ -42,10 +43,10 @@ class ParallelSettings:
             dynamic_cp=bool(getattr(config, "dynamic_context_parallel", False)),
         )
 
-    def check_supported(self) -> None:
+    def check_supported(self, verl_engine: bool = False) -> None:
         """Refuse, naming the setting and the fix, what prefix sharing does not support. The only
         place that knows: the CLI (before any process group), our providers (when the model is
-        built) and the verl engine (before it builds anything) all call this."""
+        built) and the verl engine (before it builds anything, `verl_engine=True`) all call this."""
         sizes = (
             ("tensor_model_parallel_size", self.tp),
             ("pipeline_model_parallel_size", self.pp),
@@ -54,11 +55,18 @@ class ParallelSettings:
         for name, value in sizes:
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.cp > 1 or self.dynamic_cp:
+        if self.dynamic_cp:
             raise ValueError(
-                f"prefix sharing does not support context parallelism: context_parallel_size={self.cp}"
-                f"{', dynamic_context_parallel=True' if self.dynamic_cp else ''}; set context_parallel_size=1 "
-                "(TP, sequence parallelism and physical PP are supported)"
+                "prefix sharing does not support dynamic context parallelism: dynamic_context_parallel=True; "
+                f"leave it off (a fixed context_parallel_size={self.cp} is supported)"
+            )
+        if verl_engine and self.cp > 1:
+            # the engine's forward step would need its labels (verl's preprocess slices them by CP
+            # rank) and outputs per CP shard; not built nor tested yet
+            raise ValueError(
+                f"the prefix-shared verl engine does not support context parallelism yet: context_parallel_size="
+                f"{self.cp}; set actor_rollout_ref.actor.megatron.context_parallel_size=1 (and the ref's). "
+                "CP with prefix sharing runs in ps_bridge.schedule.logprob_pass and the CLI (--cp)"
             )
         if self.vpp is not None and self.vpp > 1:
             raise ValueError(
@@ -103,6 +111,13 @@ class ParallelSettings:
                 f"use --pp {shape.num_layers} or fewer"
             )
         problem = shape.tp_problem(self.tp)
+        if problem is None and self.cp > 1:
+            problem = shape.cp_problem(self.tp, self.cp)
+            if problem is not None:
+                raise ModelShapeError(
+                    f"context_parallel_size={self.cp} (--cp {self.cp}) cannot split the checkpoint's heads "
+                    f"at tensor_model_parallel_size={self.tp}: {problem}; use a --cp that divides them"
+                )
         if problem is not None:
             fits = [str(t) for t in range(1, (shape.num_attention_heads or self.tp) + 1) if shape.tp_problem(t) is None]
             raise ModelShapeError(
@@ -142,6 +157,18 @@ class ModelShape:
             num_key_value_heads=text.get("num_key_value_heads") or heads,
             tp_split=tuple((key, int(text[key])) for key in cls.TP_SPLIT_KEYS if text.get(key)),
         )
+
+    def cp_problem(self, tp: int, cp: int) -> Optional[str]:
+        """What of this shape (split by `tp` first) head-parallel CP over `cp` ranks cannot split, or
+        None. Query heads and Gated DeltaNet heads per TP rank must divide by `cp`; softmax KV heads
+        need not (they are repeated up to a multiple of `cp` before the all-to-all)."""
+        heads = self.num_attention_heads
+        if heads is not None and (heads // tp) % cp:
+            return f"num_attention_heads={heads} gives {heads // tp} query heads per TP rank, not divisible by {cp}"
+        for key, size in self.tp_split:
+            if key.startswith("linear_num_") and (size // tp) % cp:
+                return f"{key}={size} gives {size // tp} heads per TP rank, not divisible by {cp}"
+        return None
 
     def tp_problem(self, tp: int) -> Optional[str]:
         """What of this shape `tp` tensor-parallel ranks cannot split (megatron's rules), or None."""
@@ -198,6 +225,7 @@ def configure_provider(provider, settings: ParallelSettings) -> None:
     """
     provider.tensor_model_parallel_size = settings.tp
     provider.pipeline_model_parallel_size = settings.pp
+    provider.context_parallel_size = settings.cp
     provider.sequence_parallel = settings.sequence_parallel
     if int(provider.vocab_size) % settings.tp:
         provider.should_pad_vocab = True
@@ -236,9 +264,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234) -> None:
+def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234, timeout_s: Optional[float] = None) -> None:
     """torch.distributed (gloo on CPU, NCCL on GPU; world size 1 when not launched by torchrun) and
-    megatron's model-parallel groups, seeded; idempotent."""
+    megatron's model-parallel groups, seeded; idempotent. `timeout_s`: how long a collective may
+    wait before it fails (torch's default when None)."""
+    import datetime
+
     from ps_bridge.compat import cuda_on_cpu
 
     cuda_on_cpu.enable()
@@ -246,10 +277,11 @@ def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234) -> No
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
         if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:  # launched by torchrun
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, **timeout)
         else:  # a single process: a private store on a free port, the environment left alone
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, **timeout)
     from megatron.core import parallel_state, tensor_parallel
 
     if not parallel_state.model_parallel_is_initialized():
@@ -295,9 +327,21 @@ def finish_gradients(model: torch.nn.Module, config) -> None:
     megatron's `finalize_model_grads` does this inside its DDP wrapper; verl training uses that.
     Our runs (CLI, demo, tests) call the model without DDP, so they finish gradients here:
     TP sum for SP norms and q/k norms, mean across TP for `average_gradients_across_tp_domain`
-    parameters, and the tied word-embedding sum between the first and last pipeline stage.
+    parameters, the tied word-embedding sum between the first and last pipeline stage, and, under
+    context parallelism, the mean over the CP group of every gradient: megatron's schedule scales
+    each CP rank's loss (its own shard's rows) by the CP size and its DDP averages gradients over
+    the data-parallel group *with* context parallelism, so the mean of the CP ranks' gradients is
+    the gradient of the sum of every shard's loss. (Our runs have one data-parallel replica, so the
+    data-parallel-with-CP group is the CP group.)
     """
     from megatron.core import parallel_state
+
+    cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if parallel_state.get_context_parallel_world_size() > 1 and dist.get_world_size(cp_group) > 1:
+        for param in model.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad, group=cp_group)
+                param.grad /= dist.get_world_size(cp_group)
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     if dist.get_world_size(tp_group) > 1:
@@ -315,6 +359,21 @@ def finish_gradients(model: torch.nn.Module, config) -> None:
             for param in model.parameters():
                 if getattr(param, "shared_embedding", False) and param.grad is not None:
                     dist.all_reduce(param.grad, group=embedding_group)
+
+
+def broadcast_replicas(model: torch.nn.Module) -> None:
+    """Make the context-parallel replicas of a randomly initialised model identical: every
+    parameter from CP rank 0 over the data-parallel-with-CP group, as megatron's DDP wrapper
+    broadcasts them at the start of training (`broadcast_params`). Weights loaded from a checkpoint
+    are identical already."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    src = dist.get_global_rank(group, 0)
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        dist.broadcast(tensor.data, src=src, group=group)
 
 
 def hf_named_gradients(bridge, model: torch.nn.Module) -> Dict[str, torch.Tensor]:
@@ -369,7 +428,7 @@ def add_parallel_arguments(parser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (physical stages)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
-    parser.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel size (head-parallel over contiguous shards)")
 
 
 def settings_from_args(args) -> ParallelSettings:

@@ -11,7 +11,7 @@ def _rank_size(group):
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def rank_tag(pg_collection=None, with_cp: bool = True) -> str:
+def rank_tag(pg_collection=None) -> str:
     global_rank = dist.get_rank() if dist.is_initialized() else 0
     tp = getattr(pg_collection, "tp", None) if pg_collection is not None else None
     cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
@@ -24,8 +24,5 @@ def rank_tag(pg_collection=None, with_cp: bool = True) -> str:
         except Exception:  # parallel state not initialised: plain torch.distributed
             tp = cp = None
     tp_rank, tp_size = _rank_size(tp)
-    tag = f"global_rank={global_rank} tp_rank={tp_rank}/tp_size={tp_size}"
-    if with_cp:
-        cp_rank, cp_size = _rank_size(cp)
-        tag += f" cp_rank={cp_rank}/cp_size={cp_size}"
-    return tag
+    cp_rank, cp_size = _rank_size(cp)
+    return f"global_rank={global_rank} tp_rank={tp_rank}/tp_size={tp_size} cp_rank={cp_rank}/cp_size={cp_size}"

@@ -16,6 +16,13 @@ When tensor parallelism does not divide the vocabulary, megatron's embedding and
 padded (Megatron-Bridge's `should_pad_vocab`) with zero rows: the padded columns' logits are 0, not
 -inf. A layout built for a model knows its true `vocab_size`; the ids at or above it are kept out of
 the softmax (and get no gradient), so the log-probs are those of the true vocabulary.
+
+Under context parallelism a rank holds the logits of its own contiguous shard of the pack only
+(`cp_shard`). Its rows then hold the values of the row positions whose packed position lies in its
+shard (a fork row included: it belongs to the rank holding its prompt's last position) and 0
+elsewhere; no logits cross ranks. A rank's loss is that of its own rows (megatron's CP: the gradient
+reduction over the CP group completes it), and `complete` sums the ranks' rows into the full rows
+for reporting.
 """
 
 from __future__ import annotations
@@ -31,27 +38,60 @@ from ps_bridge.layout import PackedPrefixLayout
 class PackedRows:
     """Where each row position of each sample reads its packed value, and with which label."""
 
-    def __init__(self, layout: PackedPrefixLayout, labels: Optional[torch.Tensor] = None, vocab_size: Optional[int] = None):
+    def __init__(
+        self,
+        layout: PackedPrefixLayout,
+        labels: Optional[torch.Tensor] = None,
+        vocab_size: Optional[int] = None,
+        cp_shard: Optional[slice] = None,
+    ):
         device = layout.device
         self.vocab_size = layout.vocab_size if vocab_size is None else vocab_size
         self.layout = layout
-        self.source = layout.row_source.to(device)
+        self.cp_shard = cp_shard
+        source = layout.row_source.to(device)
         self.labels = (layout.row_label if labels is None else labels).to(device=device, dtype=torch.long)
-        if self.labels.shape != self.source.shape:
-            raise ValueError(f"{self.labels.numel()} row labels for {self.source.numel()} row positions")
+        if self.labels.shape != source.shape:
+            raise ValueError(f"{self.labels.numel()} row labels for {source.numel()} row positions")
         self.offsets = layout.row_offsets.tolist()
-        self.has_label = self.labels >= 0
+        if cp_shard is None:
+            self.num_positions = layout.num_tokens
+            self.in_shard = torch.ones_like(source, dtype=torch.bool)
+            self.source = source
+        else:  # positions of this rank's shard, local offsets; the other rows read position 0, masked
+            self.num_positions = cp_shard.stop - cp_shard.start
+            self.in_shard = (source >= cp_shard.start) & (source < cp_shard.stop)
+            self.source = torch.where(self.in_shard, source - cp_shard.start, 0)
+        self.has_label = (self.labels >= 0) & self.in_shard
         self.safe_labels = self.labels.clamp(min=0)
 
     @classmethod
-    def of(cls, layout: PackedPrefixLayout) -> "PackedRows":
-        """The rows of `layout` with its own labels (built once per layout and device)."""
-        return layout.derived(("packed_rows", str(layout.device)), lambda: cls(layout))
+    def of(cls, layout: PackedPrefixLayout, cp_shard: Optional[slice] = None) -> "PackedRows":
+        """The rows of `layout` with its own labels (built once per layout, device and CP shard)."""
+        key = ("packed_rows", str(layout.device), None if cp_shard is None else (cp_shard.start, cp_shard.stop))
+        return layout.derived(key, lambda: cls(layout, cp_shard=cp_shard))
+
+    def complete(self, rows: torch.Tensor, cp_group=None) -> torch.Tensor:
+        """The full rows on every CP rank from each rank's rows of its shard, as verl's CP output
+        gather hands them back (`postprocess_packed_seqs`): the other ranks' values are summed in
+        without gradient, so a loss of the full rows sends gradient to this rank's own rows only
+        (megatron's CP gradient reduction completes it). The rows themselves without CP."""
+        if self.cp_shard is None:
+            return rows
+        from megatron.core import parallel_state
+
+        group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
+        summed = rows.detach().clone()
+        dist.all_reduce(summed, group=group)
+        # own rows: r + (r - r) = r exactly (the other ranks hold exact zeros there); others: 0 + s
+        return rows + (summed - rows.detach())
 
     # ---- values -> rows --------------------------------------------------------------------
     def values(self, packed: torch.Tensor) -> torch.Tensor:
-        """Flattened rows `[sum(P_i + R_i)]` of a per-position value `[T]` (entropy, ...)."""
-        return packed.reshape(-1).index_select(0, self.source)
+        """Flattened rows `[sum(P_i + R_i)]` of a per-position value `[T]` (entropy, ...); under CP
+        of this rank's shard `[T / cp]`, 0 in the rows of other shards."""
+        rows = packed.reshape(-1).index_select(0, self.source)
+        return rows if self.cp_shard is None else torch.where(self.in_shard, rows, torch.zeros_like(rows))
 
     def logprobs(self, logits: torch.Tensor, vocab_parallel: bool = False, tp_group=None, chunk_rows: int = 1024) -> torch.Tensor:
         """Flattened rows of log-probs, float32, from packed logits `[T, V]` (or `[1, T, V]`).
@@ -75,8 +115,9 @@ class PackedRows:
         return [rows[a:b] for a, b in zip(self.offsets[:-1], self.offsets[1:])]
 
     def nested(self, rows: torch.Tensor) -> torch.Tensor:
-        """The rows as a jagged nested tensor (verl's engine output)."""
-        return torch.nested.as_nested_tensor(self.split(rows), layout=torch.jagged)
+        """The rows as a jagged nested tensor (verl's engine output); under CP the full rows
+        (`complete`)."""
+        return torch.nested.as_nested_tensor(self.split(self.complete(rows)), layout=torch.jagged)
 
     def responses(self, rows: torch.Tensor) -> List[torch.Tensor]:
         """`log p(response[j] | prompt + response[:j])` per sample: row positions P-1 .. P+R-2."""
@@ -88,8 +129,11 @@ class PackedRows:
     def _packed_2d(self, logits: torch.Tensor) -> torch.Tensor:
         if logits.dim() == 3:
             logits = logits.reshape(-1, logits.shape[-1])
-        if logits.shape[0] != self.layout.num_tokens:
-            raise ValueError(f"logits have {logits.shape[0]} positions, the layout has {self.layout.num_tokens}")
+        if logits.shape[0] != self.num_positions:
+            raise ValueError(
+                f"logits have {logits.shape[0]} positions, the layout has {self.num_positions}"
+                + ("" if self.cp_shard is None else f" in this rank's context-parallel shard {self.cp_shard}")
+            )
         return logits
 
     def _fork_rows(self):
@@ -102,8 +146,10 @@ class PackedRows:
             if self.layout.shared:
                 starts = self.layout.row_offsets[:-1].to(fork.device)
                 fork[starts + self.layout.sample_prompt_length.to(fork.device) - 1] = True
-            packed_labels = torch.zeros(self.layout.num_tokens, dtype=torch.long, device=fork.device)
-            packed_labels[self.source[~fork]] = self.safe_labels[~fork]
+            fork &= self.in_shard  # a fork row of another CP shard is that rank's to compute
+            common = ~fork & self.in_shard
+            packed_labels = torch.zeros(self.num_positions, dtype=torch.long, device=fork.device)
+            packed_labels[self.source[common]] = self.safe_labels[common]
             return fork, packed_labels
 
         if not hasattr(self, "_fork_cache"):
@@ -128,7 +174,7 @@ class PackedRows:
                 ce_logits[:, keep:] = float("-inf")
         nll = vocab_parallel_cross_entropy(ce_logits, ce_labels, tp_group=tp_group)
         index = self.source.clone()
-        index[fork] = self.layout.num_tokens + torch.arange(int(fork.sum()), device=index.device)
+        index[fork] = self.num_positions + torch.arange(int(fork.sum()), device=index.device)
         return -nll.index_select(0, index)
 
 

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from ps_bridge.config import PrefixSharingConfig
-from ps_bridge.forward import run_packed
+from ps_bridge.forward import cp_total_multiple, local_shard, run_packed, shard_tag
 from ps_bridge.layout import PackedPrefixLayout, build_layout, log_layout
 from ps_bridge.parallel_info import rank_tag
 from ps_bridge.rows import PackedRows
@@ -57,6 +57,7 @@ class LoadedModel:
     tp: int = 1
     pp: int = 1
     sequence_parallel: bool = False
+    cp: int = 1  # context-parallel size: each CP rank runs one contiguous shard of the pack
     # the vocabulary megatron's embedding and output layer have: `vocab_size` padded up when TP
     # does not divide it (the logits of the padded ids are kept out of the log-probs)
     padded_vocab_size: Optional[int] = None
@@ -69,6 +70,7 @@ def load_model(
     tp: int = 1,
     pp: int = 1,
     sequence_parallel: bool = False,
+    cp: int = 1,
 ) -> LoadedModel:
     """Convert `hf_path` through our provider and load this rank's shard of its weights.
 
@@ -76,11 +78,12 @@ def load_model(
     this rank's TP shard and PP stage and Megatron-Bridge loads the matching slices.
     """
     config = config or PrefixSharingConfig()
-    entry = _prepare_bridge(config, read_hf_config(hf_path), tp, pp, sequence_parallel)
+    settings = _settings(tp, pp, sequence_parallel, cp)
+    entry = _prepare_bridge(config, read_hf_config(hf_path), settings)
     from megatron.bridge import AutoBridge
 
     bridge = AutoBridge.from_hf_pretrained(hf_path, torch_dtype=dtype)
-    return _provide_model(bridge, entry.name, config, dtype, tp, pp, sequence_parallel, load_weights=True)
+    return _provide_model(bridge, entry.name, config, dtype, settings, load_weights=True)
 
 
 def load_model_from_hf_config(
@@ -90,40 +93,49 @@ def load_model_from_hf_config(
     tp: int = 1,
     pp: int = 1,
     sequence_parallel: bool = False,
+    cp: int = 1,
 ) -> LoadedModel:
     """Like `load_model`, from a transformers config object: same bridge and provider, random
     weights (megatron's own initialisation, on the GPU when there is one). For benchmarks."""
     config = config or PrefixSharingConfig()
-    entry = _prepare_bridge(config, hf_config.to_dict(), tp, pp, sequence_parallel)
+    settings = _settings(tp, pp, sequence_parallel, cp)
+    entry = _prepare_bridge(config, hf_config.to_dict(), settings)
     from megatron.bridge import AutoBridge
 
     bridge = AutoBridge.from_hf_config(hf_config)
-    return _provide_model(bridge, entry.name, config, dtype, tp, pp, sequence_parallel, load_weights=False)
+    return _provide_model(bridge, entry.name, config, dtype, settings, load_weights=False)
 
 
-def _prepare_bridge(config: PrefixSharingConfig, hf_config: dict, tp: int, pp: int, sequence_parallel: bool):
+def _settings(tp: int, pp: int, sequence_parallel: bool, cp: int):
+    from ps_bridge.parallel import ParallelSettings
+
+    return ParallelSettings(tp=tp, pp=pp, cp=cp, sequence_parallel=sequence_parallel)
+
+
+def _prepare_bridge(config: PrefixSharingConfig, hf_config: dict, settings):
     """Check the parallel settings (against the checkpoint's config.json dict too), pick our
     provider for its architectures, import Megatron-Bridge with our bridges registered, and set up
     the parallel groups; returns the provider entry."""
     from ps_bridge.compat.te_placeholder import import_megatron_bridge
-    from ps_bridge.parallel import ParallelSettings, init_parallel
+    from ps_bridge.parallel import init_parallel
     from ps_bridge.providers.registry import register_all, resolve_provider
 
     # before any process group: every rank refuses alike
-    ParallelSettings(tp=tp, pp=pp, sequence_parallel=sequence_parallel).check(hf_config=hf_config)
+    settings.check(hf_config=hf_config)
     entry = resolve_provider(config.provider, list(hf_config.get("architectures") or []))
     import_megatron_bridge()
     register_all(config)
-    init_parallel(tp=tp, pp=pp)
+    init_parallel(tp=settings.tp, pp=settings.pp, cp=settings.cp)
     return entry
 
 
-def _provide_model(bridge, provider_name, config, dtype, tp, pp, sequence_parallel, load_weights) -> LoadedModel:
-    from ps_bridge.parallel import ParallelSettings, configure_provider, padded_vocab_size
+def _provide_model(bridge, provider_name, config, dtype, settings, load_weights) -> LoadedModel:
+    from ps_bridge.parallel import configure_provider, padded_vocab_size
 
+    tp, pp = settings.tp, settings.pp
     provider = bridge.to_megatron_provider(load_weights=load_weights)
-    # TP / PP / SP, plus the vocabulary padding and uneven pipeline stages the shapes may need
-    configure_provider(provider, ParallelSettings(tp=tp, pp=pp, sequence_parallel=sequence_parallel))
+    # TP / PP / SP / CP, plus the vocabulary padding and uneven pipeline stages the shapes may need
+    configure_provider(provider, settings)
     provider.pipeline_dtype = dtype
     provider.params_dtype = dtype
     provider.bf16 = dtype == torch.bfloat16
@@ -153,6 +165,10 @@ def _provide_model(bridge, provider_name, config, dtype, tp, pp, sequence_parall
     model = models[0]
     device = default_device()
     model.to(device=device, dtype=dtype)
+    if not load_weights:  # random weights: the CP replicas must be one model
+        from ps_bridge.parallel import broadcast_replicas
+
+        broadcast_replicas(model)
     return LoadedModel(
         model=model,
         bridge=bridge,
@@ -164,7 +180,8 @@ def _provide_model(bridge, provider_name, config, dtype, tp, pp, sequence_parall
         dtype=dtype,
         tp=tp,
         pp=pp,
-        sequence_parallel=sequence_parallel,
+        sequence_parallel=settings.sequence_parallel,
+        cp=settings.cp,
         padded_vocab_size=padded_vocab_size(provider),
     )
 
@@ -184,11 +201,12 @@ def tf32_disabled():
 def float32_reference_model(loaded: LoadedModel, hf_config) -> LoadedModel:
     """A float32 twin of a (bf16) model with exactly its weights (bf16 values upcast exactly) and the
     `torch_ref` attention and Gated DeltaNet kernels: the computation a bf16 run approximates.
-    Single rank (TP = PP = 1); run it under `tf32_disabled()` to make it a true float32 reference."""
+    TP = PP = 1, the model's CP size (CP ranks hold whole replicas); run it under `tf32_disabled()`
+    to make it a true float32 reference."""
     if loaded.tp > 1 or loaded.pp > 1:
-        raise ValueError("float32_reference_model builds a single-rank twin; got tp/pp > 1")
+        raise ValueError("float32_reference_model builds a twin without TP / PP; got tp/pp > 1")
     config = PrefixSharingConfig(enabled=False, backend="torch_ref", gdn_backend="torch_ref", pad_multiple=1)
-    twin = load_model_from_hf_config(hf_config, config, dtype=torch.float32)
+    twin = load_model_from_hf_config(hf_config, config, dtype=torch.float32, cp=loaded.cp)  # CP: same shards
     target = twin.model.state_dict()
     twin.model.load_state_dict({
         name: value.to(target[name].dtype) if torch.is_tensor(value) and value.is_floating_point() else value
@@ -197,15 +215,19 @@ def float32_reference_model(loaded: LoadedModel, hf_config) -> LoadedModel:
     return twin
 
 def make_layout(samples, loaded: LoadedModel, share: Optional[bool] = None) -> PackedPrefixLayout:
+    """The packed layout of `samples` for this model: segments padded to the TP size (sequence
+    parallelism scatters the pack evenly), the whole pack to `cp_total_multiple()` under CP."""
     share = loaded.config.enabled if share is None else share
     pad = loaded.config.pad_multiple or int(getattr(loaded.provider, "tensor_model_parallel_size", 1))
-    layout = build_layout(samples, share=share, pad_multiple=pad, vocab_size=loaded.vocab_size)
-    log_layout(layout, f"[{rank_tag()}]")
+    layout = build_layout(
+        samples, share=share, pad_multiple=pad, vocab_size=loaded.vocab_size, total_multiple=cp_total_multiple()
+    )
+    log_layout(layout, f"[{rank_tag()}]{shard_tag(layout)}")
     return layout
 
 
 def forward_logits(loaded: LoadedModel, layout: PackedPrefixLayout) -> torch.Tensor:
-    """Packed logits `[T, V / tp]` for a layout on a single pipeline stage: the full vocabulary at
+    """Packed logits `[T, V / tp]` (of this rank's `T / cp` shard under CP) for a layout on a single pipeline stage: the full vocabulary at
     TP=1, this rank's vocabulary shard at TP>1 (megatron's parallel output layer); `V` is
     `loaded.padded_vocab_size` (the layout's rows mask the padded ids: `make_layout`)."""
     if loaded.pp > 1:
@@ -217,7 +239,11 @@ def forward_logits(loaded: LoadedModel, layout: PackedPrefixLayout) -> torch.Ten
     return logits.reshape(-1, logits.shape[-1])
 
 
-def row_logprobs(loaded: LoadedModel, layout: PackedPrefixLayout) -> torch.Tensor:
-    """Flattened per-sample rows of log-probs (every TP rank gets the full rows); single pipeline stage."""
+def row_logprobs(loaded: LoadedModel, layout: PackedPrefixLayout, chunk_rows: int = 1024) -> torch.Tensor:
+    """Flattened per-sample rows of log-probs, single pipeline stage. Every TP and CP rank gets the
+    full rows; under CP their gradient flows to this rank's own rows only (`PackedRows.complete`:
+    megatron's CP gradient reduction completes it)."""
     layout = layout.to(loaded.device)
-    return PackedRows.of(layout).logprobs(forward_logits(loaded, layout), vocab_parallel=loaded.tp > 1)
+    rows = PackedRows.of(layout, cp_shard=local_shard(layout))
+    logits = forward_logits(loaded, layout)
+    return rows.complete(rows.logprobs(logits, vocab_parallel=loaded.tp > 1, chunk_rows=chunk_rows))

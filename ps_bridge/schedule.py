@@ -7,7 +7,9 @@ host-side lists), and hands it to the model in `packed_seq_params`, so each stag
 the layout of the activations it receives. Micro-batches pack to different lengths; megatron's
 `variable_seq_lengths` makes neighbouring stages exchange shapes first. The last stage turns the
 logits into log-probs (vocabulary-parallel at TP > 1) and, for a backward pass, the loss
-`sum_i sum_j w_ij * logp_ij` over every micro-batch.
+`sum_i sum_j w_ij * logp_ij` over every micro-batch. Under context parallelism each CP rank runs
+its shard of every micro-batch; its loss covers the rows of its shard, the gradients are completed
+over the CP group (`finish_gradients`), and the reported log-probs are the rows summed over it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ps_bridge.forward import run_packed
+from ps_bridge.forward import local_shard, run_packed
 from ps_bridge.layout import Sample
 from ps_bridge.parallel import finish_gradients
 from ps_bridge.rows import PackedRows
@@ -66,18 +68,22 @@ def _forward_step(loaded: LoadedModel, share, num_microbatches: int, data_iterat
     samples, weights = next(data_iterator)
     layout = make_layout(samples, loaded, share=share).to(loaded.device)
     output = run_packed(model, layout, loaded.config)
-    return output, partial(_logprob_loss, PackedRows.of(layout), weights, num_microbatches, loaded.tp > 1)
+    rows = PackedRows.of(layout, cp_shard=local_shard(layout))
+    return output, partial(_logprob_loss, rows, weights, num_microbatches, loaded.tp > 1)
 
 
 def _logprob_loss(rows: PackedRows, weights, num_microbatches: int, vocab_parallel: bool, logits):
-    per_sample = rows.responses(rows.logprobs(logits, vocab_parallel=vocab_parallel))
+    own = rows.logprobs(logits, vocab_parallel=vocab_parallel)  # this CP rank's rows (all without CP)
+    per_sample = rows.responses(own)
     if weights is None:
         loss = logits.sum() * 0.0
     else:
         loss = sum((w.to(lp.device) * lp).sum() for w, lp in zip(weights, per_sample))
     # megatron divides a (loss, data) loss by the number of micro-batches; undo it so the
-    # gradients are those of the plain sum over micro-batches
-    return loss * num_microbatches, {"logprobs": [lp.detach().float().cpu() for lp in per_sample]}
+    # gradients are those of the plain sum over micro-batches (its CP scaling is undone by the
+    # CP mean in `finish_gradients`, as its DDP does)
+    full = rows.responses(rows.complete(own))
+    return loss * num_microbatches, {"logprobs": [lp.detach().float().cpu() for lp in full]}
 
 
 def _from_last_stage(logprobs: List[LogProbs]) -> List[LogProbs]:

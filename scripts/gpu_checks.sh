@@ -28,27 +28,16 @@ mkdir -p "$OUT"
 if [ -f .whl/gpusite.tar.xz ]; then
   tar -C /tmp -xJf .whl/gpusite.tar.xz || exit 1
 fi
-export PYTHONPATH="/tmp/gpusite" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+source scripts/gpu_env.sh
 # ps_bridge (with providers/ and models/ mapped into it by pyproject.toml) through an editable
 # install, offline: no build isolation, no dependencies
 python3 -m pip install -q --no-deps --no-build-isolation --disable-pip-version-check -e . >/tmp/ps-bridge-install.log 2>&1 \
   || { cat /tmp/ps-bridge-install.log; echo "editable install of ps-bridge failed"; exit 1; }
-# tilelang's kernel cache lives inside Triton's cache directory, so one archive carries both
-export TRITON_CACHE_DIR=/tmp/triton-cache FLA_CACHE_RESULTS=1
-export TILELANG_CACHE_DIR="$TRITON_CACHE_DIR/tilelang-kernels"
 mkdir -p "$TRITON_CACHE_DIR"
 if [ -f .whl/triton-autotune.tar.gz ]; then
   tar -C "$TRITON_CACHE_DIR" -xzf .whl/triton-autotune.tar.gz \
     && echo "kernel caches restored: $(find "$TRITON_CACHE_DIR" -name '*.autotune.json' | wc -l) Triton autotune results, $(du -sh "$TILELANG_CACHE_DIR" 2>/dev/null | cut -f1) of tilelang kernels"
 fi
-save_autotune() {
-  # Triton's autotune results only (not its compiled kernels: every tried config, too large to
-  # carry) and tilelang's finished kernels (written by an atomic rename; skip its staging area)
-  (cd "$TRITON_CACHE_DIR" && { find . -name '*.autotune.json' -print0
-       [ -d tilelang-kernels ] && find tilelang-kernels -type f ! -path '*/.staging*' ! -name '*.tmp*' -print0; } \
-     | tar --null --ignore-failed-read -czf "$OUT/.autotune.tmp" -T - \
-     && mv "$OUT/.autotune.tmp" "$OUT/triton-autotune.tar.gz") 2>/dev/null
-}
 ( while sleep 20; do save_autotune; done ) &
 saver=$!
 part_pids=()

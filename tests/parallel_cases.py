@@ -2,6 +2,7 @@
 single-rank unshared reference, the torchrun launcher and the per-rank log checks."""
 
 import os
+import random
 import re
 import socket
 import subprocess
@@ -27,6 +28,37 @@ def parallel_micro_batches() -> List[List[Sample]]:
     return [[PADDING_EXAMPLE], groups[:6], groups[6:]]
 
 
+def cp_micro_batches(seed: int = 0) -> List[List[Sample]]:
+    """Fuzzed micro-batches for context parallelism, drawn from `seed` alone (every rank draws the
+    same ones, or the ranks would hang): two edge groups whose pack is 16 tokens at CP=2, TP=1,
+    so the shard boundary (position 8) falls right at a prompt's last token, once as the last
+    token of shard 0 (the responses on shard 1 fork from another rank) and once as the first
+    token of shard 1 (the rest of the prompt on shard 0); then random groups (1 to 5 responses,
+    random prompt and response lengths, so the boundaries cut prompts and responses anywhere),
+    one of them split across two micro-batches."""
+    rng = random.Random(seed)
+
+    def ids(n):
+        return [rng.randrange(1, 256) for _ in range(n)]
+
+    def group(prompt_len, response_lens):
+        prompt = ids(prompt_len)
+        return [Sample(prompt, ids(r)) for r in response_lens]
+
+    edges = [group(8, [3, 3, 2]), group(9, [2, 2, 2, 1])]
+    out = list(edges)
+    for _ in range(2):
+        groups = [group(rng.randint(3, 24), [rng.randint(1, 10) for _ in range(rng.randint(1, 5))]) for _ in range(3)]
+        groups.insert(1, group(rng.randint(3, 24), [rng.randint(1, 10) for _ in range(4)]))
+        flat = [s for g in groups for s in g]
+        cut = len(groups[0]) + 2  # inside the four-response group
+        out += [flat[:cut], flat[cut:]]
+    return out
+
+
+MICRO_BATCHES = {"parallel": parallel_micro_batches, "cp": cp_micro_batches}
+
+
 def micro_batch_weights(micro_batches) -> List[List[torch.Tensor]]:
     return [loss_weights(mb, seed=i) for i, mb in enumerate(micro_batches)]
 
@@ -49,12 +81,21 @@ def torchrun(nproc: int, argv, timeout: int = 300) -> subprocess.CompletedProces
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def single_rank_unshared(loaded) -> dict:
+def leave_worker() -> None:
+    """End a torchrun worker whose results are saved: tear the process group down and leave at once
+    (a normal interpreter shutdown of this stack takes ~10 s per run on 2 cores)."""
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def single_rank_unshared(loaded, cases: str = "parallel") -> dict:
     """Single rank, TP=PP=1, every sample its own sequence: log-probs and HF-named gradients."""
     from ps_bridge.parallel import hf_named_gradients
     from ps_bridge.schedule import logprob_pass
 
-    micro_batches = parallel_micro_batches()
+    micro_batches = MICRO_BATCHES[cases]()
     loaded.model.zero_grad(set_to_none=True)
     logprobs = logprob_pass(loaded, micro_batches, share=False, loss_weights=micro_batch_weights(micro_batches))
     grads = hf_named_gradients(loaded.bridge, loaded.model)
@@ -123,11 +164,32 @@ def check_rank_logs(stderr: str, tp: int, pp: int, num_layers: int = NUM_LAYERS,
     assert "[PS][prepare] PATH 5: no sharing detected" in stderr  # the padding example is alone
 
 
-def run_and_compare(name: str, nproc: int, flags, tp: int, pp: int, hf_path: str, ref: dict, tmp_path, **log_checks) -> None:
+def check_cp_rank_logs(stderr: str, tp: int, cp: int, pp: int, num_micro_batches: int) -> None:
+    """Under CP every (TP rank, CP rank) of every pipeline stage logs each layout with its own
+    contiguous, equal shard of the pack, and enters the prefix-sharing path with its CP tag."""
+    shards = {}
+    pattern = (
+        r"\[PS\]\[prepare\]\[global_rank=\d+ tp_rank=(\d+)/tp_size=%d cp_rank=(\d+)/cp_size=%d\] "
+        r"cp_shard=\[(\d+), (\d+)\) of (\d+) packed_batch_layout:" % (tp, cp)
+    )
+    for m in re.finditer(pattern, stderr):
+        t, c, a, b, total = map(int, m.groups())
+        assert (a, b) == (c * total // cp, (c + 1) * total // cp), m.group(0)
+        shards.setdefault((t, c), []).append(total)
+    assert set(shards) == {(t, c) for t in range(tp) for c in range(cp)}, sorted(shards)
+    for lines in shards.values():  # forward+backward and forward-only, on each pipeline stage
+        assert len(lines) == 2 * num_micro_batches * pp, lines
+    for c in range(cp):
+        assert re.search(rf"\[PS\]\[(attention|gdn)\]\[global_rank=\d+ tp_rank=\d+/tp_size={tp} cp_rank={c}/cp_size={cp} layer=\d+\] enter prefix-sharing path", stderr)
+
+
+def run_and_compare(
+    name: str, nproc: int, flags, tp: int, pp: int, hf_path: str, ref: dict, tmp_path, cp: int = 1, cases: str = "parallel", **log_checks
+) -> None:
     """Launch the worker under torchrun and require the single-rank unshared log-probs (with and
     without backward) and HF-named gradients, and every rank's `[PS]` lines."""
     out = tmp_path / "result.pt"
-    proc = torchrun(nproc, [WORKER, "--hf-path", hf_path, "--out", str(out), *flags])
+    proc = torchrun(nproc, [WORKER, "--hf-path", hf_path, "--out", str(out), "--cases", cases, *flags])
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = torch.load(out)
 
@@ -138,6 +200,9 @@ def run_and_compare(name: str, nproc: int, flags, tp: int, pp: int, hf_path: str
     assert max_logprob_diff(got["forward_only"], ref["logprobs"]) <= 1e-5
     wrong = {hf_name: f"{rel:.2e}" for hf_name, rel in grad_diffs.items() if not rel <= 1e-5}
     assert not wrong, f"{name}: gradients differ (relative): {wrong}"
-    check_rank_logs(proc.stderr, tp, pp, **log_checks)
+    if cp > 1:
+        check_cp_rank_logs(proc.stderr, tp, cp, pp, len(MICRO_BATCHES[cases]()))
+    else:
+        check_rank_logs(proc.stderr, tp, pp, **log_checks)
     for rank in range(nproc):
         assert f"[parallel_worker] global_rank={rank} backend=gloo device=cpu" in proc.stderr

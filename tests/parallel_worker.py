@@ -1,6 +1,6 @@
 """One rank of a multi-process test run, launched by `torchrun` from tests/test_parallel.py.
 
-Loads the checkpoint with the given TP / PP / SP, runs the test micro-batches prefix-shared
+Loads the checkpoint with the given TP / PP / SP / CP, runs the test micro-batches prefix-shared
 forward+backward (and forward only) through megatron's schedule, and has global rank 0 save the
 log-probs and the full gradients under Hugging Face names. Every rank logs its `[PS]` lines.
 """
@@ -15,7 +15,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from parallel_cases import micro_batch_weights, parallel_micro_batches  # noqa: E402
+from parallel_cases import MICRO_BATCHES, leave_worker, micro_batch_weights  # noqa: E402
 
 
 def main() -> None:
@@ -25,6 +25,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--sp", action="store_true")
+    parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--cases", default="parallel", choices=sorted(MICRO_BATCHES))
     parser.add_argument("--skip-finish-gradients", action="store_true", help="negative control")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
@@ -41,11 +43,11 @@ def main() -> None:
         ps_bridge.schedule.finish_gradients = lambda model, config: None
 
     loaded = load_model(
-        args.hf_path, PrefixSharingConfig(enabled=True), tp=args.tp, pp=args.pp, sequence_parallel=args.sp
+        args.hf_path, PrefixSharingConfig(enabled=True), tp=args.tp, pp=args.pp, sequence_parallel=args.sp, cp=args.cp
     )
     rank = torch.distributed.get_rank()
     print(f"[parallel_worker] global_rank={rank} backend={torch.distributed.get_backend()} device={loaded.device}", file=sys.stderr)
-    micro_batches = parallel_micro_batches()
+    micro_batches = MICRO_BATCHES[args.cases]()
     loaded.model.zero_grad(set_to_none=True)
     shared = logprob_pass(loaded, micro_batches, share=True, loss_weights=micro_batch_weights(micro_batches))
     grads = hf_named_gradients(loaded.bridge, loaded.model)
@@ -53,12 +55,7 @@ def main() -> None:
         forward_only = logprob_pass(loaded, micro_batches, share=True)
     if is_output_rank():
         torch.save(dict(logprobs=shared, forward_only=forward_only, grads=grads), args.out)
-    torch.distributed.destroy_process_group()
-    # a normal interpreter shutdown of this stack takes ~10 s per run on 2 cores; the results are
-    # saved, so leave at once
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_worker()
 
 
 if __name__ == "__main__":

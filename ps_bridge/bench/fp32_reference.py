@@ -23,15 +23,14 @@ class Fp32Reference:
 
     def response_logprobs(self, unshared_layouts) -> torch.Tensor:
         """Response-token log-probs over the unshared micro-batches, in sample order."""
-        from ps_bridge.rows import PackedRows
-        from ps_bridge.runtime import forward_logits, tf32_disabled
+        from ps_bridge.runtime import row_logprobs, tf32_disabled
 
         out = []
         with tf32_disabled(), torch.no_grad():
             for layout in unshared_layouts:
                 layout = layout.to(self.loaded.device)
                 mask = response_row_mask(layout).to(self.loaded.device)
-                out.append(PackedRows.of(layout).logprobs(forward_logits(self.loaded, layout), chunk_rows=self.chunk)[mask])
+                out.append(row_logprobs(self.loaded, layout, chunk_rows=self.chunk)[mask])
         return torch.cat(out).double().cpu()
 
 

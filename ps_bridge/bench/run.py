@@ -64,6 +64,19 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes and grid, few repeats; runs on a CPU (for CI)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context-parallel size: run under 'torchrun --nproc-per-node N' with N = --cp "
+                             "(global rank 0 reports); every micro-batch is split into N contiguous shards")
+    parser.add_argument("--shared-only", action="store_true",
+                        help="time the prefix-shared packing alone (no unshared baseline): how long a P fits")
+    parser.add_argument("--max-tokens-per-gpu", type=int, default=None,
+                        help="report a micro-batch with more packed tokens per GPU as out of memory without running "
+                             "it (under NCCL a rank out of memory in a collective hangs its peer; every rank "
+                             "decides alike); the unshared batch is then split further")
+    parser.add_argument("--stop-on-failure", action="store_true",
+                        help="stop after the first row that fails (a grid of growing P: the next ones fail too)")
+    parser.add_argument("--collective-timeout", type=float, default=None, metavar="SECONDS",
+                        help="under --cp: abort a collective that waits longer (a peer ran out of memory)")
     parser.add_argument("--fp32-reference", action="store_true",
                         help="also compare both bf16 runs with a float32 reference on the same weights (unshared "
                              "packing, torch_ref kernels, TF32 off): relative error of the response log-probs")
@@ -73,12 +86,17 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, reference=None) -> List[RowResult]:
+    from ps_bridge.forward import cp_total_multiple
     from ps_bridge.layout import build_layout
 
     samples = make_samples(P, R, n, args.groups, loaded.vocab_size, args.seed)
-    shared_layout = build_layout(samples, share=True, vocab_size=loaded.vocab_size)
-    common = dict(warmup=args.warmup, repeats=args.repeats, chunk=args.logprob_chunk, progress=progress)
-    base, base_rows, layouts = run_unshared(loaded, samples, backends[0], **common)
+    shared_layout = build_layout(samples, share=True, vocab_size=loaded.vocab_size, total_multiple=cp_total_multiple())
+    common = dict(warmup=args.warmup, repeats=args.repeats, chunk=args.logprob_chunk, progress=progress,
+                  max_tokens=args.max_tokens_per_gpu)
+    if args.shared_only:
+        base, base_rows, layouts = None, None, []
+    else:
+        base, base_rows, layouts = run_unshared(loaded, samples, backends[0], **common)
     if base is None:  # not even split: time the shared packing alone
         base = ModeResult(shared_layout.tokens_unshared, math.nan, math.nan, None, None, micro_batches=0)
     reference_rows = None
@@ -106,7 +124,7 @@ def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, refer
                 unshared_tokens_per_s=useful / (base.actor_ms / 1e3),
                 shared_tokens_per_s=useful / (shared.actor_ms / 1e3),
                 max_logprob_diff=float((rows - base_rows).abs().max()) if base_rows is not None else math.nan,
-                unshared_out_of_memory=base_rows is None,
+                unshared_out_of_memory=base_rows is None and not args.shared_only,
                 **fp32,
             )
         )
@@ -145,6 +163,18 @@ def run_bench(args: argparse.Namespace) -> int:
         return _error("--layers must be >= 1")
     if args.groups < 1 or args.repeats < 1 or args.warmup < 0:
         return _error("--groups and --repeats must be >= 1, --warmup >= 0")
+    if args.cp > 1 and not cuda and not args.smoke:
+        return _error("--cp needs GPUs (or --smoke on a CPU)")
+    from ps_bridge.parallel import ParallelSettings, init_parallel, is_output_rank
+
+    try:
+        ParallelSettings(cp=args.cp).check()  # torchrun's world must be --cp processes (or a multiple)
+    except ValueError as e:
+        return _error(str(e))
+    if args.cp > 1:
+        # before any model: the process groups, with the collective timeout
+        init_parallel(cp=args.cp, timeout_s=args.collective_timeout)
+    report = is_output_rank()
     warmup, repeats = (min(args.warmup, 1), min(args.repeats, 2)) if args.smoke else (args.warmup, args.repeats)
     args.warmup, args.repeats = warmup, repeats
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -153,14 +183,16 @@ def run_bench(args: argparse.Namespace) -> int:
 
     device = default_device()
     env = environment(device)
-    print(f"ps-bridge bench on {env['device']} (torch {env['torch']}, triton {env['triton']}, "
+    out = print if report else (lambda *a, **k: None)
+    out(f"ps-bridge bench on {env['device']} (torch {env['torch']}, triton {env['triton']}, "
           f"megatron-core {env['megatron_core']}, megatron-bridge {env['megatron_bridge']}), {str(dtype)[6:]}, "
-          f"warm-up {warmup}, median of {repeats}", flush=True)
+          f"warm-up {warmup}, median of {repeats}" + (f", context parallel {args.cp} GPUs" if args.cp > 1 else ""),
+        flush=True)
 
     steps_per_row = 1 + len(args.backends)
     total = len(models) * len(grid) * steps_per_row * (warmup + repeats)
     progress_bar = None
-    if not args.no_progress:
+    if not args.no_progress and report:
         from tqdm import tqdm
 
         progress_bar = tqdm(total=total, desc="bench", unit="step", file=sys.stderr, dynamic_ncols=True)
@@ -171,10 +203,10 @@ def run_bench(args: argparse.Namespace) -> int:
 
     results: List[RowResult] = []
     model_info = []
-    say = progress_bar.write if progress_bar else lambda text: print(text, flush=True)
+    say = progress_bar.write if progress_bar else lambda text: out(text, flush=True)
 
     def write_json():  # after every row, so a run cut short still leaves its finished rows
-        if args.json is None or args.json == "-":
+        if args.json is None or args.json == "-" or not report:
             return
         with open(args.json, "w") as f:
             f.write(json.dumps(payload(env, dtype, warmup, repeats, args.groups, model_info, results), indent=2) + "\n")
@@ -184,7 +216,7 @@ def run_bench(args: argparse.Namespace) -> int:
         layers = args.layers or shape.bench_layers
         hf_config = FAMILIES[shape.family](shape.dims, layers)
         config = PrefixSharingConfig(enabled=True, backend=args.backends[0], pad_multiple=1)
-        loaded = load_model_from_hf_config(hf_config, config, dtype=dtype)
+        loaded = load_model_from_hf_config(hf_config, config, dtype=dtype, cp=args.cp)
         reference = Fp32Reference(hf_config, loaded, args.logprob_chunk) if args.fp32_reference else None
         head_dim = int(loaded.provider.kv_channels)  # Qwen3.5 sets head_dim apart from hidden/heads
         info = (f"{name}: {layers} of {shape.full_layers} layers, hidden {shape.dims['hidden_size']}, "
@@ -203,12 +235,17 @@ def run_bench(args: argparse.Namespace) -> int:
             results += row
             say(format_table(row).splitlines()[-1] if len(row) == 1 else "\n".join(format_table(row).splitlines()[2:]))
             write_json()
+            if args.stop_on_failure and any(r.error for r in row):
+                say(f"stopping after the failed row ({P}, {R}, {n}) (--stop-on-failure)")
+                break
         del loaded, reference
         if cuda:
             torch.cuda.empty_cache()
     if progress_bar is not None:
         progress_bar.close()
 
+    if not report:
+        return 1 if any(r.error for r in results) else 0
     print()
     for info in model_info:
         print(info)

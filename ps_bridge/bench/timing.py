@@ -57,23 +57,39 @@ def _peak_mib(device: torch.device, fn) -> Optional[float]:
 
 def run_actor_step(loaded, layouts, masks, count: float, chunk: int) -> None:
     """What the bench times as the actor step: for each micro-batch, forward, per-sample log-probs
-    and the backward of a masked mean log-prob loss over the `count` response tokens of all of them."""
-    from ps_bridge.rows import PackedRows
-    from ps_bridge.runtime import forward_logits
+    and the backward of a masked mean log-prob loss over the `count` response tokens of all of them.
+    Under context parallelism each rank runs its shard and the step ends with the gradients'
+    reduction over the CP group (a trainer's DDP does it once per step), as megatron scales it."""
+    from ps_bridge.parallel import finish_gradients
+    from ps_bridge.runtime import row_logprobs
 
     for layout, mask in zip(layouts, masks):
-        rows = PackedRows.of(layout).logprobs(forward_logits(loaded, layout), chunk_rows=chunk)
-        (-(rows * mask).sum() / count).backward()
+        rows = row_logprobs(loaded, layout, chunk_rows=chunk)  # gradient to this CP rank's own rows
+        (-(rows * mask).sum() / count * loaded.cp).backward()
+    if loaded.cp > 1:
+        finish_gradients(loaded.model, loaded.provider)
 
 
-def run_mode(loaded, layouts, backend: str, warmup: int, repeats: int, chunk: int, progress) -> Tuple[ModeResult, torch.Tensor]:
+def run_mode(
+    loaded, layouts, backend: str, warmup: int, repeats: int, chunk: int, progress, max_tokens: Optional[int] = None
+) -> Tuple[ModeResult, torch.Tensor]:
     """Time one packing of the micro-batch; returns its timings and its response log-probs.
 
     `layouts` is one layout, or several that split the samples in order: then one actor step runs
     them as consecutive micro-batches with gradient accumulation (how a trainer runs a batch that does
-    not fit at once), and the log-prob pass runs each of them."""
-    from ps_bridge.rows import PackedRows
-    from ps_bridge.runtime import forward_logits
+    not fit at once), and the log-prob pass runs each of them.
+
+    `max_tokens`: a micro-batch with more packed tokens per GPU (its CP shard) is not run but
+    reported as out of memory. Every rank decides alike from the layout, so no rank enters a
+    collective its peer never reaches (under NCCL a rank that runs out of memory in the middle of a
+    collective hangs its peers)."""
+    for layout in [layouts] if not isinstance(layouts, (list, tuple)) else layouts:
+        local = layout.num_tokens // loaded.cp
+        if max_tokens is not None and local > max_tokens:
+            raise torch.cuda.OutOfMemoryError(
+                f"skipped: {local} packed tokens per GPU > --max-tokens-per-gpu {max_tokens}"
+            )
+    from ps_bridge.runtime import row_logprobs
 
     device = loaded.device
     loaded.config.backend = backend
@@ -87,8 +103,7 @@ def run_mode(loaded, layouts, backend: str, warmup: int, repeats: int, chunk: in
 
     def logprob_pass():
         with torch.no_grad():
-            holder["rows"] = [PackedRows.of(layout).logprobs(forward_logits(loaded, layout), chunk_rows=chunk)
-                              for layout in layouts]
+            holder["rows"] = [row_logprobs(loaded, layout, chunk_rows=chunk) for layout in layouts]
 
     def actor_step():
         run_actor_step(loaded, layouts, masks, count, chunk)
@@ -140,13 +155,15 @@ def run_unshared(loaded, samples: list, backend: str, **timing) -> Tuple[Optiona
     """Time the unshared packing of `samples`, split into more and more micro-batches (`UNSHARED_SPLITS`)
     while one does not fit in GPU memory. Returns its timings and response log-probs, both None when
     it does not fit even split, and the layouts of the last attempt."""
+    from ps_bridge.forward import cp_total_multiple
     from ps_bridge.layout import build_layout
 
     layouts: list = []
     for parts in (k for k in UNSHARED_SPLITS if k <= len(samples)):
         # At a 248k vocabulary, 16 x 4352 tokens of bf16 logits alone are 32 GiB: an unshared batch
         # that does not fit runs as `parts` micro-batches with gradient accumulation, as a trainer would.
-        layouts = [build_layout(part, share=False, vocab_size=loaded.vocab_size) for part in split_in_order(samples, parts)]
+        layouts = [build_layout(part, share=False, vocab_size=loaded.vocab_size, total_multiple=cp_total_multiple())
+                   for part in split_in_order(samples, parts)]
         try:
             result, rows = run_mode(loaded, layouts, backend, **timing)
             return result, rows, layouts

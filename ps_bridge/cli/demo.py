@@ -36,7 +36,7 @@ def add_demo_arguments(parser) -> None:
 
 def demo_result(
     model: str = "qwen2.5", prompts: int = 3, n: int = 8, backend: str = "torch_ref", seed: int = 0,
-    tp: int = 1, pp: int = 1, sp: bool = False,
+    tp: int = 1, pp: int = 1, sp: bool = False, cp: int = 1,
 ) -> dict:
     """Under torchrun every rank runs this (each builds the same seeded checkpoint); only global
     rank 0 compares against Hugging Face, so only its result has the `*_vs_hf` entries."""
@@ -48,12 +48,12 @@ def demo_result(
 
     with tempfile.TemporaryDirectory(prefix="ps-bridge-demo-") as path:
         hf_model = TINY_BUILDERS[model](path, seed=seed)
-        loaded = load_model(path, PrefixSharingConfig(enabled=True, backend=backend), tp=tp, pp=pp, sequence_parallel=sp)
+        loaded = load_model(path, PrefixSharingConfig(enabled=True, backend=backend), tp=tp, pp=pp, sequence_parallel=sp, cp=cp)
         vocab = hf_model.config.get_text_config().vocab_size
         samples = grpo_like_samples(vocab, num_prompts=prompts, n=n, prompt_len=(24, 64), response_len=(2, 16), seed=seed)
         result = compare(loaded, samples, hf_model if is_output_rank() else None)
     result.update(model=model, provider=loaded.provider_name, backend=backend, groups=prompts, n=n, dtype="float32")
-    result.update(tp=tp, pp=pp, sp=sp)
+    result.update(tp=tp, pp=pp, sp=sp, cp=cp)
     return result
 
 
@@ -84,7 +84,7 @@ def run_demo(args) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     try:  # load_model refuses the tiny model's shapes that no split holds, before any process group
-        result = demo_result(args.model, args.prompts, args.n, args.backend, args.seed, parallel.tp, parallel.pp, parallel.sequence_parallel)
+        result = demo_result(args.model, args.prompts, args.n, args.backend, args.seed, parallel.tp, parallel.pp, parallel.sequence_parallel, parallel.cp)
     except ModelShapeError as e:
         raise UsageError(str(e)) from None
     if is_output_rank():

@@ -82,7 +82,7 @@ def run_logprobs(args) -> int:
 
     loaded = load_model(
         args.hf_path, config, dtype=DTYPES[args.dtype], tp=parallel.tp, pp=parallel.pp,
-        sequence_parallel=parallel.sequence_parallel,
+        sequence_parallel=parallel.sequence_parallel, cp=parallel.cp,
     )
     try:
         with torch.no_grad():
