@@ -5,7 +5,7 @@ PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || ls $$HOME/.pyenv/versi
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ps-bridge-installed
 
-.PHONY: venv demo test clean-venv
+.PHONY: venv demo test test-all clean-venv
 
 venv: $(STAMP)
 
@@ -23,7 +23,11 @@ $(STAMP): requirements.txt requirements-nodeps.txt requirements-dev.txt requirem
 demo: venv
 	$(VENV)/bin/ps-bridge demo
 
+# the default suite (CI): tests marked `slow` (most multi-rank cases) are left to `make test-all`
 test: venv
+	$(PY) -m pytest -q -ra -m "not slow"
+
+test-all: venv
 	$(PY) -m pytest -q -ra
 
 clean-venv:
