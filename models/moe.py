@@ -13,7 +13,9 @@ The weights travel with the micro-batch in `packed_seq_params.moe_token_weights`
 `MoELayer` is not handed `packed_seq_params`, so `PrefixSharedMoETransformerLayer` (megatron's
 `TransformerLayer`, whose MLP step receives it) gives them to its router for the MLP call. Covered: "aux_loss" and
 "global_aux_loss" (Qwen3.5's). Not covered, refused when active with prefix sharing:
-"seq_aux_loss" (per-sequence statistics), the z-loss and expert-bias token counts.
+"seq_aux_loss" (per-sequence statistics), the z-loss and the aux-loss-free expert-bias token counts
+(`moe_router_enable_expert_bias`: megatron counts each packed token once, so the bias update would
+differ from the unshared run's without any error).
 """
 
 from __future__ import annotations
@@ -96,6 +98,15 @@ class PrefixSharedTopKRouter(TopKRouter):
         if self.token_weights is not None and self.config.moe_z_loss_coeff and self.training:
             raise NotImplementedError("the MoE router z-loss is not weighted for prefix sharing; set moe_z_loss_coeff=None")
         return super().apply_z_loss(logits, padding_mask)
+
+
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        if self.token_weights is not None and self.enable_expert_bias and torch.is_grad_enabled():
+            raise NotImplementedError(
+                "the MoE expert-bias token counts (moe_router_enable_expert_bias=True) are not weighted for "
+                "prefix sharing; set moe_router_enable_expert_bias=False or run without prefix sharing"
+            )
+        return super()._apply_expert_bias(routing_map, padding_mask)
 
 
 class PrefixSharedMoETransformerLayer(TransformerLayer):
