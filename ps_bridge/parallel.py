@@ -295,7 +295,8 @@ def finish_gradients(model: torch.nn.Module, config) -> None:
     megatron's `finalize_model_grads` does this inside its DDP wrapper; verl training uses that.
     Our runs (CLI, demo, tests) call the model without DDP, so they finish gradients here:
     TP sum for SP norms and q/k norms, mean across TP for `average_gradients_across_tp_domain`
-    parameters, and the tied word-embedding sum between the first and last pipeline stage.
+    parameters, the tied word-embedding sum between the first and last pipeline stage, and for MoE
+    the routers' end of step (expert-bias update, token counts reset).
     """
     from megatron.core import parallel_state
 
@@ -315,6 +316,9 @@ def finish_gradients(model: torch.nn.Module, config) -> None:
             for param in model.parameters():
                 if getattr(param, "shared_embedding", False) and param.grad is not None:
                     dist.all_reduce(param.grad, group=embedding_group)
+    from ps_bridge.models.moe import finish_router_statistics  # MoE: the routers' part of finalize_model_grads
+
+    finish_router_statistics(model, config)
 
 
 def hf_named_gradients(bridge, model: torch.nn.Module) -> Dict[str, torch.Tensor]:
