@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, switch_load_balancing_loss_func
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -43,8 +44,13 @@ class PrefixSharedTopKRouter(TopKRouter):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.token_weights: Optional[torch.Tensor] = None
+        self.pad_rows = 0  # zero-weight rows PrefixSharedMoELayer appended for the EP allgather
 
     def _local_weights(self, num_local_tokens: int) -> torch.Tensor:
+        w = self._unpadded_weights(num_local_tokens - self.pad_rows)
+        return torch.cat([w, w.new_zeros(self.pad_rows)]) if self.pad_rows else w
+
+    def _unpadded_weights(self, num_local_tokens: int) -> torch.Tensor:
         w = self.token_weights
         if w.numel() == num_local_tokens:
             return w
@@ -166,6 +172,35 @@ def finish_router_statistics(model: torch.nn.Module, config) -> None:
         _update_router_expert_bias([model], config, tp_dp_cp_group=group)
     if getattr(config, "num_moe_experts", None):
         reset_model_temporary_tensors(config, [model])
+
+
+class PrefixSharedMoELayer(MoELayer):
+    """megatron's `MoELayer`; under expert parallelism with the `allgather` dispatcher (used where
+    CUDA is absent), whose all-gather needs the same token count on every TP x EP rank, it pads this
+    rank's tokens with zero rows (zero weight in every router statistic) to the largest count and
+    drops them from the output. Data-parallel ranks carry different micro-batches, so their packed
+    lengths differ."""
+
+    def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+        pad = self._allgather_pad(hidden_states.shape[0])
+        if not pad:
+            return super().forward(hidden_states, intermediate_tensors, padding_mask)
+        rows = hidden_states.shape[0]
+        padded = torch.cat([hidden_states, hidden_states.new_zeros(pad, *hidden_states.shape[1:])])
+        self.router.pad_rows = pad
+        try:
+            output, bias = super().forward(padded, intermediate_tensors, padding_mask)
+        finally:
+            self.router.pad_rows = 0
+        return output[:rows], bias
+
+    def _allgather_pad(self, rows: int) -> int:
+        if self.config.moe_token_dispatcher_type != "allgather" or self.config.expert_model_parallel_size == 1:
+            return 0
+        group = self.token_dispatcher.tp_ep_group
+        most = torch.tensor([rows], dtype=torch.int64)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+        return int(most) - rows
 
 
 class PrefixSharedMoETransformerLayer(TransformerLayer):

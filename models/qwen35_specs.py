@@ -35,19 +35,20 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from ps_bridge.models.attention import PrefixSharedCoreAttention
 from ps_bridge.models.experts import grouped_experts_spec
 from ps_bridge.models.gdn import PrefixSharedGatedDeltaNet
-from ps_bridge.models.moe import PrefixSharedMoETransformerLayer, PrefixSharedTopKRouter
+from ps_bridge.models.moe import PrefixSharedMoELayer, PrefixSharedMoETransformerLayer, PrefixSharedTopKRouter
 from ps_bridge.models.norms import ZeroCenteredRMSNorm
 
 
 def _with_moe_submodules(mlp, **changes):
-    """The MoE layer spec (a ModuleSpec, or a functools.partial of MoELayer) with `changes` to its
-    submodules (router, experts)."""
+    """Our MoE layer spec from megatron's (a ModuleSpec, or a functools.partial of MoELayer):
+    `PrefixSharedMoELayer` with `changes` to its submodules (router, experts)."""
     if isinstance(mlp, functools.partial):
         submodules = copy.copy(mlp.keywords["submodules"])
         for k, v in changes.items():
             setattr(submodules, k, v)
-        return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
+        return functools.partial(PrefixSharedMoELayer, *mlp.args, **{**mlp.keywords, "submodules": submodules})
     mlp = copy.copy(mlp)
+    mlp.module = PrefixSharedMoELayer
     mlp.submodules = copy.copy(mlp.submodules)
     for k, v in changes.items():
         setattr(mlp.submodules, k, v)

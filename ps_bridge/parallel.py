@@ -29,6 +29,7 @@ class ParallelSettings:
     sequence_parallel: bool = False
     vpp: Optional[int] = None
     dynamic_cp: bool = False
+    ep: int = 1  # expert-parallel size (MoE); its ranks are carved out of the data-parallel ranks
 
     @classmethod
     def from_config(cls, config) -> "ParallelSettings":
@@ -40,6 +41,7 @@ class ParallelSettings:
             sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
             vpp=getattr(config, "virtual_pipeline_model_parallel_size", None),
             dynamic_cp=bool(getattr(config, "dynamic_context_parallel", False)),
+            ep=getattr(config, "expert_model_parallel_size", 1) or 1,
         )
 
     def check_supported(self) -> None:
@@ -50,6 +52,7 @@ class ParallelSettings:
             ("tensor_model_parallel_size", self.tp),
             ("pipeline_model_parallel_size", self.pp),
             ("context_parallel_size", self.cp),
+            ("expert_model_parallel_size", self.ep),
         )
         for name, value in sizes:
             if value < 1:
@@ -82,6 +85,12 @@ class ParallelSettings:
             raise ValueError(
                 f"world size {world_size} is not divisible by tensor x pipeline x context parallel size "
                 f"{self.tp} x {self.pp} x {self.cp} = {model_parallel}"
+            )
+        if (world_size // self.pp) % (self.ep * self.tp):
+            raise ValueError(
+                f"world size {world_size} cannot hold expert_model_parallel_size={self.ep} (--ep): megatron needs "
+                f"world / pipeline size ({world_size // self.pp}) divisible by expert x tensor parallel size "
+                f"({self.ep} x {self.tp}); launch {self.ep * self.tp * self.pp} processes or a multiple"
             )
 
 
@@ -199,6 +208,7 @@ def configure_provider(provider, settings: ParallelSettings) -> None:
     provider.tensor_model_parallel_size = settings.tp
     provider.pipeline_model_parallel_size = settings.pp
     provider.sequence_parallel = settings.sequence_parallel
+    provider.expert_model_parallel_size = settings.ep
     if int(provider.vocab_size) % settings.tp:
         provider.should_pad_vocab = True
     first, last = pipeline_stage_layers(int(provider.num_layers), settings.pp)
@@ -236,7 +246,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234) -> None:
+def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234, ep: int = 1) -> None:
     """torch.distributed (gloo on CPU, NCCL on GPU; world size 1 when not launched by torchrun) and
     megatron's model-parallel groups, seeded; idempotent."""
     from ps_bridge.compat import cuda_on_cpu
@@ -254,7 +264,8 @@ def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234) -> No
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+            expert_model_parallel_size=ep,
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -374,7 +385,8 @@ def add_parallel_arguments(parser) -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (physical stages)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE; out of the data-parallel ranks)")
 
 
 def settings_from_args(args) -> ParallelSettings:
-    return ParallelSettings(tp=args.tp, pp=args.pp, cp=args.cp, sequence_parallel=args.sp)
+    return ParallelSettings(tp=args.tp, pp=args.pp, cp=args.cp, sequence_parallel=args.sp, ep=args.ep)

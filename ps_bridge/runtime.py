@@ -69,6 +69,7 @@ def load_model(
     tp: int = 1,
     pp: int = 1,
     sequence_parallel: bool = False,
+    ep: int = 1,
 ) -> LoadedModel:
     """Convert `hf_path` through our provider and load this rank's shard of its weights.
 
@@ -76,11 +77,11 @@ def load_model(
     this rank's TP shard and PP stage and Megatron-Bridge loads the matching slices.
     """
     config = config or PrefixSharingConfig()
-    entry = _prepare_bridge(config, read_hf_config(hf_path), tp, pp, sequence_parallel)
+    entry = _prepare_bridge(config, read_hf_config(hf_path), tp, pp, sequence_parallel, ep=ep)
     from megatron.bridge import AutoBridge
 
     bridge = AutoBridge.from_hf_pretrained(hf_path, torch_dtype=dtype)
-    return _provide_model(bridge, entry.name, config, dtype, tp, pp, sequence_parallel, load_weights=True)
+    return _provide_model(bridge, entry.name, config, dtype, tp, pp, sequence_parallel, load_weights=True, ep=ep)
 
 
 def load_model_from_hf_config(
@@ -101,7 +102,7 @@ def load_model_from_hf_config(
     return _provide_model(bridge, entry.name, config, dtype, tp, pp, sequence_parallel, load_weights=False)
 
 
-def _prepare_bridge(config: PrefixSharingConfig, hf_config: dict, tp: int, pp: int, sequence_parallel: bool):
+def _prepare_bridge(config: PrefixSharingConfig, hf_config: dict, tp: int, pp: int, sequence_parallel: bool, ep: int = 1):
     """Check the parallel settings (against the checkpoint's config.json dict too), pick our
     provider for its architectures, import Megatron-Bridge with our bridges registered, and set up
     the parallel groups; returns the provider entry."""
@@ -110,20 +111,20 @@ def _prepare_bridge(config: PrefixSharingConfig, hf_config: dict, tp: int, pp: i
     from ps_bridge.providers.registry import register_all, resolve_provider
 
     # before any process group: every rank refuses alike
-    ParallelSettings(tp=tp, pp=pp, sequence_parallel=sequence_parallel).check(hf_config=hf_config)
+    ParallelSettings(tp=tp, pp=pp, sequence_parallel=sequence_parallel, ep=ep).check(hf_config=hf_config)
     entry = resolve_provider(config.provider, list(hf_config.get("architectures") or []))
     import_megatron_bridge()
     register_all(config)
-    init_parallel(tp=tp, pp=pp)
+    init_parallel(tp=tp, pp=pp, ep=ep)
     return entry
 
 
-def _provide_model(bridge, provider_name, config, dtype, tp, pp, sequence_parallel, load_weights) -> LoadedModel:
+def _provide_model(bridge, provider_name, config, dtype, tp, pp, sequence_parallel, load_weights, ep=1) -> LoadedModel:
     from ps_bridge.parallel import ParallelSettings, configure_provider, padded_vocab_size
 
     provider = bridge.to_megatron_provider(load_weights=load_weights)
     # TP / PP / SP, plus the vocabulary padding and uneven pipeline stages the shapes may need
-    configure_provider(provider, ParallelSettings(tp=tp, pp=pp, sequence_parallel=sequence_parallel))
+    configure_provider(provider, ParallelSettings(tp=tp, pp=pp, sequence_parallel=sequence_parallel, ep=ep))
     provider.pipeline_dtype = dtype
     provider.params_dtype = dtype
     provider.bf16 = dtype == torch.bfloat16
