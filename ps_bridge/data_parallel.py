@@ -75,3 +75,37 @@ def gather_rows(indices: Sequence[int], rows: Sequence[torch.Tensor], num_sample
         for i, r in zip(idx, rs):
             out[i] = r
     return out
+
+
+def reduce_data_parallel_gradients(model: torch.nn.Module) -> None:
+    """Sum every gradient over the ranks that hold the same parameter and ran other groups: the
+    data-parallel group, for expert weights (`allreduce=False`) the expert data-parallel group.
+    The gradient of the whole batch's summed loss (megatron's DDP averages instead; this run's loss
+    is a plain sum over samples, so the sum is the single-rank gradient)."""
+    from megatron.core import parallel_state
+
+    dp = parallel_state.get_data_parallel_group()
+    edp = parallel_state.get_expert_data_parallel_group()
+    for param in model.parameters():
+        if param.grad is None:
+            continue
+        group = dp if getattr(param, "allreduce", True) else edp
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(param.grad, group=group)
+
+
+def dp_logprob_pass(loaded, micro_batches, share=None, loss_weights=None):
+    """`schedule.logprob_pass` with each micro-batch's whole groups split across the data-parallel
+    ranks (every rank runs every micro-batch, each its share), the gradients summed over them, and
+    every sample's rows in input order on data-parallel rank 0 (None elsewhere)."""
+    from ps_bridge.schedule import logprob_pass
+
+    parts = [dp_share(mb) for mb in micro_batches]
+    weights = None
+    if loss_weights is not None:
+        weights = [[loss_weights[k][i] for i in idx] for k, (idx, _) in enumerate(parts)]
+    rows = logprob_pass(loaded, [mine for _, mine in parts], share=share, loss_weights=weights)
+    if loss_weights is not None:
+        reduce_data_parallel_gradients(loaded.model)
+    gathered = [gather_rows(idx, r, len(mb)) for (idx, _), r, mb in zip(parts, rows, micro_batches)]
+    return None if gathered[0] is None else gathered

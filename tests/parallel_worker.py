@@ -15,7 +15,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from parallel_cases import micro_batch_weights, parallel_micro_batches  # noqa: E402
+from parallel_cases import ep_micro_batches, micro_batch_weights, parallel_micro_batches  # noqa: E402
 
 
 def main() -> None:
@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--sp", action="store_true")
+    parser.add_argument("--ep", type=int, default=1, help="expert parallelism: groups split across the DP ranks")
     parser.add_argument("--skip-finish-gradients", action="store_true", help="negative control")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
@@ -41,17 +42,19 @@ def main() -> None:
         ps_bridge.schedule.finish_gradients = lambda model, config: None
 
     loaded = load_model(
-        args.hf_path, PrefixSharingConfig(enabled=True), tp=args.tp, pp=args.pp, sequence_parallel=args.sp
+        args.hf_path, PrefixSharingConfig(enabled=True), tp=args.tp, pp=args.pp, sequence_parallel=args.sp, ep=args.ep
     )
+    if args.ep > 1:  # data-parallel ranks: each runs its whole groups, rows and gradient sums gathered
+        from ps_bridge.data_parallel import dp_logprob_pass as logprob_pass  # noqa: F811
     rank = torch.distributed.get_rank()
     print(f"[parallel_worker] global_rank={rank} backend={torch.distributed.get_backend()} device={loaded.device}", file=sys.stderr)
-    micro_batches = parallel_micro_batches()
+    micro_batches = ep_micro_batches() if args.ep > 1 else parallel_micro_batches()
     loaded.model.zero_grad(set_to_none=True)
     shared = logprob_pass(loaded, micro_batches, share=True, loss_weights=micro_batch_weights(micro_batches))
     grads = hf_named_gradients(loaded.bridge, loaded.model)
     with torch.no_grad():
         forward_only = logprob_pass(loaded, micro_batches, share=True)
-    if is_output_rank():
+    if is_output_rank():  # (under --ep, data-parallel rank 0 of global rank 0 holds every row)
         torch.save(dict(logprobs=shared, forward_only=forward_only, grads=grads), args.out)
     torch.distributed.destroy_process_group()
     # a normal interpreter shutdown of this stack takes ~10 s per run on 2 cores; the results are

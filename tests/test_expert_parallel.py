@@ -67,3 +67,37 @@ def test_cli_ep2_equals_hf(moe_checkpoint, tmp_path, share):
     assert len(rows) == len(samples)
     worst = max((torch.tensor(r["logprobs"]) - ref.float()).abs().max().item() for r, ref in zip(rows, reference))
     assert worst <= 2e-5, worst
+
+
+EP_CASES = {"ep2": (2, ["--ep", "2"]), "ep2_tp2_sp": (4, ["--ep", "2", "--tp", "2", "--sp"])}
+
+
+@pytest.mark.parametrize("case", [pytest.param("ep2", marks=pytest.mark.slow), pytest.param("ep2_tp2_sp", marks=pytest.mark.slow)])
+def test_ep_logprobs_and_gradients_equal_single_rank_unshared(moe_checkpoint, tmp_path, case):
+    """Log-probs and every HF-named gradient (aux loss included: the model trains) of the
+    prefix-shared EP run, groups split across the data-parallel ranks and gradients summed over
+    them (`data_parallel.reduce_data_parallel_gradients`: the loss is a plain sum over samples),
+    equal the single-rank unshared run on the whole batch."""
+    from parallel_cases import WORKER, ep_micro_batches, max_logprob_diff, micro_batch_weights, relative_grad_diffs
+
+    from ps_bridge.config import PrefixSharingConfig
+    from ps_bridge.parallel import hf_named_gradients
+    from ps_bridge.runtime import load_model
+    from ps_bridge.schedule import logprob_pass
+
+    path, _, _ = moe_checkpoint
+    loaded = load_model(path, PrefixSharingConfig(enabled=True))
+    micro_batches = ep_micro_batches()
+    loaded.model.zero_grad(set_to_none=True)
+    ref_logprobs = logprob_pass(loaded, micro_batches, share=False, loss_weights=micro_batch_weights(micro_batches))
+    ref_grads = hf_named_gradients(loaded.bridge, loaded.model)
+    nproc, flags = EP_CASES[case]
+    out = tmp_path / "result.pt"
+    proc = torchrun(nproc, [WORKER, "--hf-path", path, "--out", str(out), *flags], timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = torch.load(out)
+    assert max_logprob_diff(got["logprobs"], ref_logprobs) <= 1e-5
+    assert max_logprob_diff(got["forward_only"], ref_logprobs) <= 1e-5
+    diffs = relative_grad_diffs(got["grads"], ref_grads)
+    wrong = {n: f"{d:.2e}" for n, d in diffs.items() if not d <= 1e-5}
+    assert not wrong, wrong
