@@ -9,11 +9,22 @@ padding. The shared run then gives the unshared run's aux loss value and gradien
 itself (weights 1/0) gives megatron's own value whenever the pack has no padding (megatron counts
 padding tokens, we do not: their routing is meaningless).
 
+The same weights make the router's other token statistics equal the unshared run's:
+- the z-loss (`moe_z_loss_coeff`): the weighted mean of `logsumexp(logits)^2` over the tokens of the
+  whole micro-batch (the weight total summed over the TP/CP ranks, each rank's share summed in
+  backward), so value and gradients equal the unshared run's;
+- the aux-loss-free expert-bias token counts (`moe_router_enable_expert_bias`): each routed token
+  counts with its weight, so the per-expert counts, and the bias update megatron's
+  `finalize_model_grads` makes from them (`finish_router_statistics` for runs without megatron's DDP),
+  equal the unshared run's.
+
 The weights travel with the micro-batch in `packed_seq_params.moe_token_weights`; megatron's
 `MoELayer` is not handed `packed_seq_params`, so `PrefixSharedMoETransformerLayer` (megatron's
 `TransformerLayer`, whose MLP step receives it) gives them to its router for the MLP call. Covered: "aux_loss" and
-"global_aux_loss" (Qwen3.5's). Not covered, refused when active with prefix sharing:
-"seq_aux_loss" (per-sequence statistics), the z-loss and expert-bias token counts.
+"global_aux_loss" (Qwen3.5's), the z-loss, the expert-bias counts. Refused when active with prefix
+sharing: "seq_aux_loss" (per-sequence statistics; a shared prompt belongs to n sequences).
+Token dropping (`moe_expert_capacity_factor`) is refused by the provider: which tokens an expert
+drops depends on the order and number of packed tokens, so it cannot equal the unshared run.
 """
 
 from __future__ import annotations
@@ -23,7 +34,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
-from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, switch_load_balancing_loss_func
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -32,8 +44,13 @@ class PrefixSharedTopKRouter(TopKRouter):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.token_weights: Optional[torch.Tensor] = None
+        self.pad_rows = 0  # zero-weight rows PrefixSharedMoELayer appended for the EP allgather
 
     def _local_weights(self, num_local_tokens: int) -> torch.Tensor:
+        w = self._unpadded_weights(num_local_tokens - self.pad_rows)
+        return torch.cat([w, w.new_zeros(self.pad_rows)]) if self.pad_rows else w
+
+    def _unpadded_weights(self, num_local_tokens: int) -> torch.Tensor:
         w = self.token_weights
         if w.numel() == num_local_tokens:
             return w
@@ -93,10 +110,98 @@ class PrefixSharedTopKRouter(TopKRouter):
             )
         return super()._apply_seq_aux_loss(probs, scores_for_aux_loss, routing_map, seq_length, bsz, with_padding_mask)
 
+    def _weight_total(self, w: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's total token weight (the unshared token count), over the TP/CP ranks."""
+        total = w.sum().detach().clone()
+        if dist.is_initialized() and dist.get_world_size(self.tp_cp_group) > 1:
+            dist.all_reduce(total, group=self.tp_cp_group)
+        return total
+
     def apply_z_loss(self, logits, padding_mask=None):
-        if self.token_weights is not None and self.config.moe_z_loss_coeff and self.training:
-            raise NotImplementedError("the MoE router z-loss is not weighted for prefix sharing; set moe_z_loss_coeff=None")
-        return super().apply_z_loss(logits, padding_mask)
+        coeff = self.config.moe_z_loss_coeff
+        if self.token_weights is None or coeff is None or not self.training or not torch.is_grad_enabled():
+            return super().apply_z_loss(logits, padding_mask)
+        w = self._local_weights(logits.shape[0])
+        total = self._weight_total(w)
+        # this rank's share of coeff * sum_t w_t lse_t^2 / sum_t w_t; the TP/CP ranks' shares add up
+        # in backward (megatron instead averages per-rank means, equal only for equal token counts)
+        z_loss = coeff * (torch.logsumexp(logits, dim=-1).square() * w).sum() / total
+        if self.calculate_per_token_loss:  # megatron's scaling with the unshared token count
+            logits = MoEAuxLossAutoScaler.apply(logits, z_loss * total)
+        else:
+            logits = MoEAuxLossAutoScaler.apply(logits, z_loss)
+        from megatron.core.transformer.moe.moe_utils import get_moe_metrics_tracker
+
+        size = dist.get_world_size(self.tp_cp_group) if dist.is_initialized() else 1
+        # the tracker averages over TP x DP x CP: a rank's share times the TP/CP size averages to the total
+        get_moe_metrics_tracker().record(
+            "z_loss", z_loss.detach() * size / coeff, self.layer_number, self.config.num_layers,
+            avg_group=self.tp_dp_cp_group,
+        )
+        return logits
+
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        if self.token_weights is None or not (self.enable_expert_bias and torch.is_grad_enabled()):
+            return super()._apply_expert_bias(routing_map, padding_mask)
+        with torch.no_grad():  # each routed token counts with its weight (a prompt token n times)
+            w = self._local_weights(routing_map.shape[0])
+            self.local_tokens_per_expert += (routing_map.to(torch.float32) * w[:, None]).sum(0)
+
+
+def check_moe_settings(config) -> None:
+    """Refuse, by name, the MoE settings whose result prefix sharing cannot keep equal to the unshared run."""
+    if getattr(config, "num_moe_experts", None) and getattr(config, "moe_expert_capacity_factor", None) is not None:
+        raise ValueError(
+            "MoE token dropping (moe_expert_capacity_factor="
+            f"{config.moe_expert_capacity_factor}) is not supported with prefix sharing: an expert's capacity "
+            "and which tokens it drops depend on the packed token count and order; set moe_expert_capacity_factor=None"
+        )
+
+
+def finish_router_statistics(model: torch.nn.Module, config) -> None:
+    """What megatron's `finalize_model_grads` does for the routers at the end of a step, for runs
+    without megatron's DDP wrapper: the expert-bias update from the step's token counts (summed over
+    TP x DP x CP), then the counts and the global aux-loss trackers reset."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed.finalize_model_grads import (
+        _update_router_expert_bias,
+        reset_model_temporary_tensors,
+    )
+
+    if getattr(config, "moe_router_enable_expert_bias", False):
+        group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        _update_router_expert_bias([model], config, tp_dp_cp_group=group)
+    if getattr(config, "num_moe_experts", None):
+        reset_model_temporary_tensors(config, [model])
+
+
+class PrefixSharedMoELayer(MoELayer):
+    """megatron's `MoELayer`; under expert parallelism with the `allgather` dispatcher (used where
+    CUDA is absent), whose all-gather needs the same token count on every TP x EP rank, it pads this
+    rank's tokens with zero rows (zero weight in every router statistic) to the largest count and
+    drops them from the output. Data-parallel ranks carry different micro-batches, so their packed
+    lengths differ."""
+
+    def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+        pad = self._allgather_pad(hidden_states.shape[0])
+        if not pad:
+            return super().forward(hidden_states, intermediate_tensors, padding_mask)
+        rows = hidden_states.shape[0]
+        padded = torch.cat([hidden_states, hidden_states.new_zeros(pad, *hidden_states.shape[1:])])
+        self.router.pad_rows = pad
+        try:
+            output, bias = super().forward(padded, intermediate_tensors, padding_mask)
+        finally:
+            self.router.pad_rows = 0
+        return output[:rows], bias
+
+    def _allgather_pad(self, rows: int) -> int:
+        if self.config.moe_token_dispatcher_type != "allgather" or self.config.expert_model_parallel_size == 1:
+            return 0
+        group = self.token_dispatcher.tp_ep_group
+        most = torch.tensor([rows], dtype=torch.int64)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+        return int(most) - rows
 
 
 class PrefixSharedMoETransformerLayer(TransformerLayer):

@@ -9,6 +9,8 @@ it to the HF `layer_types` list: 1 = Gated DeltaNet, 0 = full attention) and the
 - Gated DeltaNet: our `PrefixSharedGatedDeltaNet`;
 - MoE layers: megatron's local MoE with `PrefixSharedTopKRouter` (aux-loss token weights), in a
   `PrefixSharedMoETransformerLayer` that passes the micro-batch's token weights to the router;
+  experts grouped (`moe_grouped_gemm=True`: megatron's `TEGroupedMLP` with `models/experts.py`'s
+  grouped_mm linears, TE's where TE is installed) or megatron's `SequentialMLP` (False);
 - every norm (input, pre-MLP, q/k, GDN out-norm, final) is our zero-centred RMSNorm; the input norm
   is a separate module (`input_layernorm.weight`), which Megatron-Bridge maps to HF's
   `input_layernorm.weight` through its fused/separate norm aliases.
@@ -31,20 +33,25 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from ps_bridge.models.attention import PrefixSharedCoreAttention
+from ps_bridge.models.experts import grouped_experts_spec
 from ps_bridge.models.gdn import PrefixSharedGatedDeltaNet
-from ps_bridge.models.moe import PrefixSharedMoETransformerLayer, PrefixSharedTopKRouter
+from ps_bridge.models.moe import PrefixSharedMoELayer, PrefixSharedMoETransformerLayer, PrefixSharedTopKRouter
 from ps_bridge.models.norms import ZeroCenteredRMSNorm
 
 
-def _with_router(mlp, router):
-    """The MoE layer spec (a ModuleSpec, or a functools.partial of MoELayer) with `router`."""
+def _with_moe_submodules(mlp, **changes):
+    """Our MoE layer spec from megatron's (a ModuleSpec, or a functools.partial of MoELayer):
+    `PrefixSharedMoELayer` with `changes` to its submodules (router, experts)."""
     if isinstance(mlp, functools.partial):
         submodules = copy.copy(mlp.keywords["submodules"])
-        submodules.router = router
-        return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
+        for k, v in changes.items():
+            setattr(submodules, k, v)
+        return functools.partial(PrefixSharedMoELayer, *mlp.args, **{**mlp.keywords, "submodules": submodules})
     mlp = copy.copy(mlp)
+    mlp.module = PrefixSharedMoELayer
     mlp.submodules = copy.copy(mlp.submodules)
-    mlp.submodules.router = router
+    for k, v in changes.items():
+        setattr(mlp.submodules, k, v)
     return mlp
 
 
@@ -63,7 +70,10 @@ def _layer_spec(config, moe: bool, gdn: bool) -> ModuleSpec:
         # prompt tokens weighted by their group size in the load-balancing statistics; the layer
         # hands the micro-batch's token weights to the router
         spec.module = PrefixSharedMoETransformerLayer
-        sub.mlp = _with_router(sub.mlp, PrefixSharedTopKRouter)
+        changes = {"router": PrefixSharedTopKRouter}
+        if config.moe_grouped_gemm:  # megatron's TEGroupedMLP on torch's grouped_mm (TE's where installed)
+            changes["experts"] = grouped_experts_spec()
+        sub.mlp = _with_moe_submodules(sub.mlp, **changes)
     if gdn:
         sub.self_attention = ModuleSpec(
             module=PrefixSharedGatedDeltaNet,

@@ -8,9 +8,10 @@ What changes against Megatron-Bridge, and only that:
   registered; default `auto`), checked when the model is built;
 - no multi-token-prediction (MTP) head: it is not prefix-aware and not used for log-probs
   (transformers' Qwen3.5 classes drop it too); `mtp.*` weights are skipped;
-- MoE experts as megatron's SequentialMLP with unfused permutation (the local spec; Megatron-Bridge's
-  mapping covers that layout), since grouped GEMM and permute fusion need TE; without CUDA the
-  token dispatcher is `allgather` (the stock `alltoall` allocates CUDA streams).
+- MoE experts grouped: megatron's `TEGroupedMLP` with grouped linears on torch's grouped_mm
+  (`models/experts.py`; TE's own where TE is installed), unfused permutation (its fusion needs TE);
+  the token dispatcher is megatron's `alltoall` on the GPU, `allgather` without CUDA (the stock
+  `alltoall` allocates CUDA streams).
 
 The HF <-> Megatron mapping is Megatron-Bridge's own (`Qwen35Bridge` / `Qwen35MoEBridge`), so
 load, export and refit see the stock names.
@@ -31,6 +32,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ps_bridge.kernels.gdn import check_gdn_backend_usable
+from ps_bridge.models.moe import check_moe_settings
 from ps_bridge.models.qwen35_specs import prefix_shared_qwen35_block_spec
 from ps_bridge.models.qwen35_vl import PrefixSharedQwen35VLModel, local_vision_tower
 from ps_bridge.providers.base import (
@@ -52,6 +54,7 @@ class PrefixSharedQwen35ProviderMixin(PrefixSharedProviderMixin):
 
     def provide(self, pre_process=None, post_process=None, vp_stage=None):
         check_gdn_backend_usable(self.gdn_backend, _build_device())
+        check_moe_settings(self)
         return super().provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
 
 
@@ -76,12 +79,13 @@ def make_prefix_shared(provider, gdn_backend: str) -> None:
         provider.mtp_num_layers = None
     provider.transformer_layer_spec = prefix_shared_qwen35_block_spec
     if provider.num_moe_experts:
-        provider.moe_grouped_gemm = False
-        provider.moe_permute_fusion = False
-        if not torch.cuda.is_available():
-            # the alltoall dispatcher allocates CUDA streams at construction; at EP=1 allgather
-            # routes the same tokens to the same experts
-            provider.moe_token_dispatcher_type = "allgather"
+        # grouped experts: megatron's TEGroupedMLP on torch's grouped_mm (models/experts.py), the
+        # parameters in the grouped layout Megatron-Bridge's mapping converts (experts.linear_fc1.weight<i>)
+        provider.moe_grouped_gemm = True
+        provider.moe_permute_fusion = False  # megatron's permutation fusion needs TE
+        # megatron's alltoall dispatcher on the GPU; it allocates CUDA streams at construction, so
+        # without CUDA allgather (which routes the same tokens to the same experts)
+        provider.moe_token_dispatcher_type = "alltoall" if torch.cuda.is_available() else "allgather"
 
 
 class PrefixSharedQwen35VLProviderMixin(PrefixSharingProviderBase):
@@ -94,6 +98,7 @@ class PrefixSharedQwen35VLProviderMixin(PrefixSharingProviderBase):
     def provide(self, pre_process=None, post_process=None, vp_stage=None):
         prepare_for_prefix_sharing(self)
         check_gdn_backend_usable(self.gdn_backend, _build_device())
+        check_moe_settings(self)
         with local_vision_tower():
             model = super().provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
         # only forward() differs and it adds no state: re-class the stock-built model
@@ -167,5 +172,7 @@ def register(gdn_backend: str = "auto") -> None:
     AutoMapping.register_module_type("ZeroCenteredRMSNorm", "replicated")
     AutoMapping.register_module_type("PrefixSharedGatedDeltaNet", "column")
     AutoMapping.register_module_type("PrefixSharedTopKRouter", "replicated")
+    AutoMapping.register_module_type("GroupedMMColumnLinear", "column")
+    AutoMapping.register_module_type("GroupedMMRowLinear", "row")
     PrefixSharedQwen35BridgeMixin.gdn_backend = gdn_backend
     register_table(REGISTRATIONS)

@@ -30,6 +30,7 @@ class ParallelSettings:
     sequence_parallel: bool = False
     vpp: Optional[int] = None
     dynamic_cp: bool = False
+    ep: int = 1  # expert-parallel size (MoE); its ranks are carved out of the data-parallel ranks
 
     @classmethod
     def from_config(cls, config) -> "ParallelSettings":
@@ -41,6 +42,7 @@ class ParallelSettings:
             sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
             vpp=getattr(config, "virtual_pipeline_model_parallel_size", None),
             dynamic_cp=bool(getattr(config, "dynamic_context_parallel", False)),
+            ep=getattr(config, "expert_model_parallel_size", 1) or 1,
         )
 
     def check_supported(self, verl_engine: bool = False) -> None:
@@ -51,6 +53,7 @@ class ParallelSettings:
             ("tensor_model_parallel_size", self.tp),
             ("pipeline_model_parallel_size", self.pp),
             ("context_parallel_size", self.cp),
+            ("expert_model_parallel_size", self.ep),
         )
         for name, value in sizes:
             if value < 1:
@@ -90,6 +93,12 @@ class ParallelSettings:
             raise ValueError(
                 f"world size {world_size} is not divisible by tensor x pipeline x context parallel size "
                 f"{self.tp} x {self.pp} x {self.cp} = {model_parallel}"
+            )
+        if (world_size // self.pp) % (self.ep * self.tp):
+            raise ValueError(
+                f"world size {world_size} cannot hold expert_model_parallel_size={self.ep} (--ep): megatron needs "
+                f"world / pipeline size ({world_size // self.pp}) divisible by expert x tensor parallel size "
+                f"({self.ep} x {self.tp}); launch {self.ep * self.tp * self.pp} processes or a multiple"
             )
 
 
@@ -227,6 +236,7 @@ def configure_provider(provider, settings: ParallelSettings) -> None:
     provider.pipeline_model_parallel_size = settings.pp
     provider.context_parallel_size = settings.cp
     provider.sequence_parallel = settings.sequence_parallel
+    provider.expert_model_parallel_size = settings.ep
     if int(provider.vocab_size) % settings.tp:
         provider.should_pad_vocab = True
     first, last = pipeline_stage_layers(int(provider.num_layers), settings.pp)
@@ -264,7 +274,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234, timeout_s: Optional[float] = None) -> None:
+def init_parallel(
+    tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234, ep: int = 1, timeout_s: Optional[float] = None
+) -> None:
     """torch.distributed (gloo on CPU, NCCL on GPU; world size 1 when not launched by torchrun) and
     megatron's model-parallel groups, seeded; idempotent. `timeout_s`: how long a collective may
     wait before it fails (torch's default when None)."""
@@ -286,7 +298,8 @@ def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234, timeo
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+            expert_model_parallel_size=ep,
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -327,7 +340,8 @@ def finish_gradients(model: torch.nn.Module, config) -> None:
     megatron's `finalize_model_grads` does this inside its DDP wrapper; verl training uses that.
     Our runs (CLI, demo, tests) call the model without DDP, so they finish gradients here:
     TP sum for SP norms and q/k norms, mean across TP for `average_gradients_across_tp_domain`
-    parameters, the tied word-embedding sum between the first and last pipeline stage, and, under
+    parameters, the tied word-embedding sum between the first and last pipeline stage, for MoE the
+    routers' end of step (expert-bias update, token counts reset), and, under
     context parallelism, the mean over the CP group of every gradient: megatron's schedule scales
     each CP rank's loss (its own shard's rows) by the CP size and its DDP averages gradients over
     the data-parallel group *with* context parallelism, so the mean of the CP ranks' gradients is
@@ -359,6 +373,9 @@ def finish_gradients(model: torch.nn.Module, config) -> None:
             for param in model.parameters():
                 if getattr(param, "shared_embedding", False) and param.grad is not None:
                     dist.all_reduce(param.grad, group=embedding_group)
+    from ps_bridge.models.moe import finish_router_statistics  # MoE: the routers' part of finalize_model_grads
+
+    finish_router_statistics(model, config)
 
 
 def broadcast_replicas(model: torch.nn.Module) -> None:
@@ -429,7 +446,8 @@ def add_parallel_arguments(parser) -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (physical stages)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size (head-parallel over contiguous shards)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE; out of the data-parallel ranks)")
 
 
 def settings_from_args(args) -> ParallelSettings:
-    return ParallelSettings(tp=args.tp, pp=args.pp, cp=args.cp, sequence_parallel=args.sp)
+    return ParallelSettings(tp=args.tp, pp=args.pp, cp=args.cp, sequence_parallel=args.sp, ep=args.ep)

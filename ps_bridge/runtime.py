@@ -71,6 +71,7 @@ def load_model(
     pp: int = 1,
     sequence_parallel: bool = False,
     cp: int = 1,
+    ep: int = 1,
 ) -> LoadedModel:
     """Convert `hf_path` through our provider and load this rank's shard of its weights.
 
@@ -78,7 +79,7 @@ def load_model(
     this rank's TP shard and PP stage and Megatron-Bridge loads the matching slices.
     """
     config = config or PrefixSharingConfig()
-    settings = _settings(tp, pp, sequence_parallel, cp)
+    settings = _settings(tp, pp, sequence_parallel, cp, ep)
     entry = _prepare_bridge(config, read_hf_config(hf_path), settings)
     from megatron.bridge import AutoBridge
 
@@ -94,11 +95,12 @@ def load_model_from_hf_config(
     pp: int = 1,
     sequence_parallel: bool = False,
     cp: int = 1,
+    ep: int = 1,
 ) -> LoadedModel:
     """Like `load_model`, from a transformers config object: same bridge and provider, random
     weights (megatron's own initialisation, on the GPU when there is one). For benchmarks."""
     config = config or PrefixSharingConfig()
-    settings = _settings(tp, pp, sequence_parallel, cp)
+    settings = _settings(tp, pp, sequence_parallel, cp, ep)
     entry = _prepare_bridge(config, hf_config.to_dict(), settings)
     from megatron.bridge import AutoBridge
 
@@ -106,10 +108,10 @@ def load_model_from_hf_config(
     return _provide_model(bridge, entry.name, config, dtype, settings, load_weights=False)
 
 
-def _settings(tp: int, pp: int, sequence_parallel: bool, cp: int):
+def _settings(tp: int, pp: int, sequence_parallel: bool, cp: int, ep: int = 1):
     from ps_bridge.parallel import ParallelSettings
 
-    return ParallelSettings(tp=tp, pp=pp, cp=cp, sequence_parallel=sequence_parallel)
+    return ParallelSettings(tp=tp, pp=pp, cp=cp, sequence_parallel=sequence_parallel, ep=ep)
 
 
 def _prepare_bridge(config: PrefixSharingConfig, hf_config: dict, settings):
@@ -125,7 +127,7 @@ def _prepare_bridge(config: PrefixSharingConfig, hf_config: dict, settings):
     entry = resolve_provider(config.provider, list(hf_config.get("architectures") or []))
     import_megatron_bridge()
     register_all(config)
-    init_parallel(tp=settings.tp, pp=settings.pp, cp=settings.cp)
+    init_parallel(tp=settings.tp, pp=settings.pp, cp=settings.cp, ep=settings.ep)
     return entry
 
 
@@ -134,7 +136,7 @@ def _provide_model(bridge, provider_name, config, dtype, settings, load_weights)
 
     tp, pp = settings.tp, settings.pp
     provider = bridge.to_megatron_provider(load_weights=load_weights)
-    # TP / PP / SP / CP, plus the vocabulary padding and uneven pipeline stages the shapes may need
+    # TP / PP / SP / CP / EP, plus the vocabulary padding and uneven pipeline stages the shapes may need
     configure_provider(provider, settings)
     provider.pipeline_dtype = dtype
     provider.params_dtype = dtype

@@ -32,3 +32,16 @@ def qwen2_loaded(qwen2_checkpoint):
 
     path, _ = qwen2_checkpoint
     return load_model(path, PrefixSharingConfig(enabled=True, backend="torch_ref"))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_moe_aux_loss_scale():
+    """megatron's MoE aux-loss backward outside its schedule (the tests' plain `.backward()`) leaves
+    a 0-dim `MoEAuxLossAutoScaler.main_loss_backward_scale`, into which a later schedule run in the
+    same process cannot copy its [1]-shaped scale: reset it after every test."""
+    yield
+    import sys
+
+    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
+    if moe_utils is not None:
+        moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None

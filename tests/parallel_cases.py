@@ -56,7 +56,14 @@ def cp_micro_batches(seed: int = 0) -> List[List[Sample]]:
     return out
 
 
-MICRO_BATCHES = {"parallel": parallel_micro_batches, "cp": cp_micro_batches}
+def ep_micro_batches() -> List[List[Sample]]:
+    """For expert parallelism (data-parallel ranks): micro-batches of at least two whole groups,
+    one group split across two of them; token ids below the tiny Qwen3.5 vocabularies' special ids."""
+    groups = grpo_like_samples(248, num_prompts=5, n=3, prompt_len=(6, 20), response_len=(1, 9), seed=22, shuffle=False)
+    return [groups[:7], groups[7:]]
+
+
+MICRO_BATCHES = {"parallel": parallel_micro_batches, "cp": cp_micro_batches, "ep": ep_micro_batches}
 
 
 def micro_batch_weights(micro_batches) -> List[List[torch.Tensor]]:

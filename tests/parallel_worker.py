@@ -26,7 +26,8 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--sp", action="store_true")
     parser.add_argument("--cp", type=int, default=1)
-    parser.add_argument("--cases", default="parallel", choices=sorted(MICRO_BATCHES))
+    parser.add_argument("--ep", type=int, default=1, help="expert parallelism: groups split across the DP ranks")
+    parser.add_argument("--cases", default=None, choices=sorted(MICRO_BATCHES), help="default: ep with --ep > 1, else parallel")
     parser.add_argument("--skip-finish-gradients", action="store_true", help="negative control")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
@@ -43,17 +44,20 @@ def main() -> None:
         ps_bridge.schedule.finish_gradients = lambda model, config: None
 
     loaded = load_model(
-        args.hf_path, PrefixSharingConfig(enabled=True), tp=args.tp, pp=args.pp, sequence_parallel=args.sp, cp=args.cp
+        args.hf_path, PrefixSharingConfig(enabled=True), tp=args.tp, pp=args.pp, sequence_parallel=args.sp, cp=args.cp,
+        ep=args.ep,
     )
+    if args.ep > 1:  # data-parallel ranks: each runs its whole groups, rows and gradient sums gathered
+        from ps_bridge.data_parallel import dp_logprob_pass as logprob_pass  # noqa: F811
     rank = torch.distributed.get_rank()
     print(f"[parallel_worker] global_rank={rank} backend={torch.distributed.get_backend()} device={loaded.device}", file=sys.stderr)
-    micro_batches = MICRO_BATCHES[args.cases]()
+    micro_batches = MICRO_BATCHES[args.cases or ("ep" if args.ep > 1 else "parallel")]()
     loaded.model.zero_grad(set_to_none=True)
     shared = logprob_pass(loaded, micro_batches, share=True, loss_weights=micro_batch_weights(micro_batches))
     grads = hf_named_gradients(loaded.bridge, loaded.model)
     with torch.no_grad():
         forward_only = logprob_pass(loaded, micro_batches, share=True)
-    if is_output_rank():
+    if is_output_rank():  # (under --ep, data-parallel rank 0 of global rank 0 holds every row)
         torch.save(dict(logprobs=shared, forward_only=forward_only, grads=grads), args.out)
     leave_worker()
 

@@ -32,8 +32,23 @@ def qwen35_hf_config(dims: dict, num_layers: int):
     return cfg
 
 
+def qwen35_moe_hf_config(dims: dict, num_layers: int):
+    """Qwen3.5 MoE text model (`Qwen3_5MoeForCausalLM`), the same hybrid pattern cut to `num_layers`;
+    every layer's MLP is MoE (routed experts + a gated shared expert)."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    layer_types = [("full_attention" if (i + 1) % 4 == 0 else "linear_attention") for i in range(num_layers)]
+    cfg = Qwen3_5MoeTextConfig(**dict(dims, num_hidden_layers=num_layers, layer_types=layer_types))
+    cfg.architectures = ["Qwen3_5MoeForCausalLM"]
+    return cfg
+
+
 # family -> builder(real dims, number of layers) -> transformers config our provider registry serves.
-FAMILIES: Dict[str, Callable] = {"qwen2.5": qwen2_hf_config, "qwen3.5": qwen35_hf_config}
+FAMILIES: Dict[str, Callable] = {
+    "qwen2.5": qwen2_hf_config,
+    "qwen3.5": qwen35_hf_config,
+    "qwen3.5-moe": qwen35_moe_hf_config,
+}
 
 
 @dataclass(frozen=True)
@@ -80,6 +95,24 @@ MODEL_SHAPES: Dict[str, ModelShape] = {
         dict(_QWEN35_COMMON, hidden_size=4096, intermediate_size=12288, num_attention_heads=16,
              num_key_value_heads=4, linear_num_key_heads=16, linear_num_value_heads=32, tie_word_embeddings=False),
         full_layers=32,
+        bench_layers=4,
+    ),
+    # Qwen3.5-35B-A3B: transformers' Qwen3_5MoeTextConfig defaults (written out; no hub access needed)
+    "qwen3.5-35b-a3b": ModelShape(
+        "qwen3.5-moe",
+        dict(vocab_size=248320, hidden_size=2048, head_dim=256, num_attention_heads=16, num_key_value_heads=2,
+             linear_num_key_heads=16, linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
+             moe_intermediate_size=512, shared_expert_intermediate_size=512, tie_word_embeddings=False),
+        full_layers=40,
+        bench_layers=4,
+    ),
+    "tiny-qwen3.5-moe": ModelShape(
+        "qwen3.5-moe",
+        dict(_QWEN35_COMMON, vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+             linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+             shared_expert_intermediate_size=32, max_position_embeddings=512, tie_word_embeddings=False),
+        full_layers=4,
         bench_layers=4,
     ),
     "tiny-qwen3.5": ModelShape(

@@ -61,11 +61,11 @@ def run_logprobs(args) -> int:
     import torch
 
     from ps_bridge.config import PrefixSharingConfig
+    from ps_bridge.data_parallel import dp_logprob_pass
     from ps_bridge.layout import build_layout
     from ps_bridge.parallel import is_output_rank, settings_from_args
     from ps_bridge.providers.registry import resolve_provider
     from ps_bridge.runtime import DTYPES, load_model, read_hf_config
-    from ps_bridge.schedule import logprob_pass
 
     samples = read_batch(args.batch)
     try:
@@ -82,15 +82,18 @@ def run_logprobs(args) -> int:
 
     loaded = load_model(
         args.hf_path, config, dtype=DTYPES[args.dtype], tp=parallel.tp, pp=parallel.pp,
-        sequence_parallel=parallel.sequence_parallel, cp=parallel.cp,
+        sequence_parallel=parallel.sequence_parallel, cp=parallel.cp, ep=parallel.ep,
     )
     try:
+        # data-parallel ranks (with --ep, world / (tp x pp) of them) each run whole prompt groups;
+        # the rows come back in input order on data-parallel rank 0
         with torch.no_grad():
-            [per_sample] = logprob_pass(loaded, [samples], share=config.enabled)
+            rows = dp_logprob_pass(loaded, [samples], share=config.enabled)
     except ValueError as e:  # refusals that depend on the model, e.g. image tokens for a VLM
         raise UsageError(str(e)) from None
     if not is_output_rank():
         return 0
+    [per_sample] = rows
     layout = build_layout(samples, share=config.enabled)  # token and group counts for the report
     out = dict(
         samples=[{"logprobs": lp.float().cpu().tolist()} for lp in per_sample],

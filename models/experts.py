@@ -1,0 +1,168 @@
+"""Grouped MoE experts without Transformer Engine: grouped linear layers for megatron's `TEGroupedMLP`.
+
+megatron's `TEGroupedMLP` runs all local experts of a layer with two grouped linear layers (fc1, fc2)
+that it builds through the `GroupedLinearFc1Builder` / `GroupedLinearFc2Builder` protocols of
+`megatron/core/transformer/moe/experts.py`; megatron only ships TE's. `GroupedMMColumnLinear` (fc1)
+and `GroupedMMRowLinear` (fc2) follow those protocols on torch's grouped matrix multiply:
+
+- parameters in TE's grouped layout, one `[out, in]` matrix per local expert named `weight0..N`
+  (`experts.linear_fc1.weight<i>`), which Megatron-Bridge's Qwen3.5 MoE mapping converts;
+- `forward(x [T, in], tokens_per_expert)` with the tokens sorted by expert (megatron's dispatcher
+  does that): in bfloat16/float16 one `torch.nn.functional.grouped_mm` call over all experts
+  (forward, and two in backward: input and weight gradients), int32 cumulative offsets; in any
+  other dtype (float32: `grouped_mm` has no float32 path on the CPU) an exact per-expert loop;
+- no communication, as TE's expert linears under megatron's explicit expert communication: the
+  token dispatcher does the expert TP / EP exchange; the shapes are this rank's expert-TP shard.
+
+Where real TE is installed `grouped_expert_linears()` returns megatron's own TE grouped linears.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.module import MegatronModule
+
+
+def _grouped_mm():
+    fn = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if fn is None:
+        raise RuntimeError("torch.nn.functional.grouped_mm is missing: torch >= 2.9 is needed for grouped experts")
+    return fn
+
+
+def uses_grouped_mm(x: torch.Tensor) -> bool:
+    """One grouped_mm call for this input (bf16/fp16), else the exact per-expert loop (float32, float64)."""
+    return x.dtype in (torch.bfloat16, torch.float16)
+
+
+def _stacked(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`[E, out, in]` from the per-expert `[out, in]` matrices: a view when they lie back to back in
+    one storage (no copy), else a stacked copy."""
+    w0 = weights[0]
+    step = w0.numel()
+    if w0.is_contiguous() and all(
+        w.is_contiguous() and w.untyped_storage().data_ptr() == w0.untyped_storage().data_ptr()
+        and w.storage_offset() == w0.storage_offset() + i * step
+        for i, w in enumerate(weights)
+    ):
+        return w0.as_strided((len(weights), *w0.shape), (step, w0.shape[1], 1))
+    return torch.stack(list(weights))
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """y[rows of e] = x[rows of e] @ W_e^T with one grouped_mm call; the stacked weights are rebuilt
+    in backward rather than kept (no extra activation memory)."""
+
+    @staticmethod
+    def forward(ctx, x, offs, *weights):
+        ctx.save_for_backward(x, offs, *weights)
+        return _grouped_mm()(x, _stacked(weights).transpose(-2, -1), offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, offs, *weights = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _grouped_mm()(grad_out, _stacked(weights), offs=offs)
+        if any(ctx.needs_input_grad[2:]):
+            # [E, out, in]: per expert grad_out_e^T @ x_e, grouped along the token dimension
+            grad_w = _grouped_mm()(grad_out.t(), x, offs=offs)
+        grads_w = grad_w.unbind(0) if grad_w is not None else (None,) * len(weights)
+        return (grad_x, None, *grads_w)
+
+
+def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], tokens_per_expert: Sequence[int]) -> torch.Tensor:
+    """`x [T, in]` sorted by expert (`tokens_per_expert[e]` rows each) times each expert's `[out, in]`."""
+    if uses_grouped_mm(x):
+        offs = torch.tensor(tokens_per_expert, dtype=torch.int64).cumsum(0).to(device=x.device, dtype=torch.int32)
+        return _GroupedLinear.apply(x.contiguous(), offs, *weights)
+    chunks = torch.split(x, list(tokens_per_expert))
+    return torch.cat([chunk @ w.t() for chunk, w in zip(chunks, weights)])
+
+
+class _GroupedMMLinear(MegatronModule):
+    """One grouped linear layer of `TEGroupedMLP` (builder protocol arguments; bias not supported)."""
+
+    partition_dim: int  # 0: the output is split over expert TP (fc1), 1: the input (fc2)
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        input_size: int,
+        output_size: int,
+        /,
+        *,
+        config,
+        init_method,
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool,
+        tp_comm_buffer_name: Optional[str] = None,
+        pg_collection=None,
+        name: Optional[str] = None,
+    ):
+        super().__init__(config=config)
+        if bias:
+            raise ValueError(
+                "grouped experts without Transformer Engine have no bias: set add_bias_linear=False "
+                "or moe_grouped_gemm=False (SequentialMLP)"
+            )
+        tp = pg_collection.expt_tp.size() if pg_collection is not None and pg_collection.expt_tp is not None else 1
+        ep = pg_collection.ep.size() if pg_collection is not None and pg_collection.ep is not None else 1
+        shape = [output_size, input_size]
+        if shape[self.partition_dim] % tp:
+            raise ValueError(f"expert TP size {tp} does not divide the expert width {shape[self.partition_dim]}")
+        shape[self.partition_dim] //= tp
+        self.num_gemms = num_local_experts
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        for i in range(num_local_experts):
+            w = torch.nn.Parameter(torch.empty(shape, dtype=config.params_dtype, device=device))
+            if config.perform_initialization:
+                init_method(w)
+            set_tensor_model_parallel_attributes(w, is_parallel=tp > 1, dim=self.partition_dim, stride=1)
+            # as megatron's expert linears: expert weights are reduced over the expert data-parallel group
+            setattr(w, "allreduce", not (is_expert and ep > 1))
+            self.register_parameter(f"weight{i}", w)
+
+    def weights(self):
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    def forward(self, x: torch.Tensor, tokens_per_expert):
+        return grouped_linear(x, self.weights(), list(tokens_per_expert)), None
+
+    def backward_dw(self) -> None:  # no delayed weight gradients
+        return None
+
+
+class GroupedMMColumnLinear(_GroupedMMLinear):
+    """fc1 of the grouped experts (output split over expert TP)."""
+
+    partition_dim = 0
+
+
+class GroupedMMRowLinear(_GroupedMMLinear):
+    """fc2 of the grouped experts (input split over expert TP)."""
+
+    partition_dim = 1
+
+
+def grouped_experts_spec():
+    """megatron's `TEGroupedMLP` with TE's grouped linears where TE is installed, else ours."""
+    from functools import partial
+
+    from megatron.core.transformer.moe.experts import HAVE_TE, GroupedMLPSubmodules, TEGroupedMLP
+
+    if HAVE_TE:  # megatron-core found real TE (not our import placeholder); not run here: no TE on our machines
+        from megatron.core.extensions.transformer_engine import (
+            TEColumnParallelGroupedLinear,
+            TERowParallelGroupedLinear,
+        )
+
+        fc1, fc2 = TEColumnParallelGroupedLinear, TERowParallelGroupedLinear
+    else:
+        fc1, fc2 = GroupedMMColumnLinear, GroupedMMRowLinear
+    return partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(linear_fc1=fc1, linear_fc2=fc2))
