@@ -35,13 +35,18 @@ def qwen2_loaded(qwen2_checkpoint):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_moe_aux_loss_scale():
-    """megatron's MoE aux-loss backward outside its schedule (the tests' plain `.backward()`) leaves
-    a 0-dim `MoEAuxLossAutoScaler.main_loss_backward_scale`, into which a later schedule run in the
-    same process cannot copy its [1]-shaped scale: reset it after every test."""
+def _fresh_moe_state():
+    """megatron's MoE state is per process, the tests build many models in one: reset it after
+    every test. The aux-loss backward outside its schedule (the tests' plain `.backward()`) leaves a
+    0-dim `MoEAuxLossAutoScaler.main_loss_backward_scale`, into which a later schedule run cannot copy
+    its [1]-shaped scale; the MoE metrics tracker sizes its per-layer entries by the first model's
+    layer count."""
     yield
     import sys
 
     moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
     if moe_utils is not None:
         moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    moe_logging = sys.modules.get("megatron.core.transformer.moe.moe_logging")
+    if moe_logging is not None:
+        moe_logging.destroy_moe_metrics_tracker()
