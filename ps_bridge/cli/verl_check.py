@@ -37,8 +37,9 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=5, help="trainer steps T")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stock-split", action="store_true",
-                   help="compare stock with stock at 3/4 of the token budgets (the noise floor) instead of shared")
+    p.add_argument("--noise-floor", action="store_true",
+                   help="also run the stock engine at 3/4 of the token budgets: stock vs stock with other "
+                        "micro-batch boundaries, the noise floor of the curves (JSON key noise_floor)")
     p.add_argument("--workdir", default=None, help="where a random checkpoint is written (default: a temp dir)")
     p.add_argument("--json", default=None, help="write the per-step results here")
     p.add_argument("--plot", default=None, help="draw the curves into this image")
@@ -57,16 +58,16 @@ def run_verl_check(args) -> int:
         raise UsageError(f"verl settings are key=value overrides of verl's trainer config; got {bad}")
     if args.smoke:
         settings = check.CheckSettings(**SMOKE, seed=args.seed, overrides=SMOKE_OVERRIDES + list(args.overrides),
-                                       workdir=args.workdir, stock_split=args.stock_split)
+                                       workdir=args.workdir, noise_floor=args.noise_floor)
     else:
         if not args.model:
             raise UsageError("--model is required (an HF checkpoint directory or a catalogue shape), or --smoke")
         settings = check.CheckSettings(
             model=args.model, layers=args.layers, prompts=args.prompts, n=args.n, prompt_len=args.prompt_len,
             response_len=args.response_len, steps=args.steps, dtype=args.dtype, seed=args.seed,
-            overrides=list(args.overrides), stock_split=args.stock_split, workdir=args.workdir)
+            overrides=list(args.overrides), noise_floor=args.noise_floor, workdir=args.workdir)
     _prepare_process()
-    total = 2 * settings.steps * len(check.PHASES) + 1
+    total = (3 if settings.noise_floor else 2) * settings.steps * len(check.PHASES) + 1
     bar = None
     if not args.no_progress:
         from tqdm import tqdm
@@ -90,7 +91,7 @@ def run_verl_check(args) -> int:
     if args.plot:
         check.write_plot(doc, args.plot)
     print(check.format_report(doc))
-    if args.smoke and not args.stock_split:
+    if args.smoke:
         failures = check.check_failures(doc)
         for line in failures:
             print(f"ps-bridge verl-check --smoke: {line}", file=sys.stderr)
