@@ -145,6 +145,19 @@ def to_dataclass(node: dict, cls):
     return cls(**kwargs)
 
 
+BUDGET_KEYS = ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+               "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+               "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu")
+
+
+def scaled_budgets(cfg, factor: float):
+    """`cfg` with every dynamic token budget times `factor` (other micro-batch boundaries)."""
+    from omegaconf import OmegaConf
+
+    values = [f"{key}={int(OmegaConf.select(cfg, key) * factor)}" for key in BUDGET_KEYS]
+    return OmegaConf.merge(cfg, OmegaConf.from_dotlist(values))
+
+
 # ---- the model --------------------------------------------------------------------------------------
 
 
@@ -377,11 +390,10 @@ def run_kind(kind: str, settings: CheckSettings, ckpt: str, cfg, batches, progre
 
     from ps_bridge.compat.verl_on_cpu import engine_call_on_cpu
 
-    actor_cfg, ref_cfg, rollout = role_configs(cfg)
     if kind == "stock-split":  # the noise floor: stock with different micro-batch boundaries
-        actor_cfg.ppo_max_token_len_per_gpu = int(actor_cfg.ppo_max_token_len_per_gpu * 3 // 4)
-        rollout = dict(rollout, max_token_len=int(rollout["max_token_len"] * 3 // 4))
-        ref_cfg.ppo_max_token_len_per_gpu = int(ref_cfg.ppo_max_token_len_per_gpu * 3 // 4)
+        cfg = scaled_budgets(cfg, 0.75)
+    actor_cfg, ref_cfg, rollout = role_configs(cfg)
+    resident_before = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
     actor_engine, ref_engine = build_role_engines(kind, ckpt, settings, actor_cfg, ref_cfg, rollout)
     actor_cfg.model_config = actor_engine.model_config
     actor = _Role(actor_engine, partial(ppo_loss, config=actor_cfg))
@@ -390,7 +402,9 @@ def run_kind(kind: str, settings: CheckSettings, ckpt: str, cfg, batches, progre
     results = []
     for step, batch in enumerate(batches):
         batch.meta_info["temperature"] = arr.rollout.temperature  # as the rollout leaves it
-        record: Dict = {"phase_seconds": {}, "peak_memory_gib": {}, "micro_batches": {}}
+        # resident_before: what an earlier engine kind left allocated (included in this kind's peaks)
+        record: Dict = {"phase_seconds": {}, "peak_memory_gib": {"resident_before": resident_before},
+                        "micro_batches": {}}
 
         def phase(name, fn, role):
             _sync()

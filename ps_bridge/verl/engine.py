@@ -233,31 +233,27 @@ class PrefixSharingEngineMixin:
     def _packed_outputs(self, logits, rows: PackedRows, temperature: torch.Tensor, calculate_entropy: bool,
                         calculate_sum_pi_squared: bool):
         """Rows of log-probs (and entropy, sum of squared probabilities) from the packed TP-sharded
-        logits, each position scaled by its samples' temperature."""
-        from verl.utils.megatron.tensor_parallel import (
-            vocab_parallel_entropy,
-            vocab_parallel_entropy_with_chunking,
-            vocab_parallel_sum_pi_squared,
-        )
+        logits, each position scaled by its samples' temperature. Log-probs and entropy are taken
+        chunk by chunk (`ps_bridge.rows`): no float32 copy of the logits; with every temperature 1
+        the logits are not rescaled (copied) either."""
+        from verl.utils.megatron.tensor_parallel import vocab_parallel_sum_pi_squared
+
+        from ps_bridge.rows import chunked_vocab_parallel_entropy
 
         logits = logits.reshape(-1, logits.shape[-1])
         layout = rows.layout
-        # every row reading a packed position belongs to one group, whose samples share a temperature
-        packed_temperature = torch.ones(layout.num_tokens, dtype=torch.float32, device=logits.device)
-        packed_temperature[rows.source] = temperature.repeat_interleave(layout.row_offsets.diff().to(logits.device))
-        logits = logits / packed_temperature.unsqueeze(-1).to(logits.dtype)
+        if not bool((temperature == 1).all()):
+            # every row reading a packed position belongs to one group, whose samples share a temperature
+            packed_temperature = torch.ones(layout.num_tokens, dtype=torch.float32, device=logits.device)
+            packed_temperature[rows.source] = temperature.repeat_interleave(layout.row_offsets.diff().to(logits.device))
+            logits = logits / packed_temperature.unsqueeze(-1).to(logits.dtype)
+        chunk = self.engine_config.entropy_from_logits_chunk_size
         out = {}
         if calculate_sum_pi_squared:
             out["sum_pi_squared"] = rows.nested(rows.values(vocab_parallel_sum_pi_squared(logits)))
         if calculate_entropy:
-            if self.engine_config.entropy_from_logits_with_chunking:
-                entropy = vocab_parallel_entropy_with_chunking(
-                    logits, chunk_size=self.engine_config.entropy_from_logits_chunk_size
-                )
-            else:
-                entropy = vocab_parallel_entropy(logits)
-            out["entropy"] = rows.nested(rows.values(entropy))
-        out["log_probs"] = rows.nested(rows.logprobs(logits, vocab_parallel=True))
+            out["entropy"] = rows.nested(rows.values(chunked_vocab_parallel_entropy(logits, chunk_rows=chunk)))
+        out["log_probs"] = rows.nested(rows.logprobs(logits, vocab_parallel=True, chunk_rows=chunk))
         return out
 
 
