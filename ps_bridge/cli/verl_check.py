@@ -79,17 +79,19 @@ def run_verl_check(args) -> int:
             bar.set_postfix_str(message)
             bar.update(1)
 
+    def write(doc: dict) -> None:  # as soon as there is a comparison, and again with the noise floor
+        if args.json:
+            check.write_json(doc, args.json)
+        if args.plot:
+            check.write_plot(doc, args.plot)
+
     try:
-        doc = check.run_check(settings, progress)
+        doc = check.run_check(settings, progress, on_result=write)
     except ValueError as e:
         raise UsageError(str(e)) from None
     finally:
         if bar is not None:
             bar.close()
-    if args.json:
-        check.write_json(doc, args.json)
-    if args.plot:
-        check.write_plot(doc, args.plot)
     print(check.format_report(doc))
     if args.smoke:
         failures = check.check_failures(doc)

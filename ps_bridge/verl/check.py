@@ -529,8 +529,11 @@ def speedups(steps: List[dict], names=("stock", "shared"), skip_first: bool = Tr
     return out
 
 
-def run_check(settings: CheckSettings, progress: Optional[Callable[[str], None]] = None) -> dict:
-    """Build both engines in turn, run the steps, compare: the `--json` document."""
+def run_check(settings: CheckSettings, progress: Optional[Callable[[str], None]] = None,
+              on_result: Optional[Callable[[dict], None]] = None) -> dict:
+    """Build both engines in turn, run the steps, compare: the `--json` document. `on_result` gets the
+    document as soon as stock and shared are compared, and again with the noise floor (so a run cut
+    short during the noise floor still leaves the comparison)."""
     import tempfile
 
     from omegaconf import OmegaConf
@@ -556,8 +559,7 @@ def run_check(settings: CheckSettings, progress: Optional[Callable[[str], None]]
         batches.append(b)
         lengths.extend(ls)
     names = ("stock", "shared")
-    runs = {kind: run_kind(kind, settings, ckpt, cfg, batches, progress)
-            for kind in ("stock", "shared") + (("stock-split",) if settings.noise_floor else ())}
+    runs = {kind: run_kind(kind, settings, ckpt, cfg, batches, progress) for kind in ("stock", "shared")}
     steps = compare(runs["stock"], runs["shared"], names)
     arr = cfg.actor_rollout_ref
     config = {
@@ -576,10 +578,15 @@ def run_check(settings: CheckSettings, progress: Optional[Callable[[str], None]]
     }
     doc = {"config": config, "steps": steps}
     if settings.noise_floor:
+        if on_result is not None:
+            on_result(doc)
+        runs["stock-split"] = run_kind("stock-split", settings, ckpt, cfg, batches, progress)
         # the same schema, "shared" standing for the stock engine at 3/4 of the token budgets
         floor = compare(runs["stock"], runs["stock-split"], names)
         doc["noise_floor"] = {"second_engine": "stock, every token budget x 3/4 (other micro-batch boundaries)",
                               "steps": floor}
+    if on_result is not None:
+        on_result(doc)
     return doc
 
 
@@ -593,12 +600,17 @@ def stock_description(ckpt: str, settings: CheckSettings) -> str:
             "needs Transformer Engine)")
 
 
+def relative_difference(a: float, b: float, floor: float = 1e-6) -> float:
+    """|a - b| relative to the larger magnitude; below `floor` (a loss whose terms cancel, e.g. GRPO
+    advantages summing to 0 over a mini-batch at ratio 1) the difference counts absolutely."""
+    return abs(a - b) / max(abs(a), abs(b), floor)
+
+
 def check_failures(doc: dict, logprob_tol: float = 1e-5, rel_tol: float = 1e-5) -> List[str]:
     """What the fp32 smoke requires, as messages (empty when it holds)."""
     bad = []
 
-    def rel(a, b):
-        return abs(a - b) / max(abs(a), abs(b), 1e-12)
+    rel = relative_difference
 
     for s in doc["steps"]:
         t = s["step"]
@@ -655,8 +667,7 @@ def format_report(doc: dict) -> str:
     if "noise_floor" in doc:
         for s in doc["noise_floor"]["steps"]:
             ups = s["updates"]
-            rel = max((abs(u[k][a] - u[k][b]) / max(abs(u[k][a]), 1e-12) for u in ups for k in ("loss", "grad_norm")),
-                      default=0.0)
+            rel = max((relative_difference(u[k][a], u[k][b]) for u in ups for k in ("loss", "grad_norm")), default=0.0)
             lines.append(f"noise floor step {s['step']} (stock vs stock, budgets x 3/4): logp|d| "
                          f"{s['logprob_max_abs_diff']:.2e}, ref|d| {s['ref_logprob_max_abs_diff']:.2e}, "
                          f"ent|d| {s['entropy_max_abs_diff']:.2e}, loss/grad-norm rel {rel:.2e}, "
