@@ -97,11 +97,12 @@ class PackedRows:
         """Flattened rows of log-probs, float32, from packed logits `[T, V]` (or `[1, T, V]`).
 
         `vocab_parallel`: `logits` is this rank's `[T, V / tp]` shard (megatron's parallel output
-        layer); megatron's `vocab_parallel_cross_entropy` reduces across the TP group and every rank
-        returns the same full rows. Otherwise the full vocabulary, normalised chunk by chunk."""
+        layer), normalised across the TP group chunk by chunk (`chunked_vocab_parallel_logprobs`: no
+        copy of the logits), every rank returning the same full rows. Otherwise the full vocabulary,
+        normalised chunk by chunk."""
         logits = self._packed_2d(logits)
         if vocab_parallel:
-            rows = self._vocab_parallel_logprobs(logits, tp_group)
+            rows = chunked_vocab_parallel_logprobs(self, logits, tp_group, chunk_rows)
         else:
             if chunk_rows < 1:
                 raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
@@ -136,47 +137,6 @@ class PackedRows:
             )
         return logits
 
-    def _fork_rows(self):
-        """(fork row mask, label of each packed position read by the other rows): every row that
-        reads a packed position with a label other than that position's common label is a fork row
-        (in a shared layout, row position P_i - 1 of every sample)."""
-
-        def build():
-            fork = torch.zeros_like(self.has_label)
-            if self.layout.shared:
-                starts = self.layout.row_offsets[:-1].to(fork.device)
-                fork[starts + self.layout.sample_prompt_length.to(fork.device) - 1] = True
-            fork &= self.in_shard  # a fork row of another CP shard is that rank's to compute
-            common = ~fork & self.in_shard
-            packed_labels = torch.zeros(self.num_positions, dtype=torch.long, device=fork.device)
-            packed_labels[self.source[common]] = self.safe_labels[common]
-            return fork, packed_labels
-
-        if not hasattr(self, "_fork_cache"):
-            self._fork_cache = build()
-        return self._fork_cache
-
-    def _vocab_parallel_logprobs(self, logits: torch.Tensor, tp_group) -> torch.Tensor:
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-        fork, packed_labels = self._fork_rows()
-        fork_source = self.source[fork]
-        # one cross entropy per packed position (its common label) plus one per fork row; the
-        # concatenation is a fresh float32 tensor, which megatron's cross entropy edits in place
-        ce_logits = torch.cat([logits, logits.index_select(0, fork_source)]).float()
-        ce_labels = torch.cat([packed_labels, self.safe_labels[fork]])
-        if self.vocab_size is not None:  # a padded vocabulary: this shard's ids >= vocab_size get -inf
-            group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
-            first_id = dist.get_rank(group) * ce_logits.shape[-1] if dist.is_initialized() else 0
-            keep = max(self.vocab_size - first_id, 0)
-            if keep < ce_logits.shape[-1]:
-                ce_logits[:, keep:] = float("-inf")
-        nll = vocab_parallel_cross_entropy(ce_logits, ce_labels, tp_group=tp_group)
-        index = self.source.clone()
-        index[fork] = self.num_positions + torch.arange(int(fork.sum()), device=index.device)
-        return -nll.index_select(0, index)
-
 
 class _RowLogprobs(torch.autograd.Function):
     """Full-vocabulary row log-probs without `[N, V]` float32 copies.
@@ -204,18 +164,146 @@ class _RowLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_rows):
         logits, src, label, lse = ctx.saved_tensors
-        T, V = logits.shape
         g = grad_rows.float()
-        weight = torch.zeros(T, dtype=torch.float32, device=logits.device).index_add_(0, src, g)
-        grad = torch.empty_like(logits)
-        c = ctx.chunk_rows
-        for a in range(0, T, c):
-            # in place: one float32 chunk alive at a time (this runs when every activation is alive,
-            # so its temporaries add directly to the step's peak memory)
-            # a copy even for float32 logits, whose .float() would be the saved logits themselves
-            probs = logits[a : a + c].to(torch.float32, copy=True)
-            probs.sub_(lse[a : a + c, None]).exp_().mul_(-weight[a : a + c, None])
-            probs[:, ctx.keep :] = 0.0  # a padded vocabulary's extra ids (none when keep == V)
-            grad[a : a + c] = probs
-        grad.view(-1).index_put_((src * V + label,), g.to(grad.dtype), accumulate=True)
+        grad = _minus_weighted_softmax(logits, lse, src, g, ctx.chunk_rows, ctx.keep)
+        grad.view(-1).index_put_((src * logits.shape[1] + label,), g.to(grad.dtype), accumulate=True)
         return grad, None, None, None, None
+
+
+def _minus_weighted_softmax(logits, lse, src, g, chunk_rows: int, keep: int) -> torch.Tensor:
+    """`-softmax(logits) * (sum of g over the rows reading each position)`, the softmax part of the
+    row log-probs' gradient, written chunk by chunk; columns from `keep` on get 0."""
+    T = logits.shape[0]
+    weight = torch.zeros(T, dtype=torch.float32, device=logits.device).index_add_(0, src, g)
+    grad = torch.empty_like(logits)
+    c = chunk_rows
+    for a in range(0, T, c):
+        # in place: one float32 chunk alive at a time (this runs when every activation is alive,
+        # so its temporaries add directly to the step's peak memory)
+        # a copy even for float32 logits, whose .float() would be the saved logits themselves
+        probs = logits[a : a + c].to(torch.float32, copy=True)
+        probs.sub_(lse[a : a + c, None]).exp_().mul_(-weight[a : a + c, None])
+        probs[:, keep:] = 0.0  # a padded vocabulary's extra ids (none when keep == V)
+        grad[a : a + c] = probs
+    return grad
+
+
+# ---- vocab-parallel rows without a copy of the logits (verl-check engineer) -------------------------
+
+
+def chunked_vocab_parallel_logprobs(rows: "PackedRows", logits: torch.Tensor, tp_group=None,
+                                    chunk_rows: int = 1024) -> torch.Tensor:
+    """Row log-probs from this rank's vocabulary shard `[T, V / tp]`, equal to megatron's
+    `vocab_parallel_cross_entropy` per row, without its float32 `[T + forks, V / tp]` copy: the
+    log-sum-exp of every packed position is taken chunk by chunk and reduced over the TP group (two
+    collectives on `[T]` vectors), each row's label logit is read on the rank that holds it (one
+    collective on `[N]`), and the backward writes the shard's gradient chunk by chunk."""
+    from megatron.core import parallel_state
+
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    group = tp_group
+    if group is None and dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_tensor_model_parallel_group()
+    rank = dist.get_rank(group) if group is not None else 0
+    first = rank * logits.shape[-1]
+    keep = logits.shape[-1] if rows.vocab_size is None else min(max(rows.vocab_size - first, 0), logits.shape[-1])
+    return _VocabParallelRowLogprobs.apply(logits.contiguous(), rows.source, rows.safe_labels, int(chunk_rows),
+                                           keep, first, group)
+
+
+class _VocabParallelRowLogprobs(torch.autograd.Function):
+    """`_RowLogprobs` over a vocabulary shard: columns `[first, first + V_local)` of the full
+    vocabulary live here, columns from `keep` on are a padded vocabulary's extra ids (out of the
+    softmax, no gradient). The gradient needs no collective: the shard's softmax uses the global
+    log-sum-exp, and a label's one-hot lands on the rank holding that column."""
+
+    @staticmethod
+    def forward(ctx, logits, src, label, chunk_rows, keep, first, group):
+        T, V = logits.shape
+        local_max = torch.full((T,), float("-inf"), dtype=torch.float32, device=logits.device)
+        local_sum = torch.zeros(T, dtype=torch.float32, device=logits.device)
+        if keep > 0:
+            for a in range(0, T, chunk_rows):
+                x = logits[a : a + chunk_rows, :keep].float()
+                local_max[a : a + chunk_rows] = x.max(dim=-1).values
+        global_max = local_max.clone()
+        if group is not None:
+            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+        if keep > 0:
+            for a in range(0, T, chunk_rows):
+                x = logits[a : a + chunk_rows, :keep].float()
+                local_sum[a : a + chunk_rows] = (x - global_max[a : a + chunk_rows, None]).exp().sum(dim=-1)
+        if group is not None:
+            dist.all_reduce(local_sum, op=dist.ReduceOp.SUM, group=group)
+        lse = global_max + local_sum.log()
+        local = (label >= first) & (label < first + keep)
+        col = (label - first).clamp(0, max(V - 1, 0))
+        target = torch.where(local, logits.reshape(-1).index_select(0, src * V + col).float(),
+                             torch.zeros((), dtype=torch.float32, device=logits.device))
+        if group is not None:
+            dist.all_reduce(target, op=dist.ReduceOp.SUM, group=group)
+        ctx.save_for_backward(logits, src, col, local, lse)
+        ctx.chunk_rows, ctx.keep = chunk_rows, keep
+        return target - lse.index_select(0, src)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        logits, src, col, local, lse = ctx.saved_tensors
+        g = grad_rows.float()
+        grad = _minus_weighted_softmax(logits, lse, src, g, ctx.chunk_rows, ctx.keep)
+        grad.view(-1).index_put_((src[local] * logits.shape[1] + col[local],), g[local].to(grad.dtype), accumulate=True)
+        return grad, None, None, None, None, None, None
+
+
+def chunked_vocab_parallel_entropy(logits: torch.Tensor, tp_group=None, chunk_rows: int = 1024) -> torch.Tensor:
+    """Entropy of the softmax of every packed position `[T]` (float32) from this rank's vocabulary
+    shard `[T, V / tp]`, equal to verl's `vocab_parallel_entropy`, chunk by chunk: no `[T, V / tp]`
+    float32 softmax or copy. Every column present counts (as verl's function counts them)."""
+    from megatron.core import parallel_state
+
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    group = tp_group
+    if group is None and dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_tensor_model_parallel_group()
+    return _VocabParallelEntropy.apply(logits.reshape(-1, logits.shape[-1]).contiguous(), int(chunk_rows), group)
+
+
+class _VocabParallelEntropy(torch.autograd.Function):
+    """H = lse - E[x] per position; dH/dx_j = -p_j (x_j - E[x]). Forward: max, sum of exp and sum of
+    exp * x per position, reduced over the TP group; backward local, chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, logits, chunk_rows, group):
+        T = logits.shape[0]
+        m = torch.empty(T, dtype=torch.float32, device=logits.device)
+        for a in range(0, T, chunk_rows):
+            m[a : a + chunk_rows] = logits[a : a + chunk_rows].float().max(dim=-1).values
+        if group is not None:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        sums = torch.zeros(2, T, dtype=torch.float32, device=logits.device)  # sum exp, sum exp * x
+        for a in range(0, T, chunk_rows):
+            x = logits[a : a + chunk_rows].float()
+            e = (x - m[a : a + chunk_rows, None]).exp_()
+            sums[0, a : a + chunk_rows] = e.sum(dim=-1)
+            sums[1, a : a + chunk_rows] = (e * x).sum(dim=-1)
+        if group is not None:
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        lse = m + sums[0].log()
+        mean_x = sums[1] / sums[0]
+        ctx.save_for_backward(logits, lse, mean_x)
+        ctx.chunk_rows = chunk_rows
+        return lse - mean_x
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, lse, mean_x = ctx.saved_tensors
+        g = grad.float()
+        out = torch.empty_like(logits)
+        c = ctx.chunk_rows
+        for a in range(0, logits.shape[0], c):
+            x = logits[a : a + c].float()
+            p = (x - lse[a : a + c, None]).exp_()
+            out[a : a + c] = (-p * (x - mean_x[a : a + c, None]) * g[a : a + c, None]).to(out.dtype)
+        return out, None, None

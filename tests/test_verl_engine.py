@@ -292,3 +292,40 @@ def test_train_batch_step_matches_stock_engine(checkpoints, fmt, batching):
     print(f"train_batch {fmt} {batching}: smallest update {moved:.2e}, max weight diff {diff:.2e}")
     assert moved > 1e-6  # every tensor was updated (lr 1e-3, Adam)
     assert diff < TOL * 1e-1
+
+
+def test_packed_budget_fewer_micro_batches_same_verl_loss_and_gradients(engines, checkpoints):
+    """The same dynamic token budget: verl counts every sample's prompt, our engine counts packed tokens
+    (each group's prompt once), so it forms fewer, fuller micro-batches with other boundaries. verl's
+    own `ppo_loss` (token-mean over the mini-batch's `batch_num_tokens`, KL loss and entropy on) gives
+    the same loss and the same gradients."""
+    from functools import partial
+
+    from verl.workers.utils.losses import ppo_loss
+
+    from ps_bridge.verl import check
+
+    path, hf = checkpoints("qwen2.5")
+    samples = grouped_samples(hf.config.vocab_size, num_prompts=4, n=4, seed=6)
+    budget = 2 * max(len(s.prompt) + len(s.response) for s in samples) + 4
+    settings = check.CheckSettings(model=path, n=4, overrides=["actor_rollout_ref.actor.entropy_coeff=0.01"])
+    actor_cfg, _, _ = check.role_configs(check.trainer_config(settings))
+    loss_fn = partial(ppo_loss, config=actor_cfg)
+    results = {}
+    for kind in ("stock", "ours"):
+        td = vt.grpo_micro_batch(samples, max_token_len=budget)
+        td["ref_log_prob"] = td["old_log_probs"] - 0.05 * td["old_log_probs"].abs()  # a KL term that is not 0
+        engine = engines("qwen2.5", "thd", kind, forward_only=False)
+        with vt.engine_call_on_cpu(), engine.train_mode():
+            engine.optimizer_zero_grad()
+            out = engine.forward_backward_batch(td, loss_fn, forward_only=False)
+            grads = {n: p.main_grad.detach().clone() for n, p in engine.module[0].named_parameters()}
+            engine.optimizer_zero_grad()
+        results[kind] = (float(sum(torch.as_tensor(x).float() for x in out["loss"])), grads,
+                         int(tu.get_non_tensor_data(td, key="num_micro_batch", default=0)))
+    (l_s, g_s, k_s), (l_o, g_o, k_o) = results["stock"], results["ours"]
+    print(f"micro-batches stock {k_s}, ours {k_o}; loss {l_s:.8g} vs {l_o:.8g}")
+    assert k_o < k_s
+    assert abs(l_o - l_s) <= TOL * abs(l_s)
+    worst = max(((g_o[n] - g_s[n]).abs().max() / g_s[n].abs().max().clamp(min=1e-12)).item() for n in g_s)
+    assert worst < TOL

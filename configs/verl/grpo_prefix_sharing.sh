@@ -27,9 +27,12 @@ TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-128}      # prompts per step
 PPO_MINI_BATCH_SIZE=${PPO_MINI_BATCH_SIZE:-32} # prompts per mini-batch
 MAX_PROMPT_LEN=${MAX_PROMPT_LEN:-1024}
 MAX_RESPONSE_LEN=${MAX_RESPONSE_LEN:-2048}
-# verl counts a group's tokens unshared; to keep groups of n whole the budget must hold
-# n * (prompt + response) tokens (the packed micro-batch itself is smaller by the sharing factor)
-MAX_TOKENS_PER_GPU=${MAX_TOKENS_PER_GPU:-$(( N_RESPONSES * (MAX_PROMPT_LEN + MAX_RESPONSE_LEN) ))}
+# With prefix sharing on, the *_max_token_len_per_gpu budgets count the tokens a packed micro-batch
+# really holds: each group's prompt ONCE plus its responses (ps_bridge.verl.engine, prefix-aware
+# micro-batches; see docs/verl.md). A budget of one whole group keeps every group whole:
+# prompt + n * response. Micro-batch memory follows this packed count, so the same number is the
+# same activation memory as an unshared budget of that size, with more samples in it.
+MAX_TOKENS_PER_GPU=${MAX_TOKENS_PER_GPU:-$(( MAX_PROMPT_LEN + N_RESPONSES * MAX_RESPONSE_LEN ))}
 ROLLOUT_NAME=${ROLLOUT_NAME:-vllm}
 PROJECT=${PROJECT:-ps_bridge_grpo}
 EXPERIMENT=${EXPERIMENT:-$(basename "$MODEL_PATH")-${DEVICE}-prefix-sharing}

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -172,9 +172,17 @@ class PrefixSharingEngineMixin:
 
         return unwrap_model(self.module[0])
 
-    # ---- keeping groups whole -----------------------------------------------------------------
+    # ---- micro-batches: groups whole, token budgets in packed tokens -----------------------------
     def forward_backward_batch(self, data, loss_function, forward_only=False):
+        from megatron.core import parallel_state as mpu
+        from verl.utils import tensordict_utils as tu
+
         keep_groups_whole(data)
+        cfg = self._prefix_sharing()
+        if cfg.enabled:
+            install_prefix_aware_micro_batching()
+            pad = cfg.pad_multiple or mpu.get_tensor_model_parallel_world_size()
+            tu.assign_non_tensor(data, **{PACKED_BUDGET_KEY: True, PAD_MULTIPLE_KEY: pad})
         return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
 
     # ---- the forward step -----------------------------------------------------------------------
@@ -225,31 +233,27 @@ class PrefixSharingEngineMixin:
     def _packed_outputs(self, logits, rows: PackedRows, temperature: torch.Tensor, calculate_entropy: bool,
                         calculate_sum_pi_squared: bool):
         """Rows of log-probs (and entropy, sum of squared probabilities) from the packed TP-sharded
-        logits, each position scaled by its samples' temperature."""
-        from verl.utils.megatron.tensor_parallel import (
-            vocab_parallel_entropy,
-            vocab_parallel_entropy_with_chunking,
-            vocab_parallel_sum_pi_squared,
-        )
+        logits, each position scaled by its samples' temperature. Log-probs and entropy are taken
+        chunk by chunk (`ps_bridge.rows`): no float32 copy of the logits; with every temperature 1
+        the logits are not rescaled (copied) either."""
+        from verl.utils.megatron.tensor_parallel import vocab_parallel_sum_pi_squared
+
+        from ps_bridge.rows import chunked_vocab_parallel_entropy
 
         logits = logits.reshape(-1, logits.shape[-1])
         layout = rows.layout
-        # every row reading a packed position belongs to one group, whose samples share a temperature
-        packed_temperature = torch.ones(layout.num_tokens, dtype=torch.float32, device=logits.device)
-        packed_temperature[rows.source] = temperature.repeat_interleave(layout.row_offsets.diff().to(logits.device))
-        logits = logits / packed_temperature.unsqueeze(-1).to(logits.dtype)
+        if not bool((temperature == 1).all()):
+            # every row reading a packed position belongs to one group, whose samples share a temperature
+            packed_temperature = torch.ones(layout.num_tokens, dtype=torch.float32, device=logits.device)
+            packed_temperature[rows.source] = temperature.repeat_interleave(layout.row_offsets.diff().to(logits.device))
+            logits = logits / packed_temperature.unsqueeze(-1).to(logits.dtype)
+        chunk = self.engine_config.entropy_from_logits_chunk_size
         out = {}
         if calculate_sum_pi_squared:
             out["sum_pi_squared"] = rows.nested(rows.values(vocab_parallel_sum_pi_squared(logits)))
         if calculate_entropy:
-            if self.engine_config.entropy_from_logits_with_chunking:
-                entropy = vocab_parallel_entropy_with_chunking(
-                    logits, chunk_size=self.engine_config.entropy_from_logits_chunk_size
-                )
-            else:
-                entropy = vocab_parallel_entropy(logits)
-            out["entropy"] = rows.nested(rows.values(entropy))
-        out["log_probs"] = rows.nested(rows.logprobs(logits, vocab_parallel=True))
+            out["entropy"] = rows.nested(rows.values(chunked_vocab_parallel_entropy(logits, chunk_rows=chunk)))
+        out["log_probs"] = rows.nested(rows.logprobs(logits, vocab_parallel=True, chunk_rows=chunk))
         return out
 
 
@@ -282,40 +286,195 @@ def _warn_once(key: str, message: str, *args) -> None:
 
 
 def keep_groups_whole(data) -> None:
-    """Keep the n responses of a prompt in one micro-batch: verl's `force_group_size` for dynamic
-    batch sizes; for static ones a micro-batch size that is a multiple of n already does it.
-
-    verl refuses a forced group longer than the micro-batch token budget, and counts a group's
-    tokens unshared, so groups that do not fit are left to be split (exact, shares less)."""
+    """Static micro-batch sizes: a size that is a multiple of n keeps groups whole, any other splits
+    them (exact, shares less; said once). Dynamic sizes are formed by `prefix_aware_micro_batches`."""
     from verl.utils import tensordict_utils as tu
 
     n = group_run_length(uid_list(data))
-    if n == 1:
+    if n == 1 or tu.get_non_tensor_data(data, key="use_dynamic_bsz", default=True):
         return
-    if tu.get_non_tensor_data(data, key="use_dynamic_bsz", default=True):
-        if tu.get_non_tensor_data(data, key="force_group_size", default=1) != 1:
-            return
-        lengths = data["input_ids"].offsets().diff()
-        longest_group = int(lengths.view(-1, n).sum(dim=1).max())
-        budget = int(data["max_token_len_per_gpu"]) * int(tu.get_non_tensor_data(data, key="sp_size", default=1))
-        if longest_group <= budget:
-            tu.assign_non_tensor(data, force_group_size=n)
-        else:
+    mbs = tu.get_non_tensor_data(data, key="micro_batch_size_per_gpu", default=None)
+    if mbs is not None and mbs % n:
+        _warn_once(
+            "static",
+            "[PS][prepare] micro_batch_size_per_gpu=%s is not a multiple of the group size %d: groups are "
+            "split across micro-batches (results stay exact, less is shared)", mbs, n,
+        )
+
+
+# ---- prefix-aware micro-batches ------------------------------------------------------------------
+#
+# verl forms dynamic micro-batches (`prepare_micro_batches` -> `rearrange_micro_batches`) from a token
+# budget that counts every sample's prompt again. With sharing on, our engine marks the batch
+# (`PACKED_BUDGET_KEY`) and the budget counts what a packed micro-batch really holds: each group's
+# prompt once plus its responses, every segment padded to the pack's multiple. Groups stay whole
+# (a group that alone exceeds the budget is cut into parts that fit, each holding the prompt once),
+# micro-batches are balanced by packed tokens with verl's own partitioner, and the micro-batch count
+# is agreed across data-parallel ranks as verl agrees it. Batches without the mark (the stock engine,
+# sharing off) go to verl's function unchanged.
+
+PACKED_BUDGET_KEY = "ps_bridge_packed_budget"
+PAD_MULTIPLE_KEY = "ps_bridge_pad_multiple"
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def prompt_and_total_lengths(data):
+    """Per sample (prompt length, prompt + response length) from verl's no-padding batch."""
+    total = data["input_ids"].offsets().diff().tolist()
+    prompts = data["prompts"]
+    if prompts.is_nested:
+        prompt = prompts.offsets().diff().tolist()
+    else:
+        prompt = data["attention_mask"][:, : prompts.shape[1]].sum(dim=1).tolist()
+    return prompt, total
+
+
+def sample_groups(data) -> List[List[int]]:
+    """Sample indices of each group: verl's `uid` when present, else identical prompt tokens; in
+    order of first appearance (members need not be adjacent)."""
+    uids = uid_list(data)
+    if uids is None:
+        prompts = data["prompts"]
+        rows = prompts.unbind() if prompts.is_nested else [
+            p[m.bool()] for p, m in zip(prompts, data["attention_mask"][:, : prompts.shape[1]])]
+        uids = [tuple(r.tolist()) for r in rows]
+    order: dict = {}
+    for i, u in enumerate(uids):
+        order.setdefault(u, []).append(i)
+    return list(order.values())
+
+
+def packed_units(groups: List[List[int]], prompt_len: List[int], total_len: List[int], budget: int,
+                 pad_multiple: int = 1):
+    """(sample indices, packed tokens) per unit a micro-batch takes whole: a group, or the parts of a
+    group that alone holds more than `budget` packed tokens (each part holding the prompt once)."""
+    units = []
+    for members in groups:
+        P = _round_up(prompt_len[members[0]], pad_multiple)
+        part, tokens, first = [], P, len(units)
+        for i in members:
+            r = _round_up(total_len[i] - prompt_len[i], pad_multiple)
+            if P + r > budget:
+                raise ValueError(
+                    f"a sample of {total_len[i]} tokens (prompt {prompt_len[i]}) does not fit the micro-batch token "
+                    f"budget of {budget}: raise actor_rollout_ref.actor.ppo_max_token_len_per_gpu / "
+                    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu / "
+                    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"
+                )
+            if part and tokens + r > budget:
+                units.append((part, tokens))
+                part, tokens = [], P
+            part.append(i)
+            tokens += r
+        units.append((part, tokens))
+        if len(units) - first > 1:
             _warn_once(
                 "budget",
-                "[PS][prepare] a group of %d responses has %d tokens (counted unshared), more than the micro-batch "
-                "budget max_token_len_per_gpu=%d: groups may be split across micro-batches (results stay exact, "
-                "less is shared); raise the *_max_token_len_per_gpu settings to keep them whole",
-                n, longest_group, budget,
+                "[PS][prepare] a group of %d responses holds %d packed tokens, more than the micro-batch budget "
+                "%d: it is split across micro-batches (results stay exact, less is shared); raise the "
+                "*_max_token_len_per_gpu settings to keep groups whole",
+                len(members), sum(t for _, t in units[first:]) - P * (len(units) - first - 1), budget,
             )
-    else:
-        mbs = tu.get_non_tensor_data(data, key="micro_batch_size_per_gpu", default=None)
-        if mbs is not None and mbs % n:
-            _warn_once(
-                "static",
-                "[PS][prepare] micro_batch_size_per_gpu=%s is not a multiple of the group size %d: groups are "
-                "split across micro-batches (results stay exact, less is shared)", mbs, n,
-            )
+    return units
+
+
+def partition_units(unit_tokens: List[int], budget: int, dp_group=None, num_batches_divided_by=None,
+                    same_micro_num_in_dp: bool = True, min_num_micro_batch=None) -> List[List[int]]:
+    """Units -> micro-batches (lists of unit indices), each within `budget` packed tokens, balanced by
+    packed tokens with verl's partitioner; as few as fit (the count agreed across `dp_group`)."""
+    import torch.distributed as dist
+    from verl.utils.device import get_device_name
+    from verl.utils.seqlen_balancing import get_seqlen_balanced_partitions, roundup_divisible
+
+    sync = dist.is_initialized() and same_micro_num_in_dp and dp_group is not None
+
+    def agree(value: int, largest: bool) -> int:
+        """The largest (else smallest) value over the data-parallel ranks."""
+        if not sync:
+            return value
+        t = torch.tensor([value if largest else -value], device=get_device_name())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)
+        return int(t.item()) if largest else -int(t.item())
+
+    k = min(len(unit_tokens), -(-sum(unit_tokens) // budget))
+    if min_num_micro_batch is not None:
+        k = max(k, min_num_micro_batch)
+    k = agree(k, largest=True)
+    if num_batches_divided_by is not None:
+        k = roundup_divisible(k, num_batches_divided_by)
+    fewest_units = agree(len(unit_tokens), largest=False)
+    step = num_batches_divided_by or 1
+    while True:
+        if k > fewest_units:
+            raise ValueError(f"cannot form {k} non-empty micro-batches from {fewest_units} groups within the token "
+                             f"budget {budget}: raise the *_max_token_len_per_gpu settings")
+        parts = get_seqlen_balanced_partitions(unit_tokens, k, equal_size=False)
+        fits = int(all(sum(unit_tokens[u] for u in part) <= budget for part in parts))
+        if agree(fits, largest=False):
+            break
+        k += step
+    parts.sort(key=lambda part: (sum(unit_tokens[u] for u in part), part[0] if part else 0), reverse=True)
+    return parts[::2][::-1] + parts[1::2]  # verl's order: the smaller micro-batches at both ends
+
+
+def prefix_aware_micro_batches(data, dp_group=None, num_batches_divided_by=None, same_micro_num_in_dp=True,
+                               min_num_micro_batch=None, **_ignored):
+    """verl's `prepare_micro_batches` contract (micro-batches, sample index lists) for a batch our
+    engine marked: dynamic budgets counted in packed tokens."""
+    from verl.utils import tensordict_utils as tu
+
+    budget = int(data["max_token_len_per_gpu"]) * int(tu.get_non_tensor_data(data, key="sp_size", default=1))
+    pad = int(tu.get_non_tensor_data(data, key=PAD_MULTIPLE_KEY, default=1))
+    prompt_len, total_len = prompt_and_total_lengths(data)
+    units = packed_units(sample_groups(data), prompt_len, total_len, budget, pad)
+    parts = partition_units([t for _, t in units], budget, dp_group, num_batches_divided_by, same_micro_num_in_dp,
+                            min_num_micro_batch)
+    indices = [[i for u in part for i in units[u][0]] for part in parts]
+    return [tu.index_select_tensor_dict(data, idx) for idx in indices], indices
+
+
+def install_prefix_aware_micro_batching() -> None:
+    """verl's Megatron engine calls its module's `prepare_micro_batches`; route the batches our engine
+    marked to `prefix_aware_micro_batches`, every other batch (the stock engine's) to verl's own
+    function, unchanged. Idempotent."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.megatron import transformer_impl
+
+    stock = transformer_impl.prepare_micro_batches
+    if getattr(stock, "__ps_bridge__", False):
+        return
+
+    def prepare_micro_batches(data, *args, **kwargs):
+        if tu.get_non_tensor_data(data, key=PACKED_BUDGET_KEY, default=False) and \
+                tu.get_non_tensor_data(data, key="use_dynamic_bsz", default=True):
+            return prefix_aware_micro_batches(data, *args, **kwargs)
+        return stock(data, *args, **kwargs)
+
+    prepare_micro_batches.__ps_bridge__ = True
+    prepare_micro_batches.__wrapped__ = stock
+    transformer_impl.prepare_micro_batches = prepare_micro_batches
+
+
+def group_dp_partitions(uids: Sequence, prompt_len: Sequence[int], total_len: Sequence[int],
+                        dp_size: int) -> List[List[int]]:
+    """The trainer-side split of a batch over data-parallel ranks that prefix sharing needs: whole
+    groups (same uid) per rank, balanced by packed tokens (each prompt once), `dp_size` lists of
+    sample indices. verl's own `get_group_balanced_partitions` (what `actor.use_prefix_grouper=True`
+    turns on in `RayPPOTrainer._balance_batch`) keeps groups whole too but balances unshared tokens."""
+    from verl.utils.seqlen_balancing import get_seqlen_balanced_partitions
+
+    order: dict = {}
+    for i, u in enumerate(uids):
+        order.setdefault(u, []).append(i)
+    groups = list(order.values())
+    if len(groups) < dp_size:
+        raise ValueError(f"{len(groups)} groups cannot fill {dp_size} data-parallel ranks with whole groups")
+    tokens = [prompt_len[g[0]] + sum(total_len[i] - prompt_len[i] for i in g) for g in groups]
+    parts = get_seqlen_balanced_partitions(tokens, dp_size, equal_size=len(groups) % dp_size == 0)
+    return [sorted(i for gi in part for i in groups[gi]) for part in parts]
 
 
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead  # noqa: E402

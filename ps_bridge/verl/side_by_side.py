@@ -37,12 +37,52 @@ def _causal_attention(q, k, v, key_valid, scale):
     return torch.matmul(probs, v.float()).to(q.dtype)
 
 
+def stock_uses_flash(query: torch.Tensor) -> bool:
+    """The stock THD model attends with the flash varlen kernels our unshared path runs (CUDA,
+    fp16/bf16, head dim the kernels take); elsewhere with the plain reference."""
+    from ps_bridge.kernels.attention.varlen import flash_supports
+
+    return query.dim() == 3 and flash_supports(query)
+
+
+def stock_attention_name(dtype: torch.dtype) -> str:
+    """What `ReferenceCoreAttention` runs for THD inputs of `dtype` on this machine (for the output)."""
+    from ps_bridge.kernels.attention.varlen import flash_takes, kernel_for
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if flash_takes(device, dtype, 128):
+        return f"flash varlen ({kernel_for(device).name}), as the unshared path"
+    return "plain softmax reference (ReferenceCoreAttention)"
+
+
+class _CausalPlan:
+    """One causal varlen call over verl's padded THD segments (the plan interface PlannedAttention runs)."""
+
+    def __init__(self, bounds):
+        from ps_bridge.kernels.attention.varlen import VarlenCall
+
+        self.call = VarlenCall(cu_q=list(bounds), cu_k=list(bounds), causal=True)
+
+    def forward(self, q, k, v, scale, kernel):
+        return kernel.forward(q, k, v, self.call, scale)
+
+    def backward(self, dout, q, k, v, out, lse, scale, kernel, aux):
+        return kernel.backward(dout, q, k, v, out, lse, self.call, scale, aux)
+
+
+def _flash_causal(q, k, v, bounds, scale):
+    from ps_bridge.kernels.attention.varlen import PlannedAttention, kernel_for
+
+    return PlannedAttention.apply(q, k, v, _CausalPlan(bounds), float(scale), kernel_for(q.device))
+
+
 def _reference_core_attention_class():
     from megatron.core.transformer.module import MegatronModule
 
     class ReferenceCoreAttention(MegatronModule):
         """Causal softmax attention for verl's stock formats: THD with `cu_seqlens_*_padded`, or
-        BSHD `[s, b, h, d]` with verl's `[b, s]` validity mask. The test's ground truth."""
+        BSHD `[s, b, h, d]` with verl's `[b, s]` validity mask. The test's ground truth; on a GPU in
+        bf16/fp16 the THD path runs the flash varlen kernels of our unshared path instead."""
 
         def __init__(self, config, layer_number, attn_mask_type=None, attention_type="self",
                      attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None, **kwargs):
@@ -53,6 +93,8 @@ def _reference_core_attention_class():
                     packed_seq_params=None, **kwargs):
             if packed_seq_params is not None:
                 bounds = packed_seq_params.cu_seqlens_q_padded.tolist()
+                if stock_uses_flash(query):
+                    return _flash_causal(query, key, value, bounds, self.scale).reshape(query.shape[0], -1)
                 out = torch.empty_like(query)
                 for a, b in zip(bounds[:-1], bounds[1:]):
                     valid = torch.ones(b - a, dtype=torch.bool, device=query.device)
@@ -128,29 +170,41 @@ STOCK_TEST_OVERRIDES = dict(
 def build_engine(engine_cls, ckpt: str, *, use_remove_padding: bool = True, forward_only: bool = True,
                  overrides: Optional[dict] = None, use_fused_kernels: bool = False,
                  external_lib: Optional[str] = None, vanilla_mbridge: bool = False, tp: int = 1,
-                 sequence_parallel: bool = False):
-    """verl's own constructor and `initialize()` for `engine_cls`, fp32, on the CPU (one process per
-    tensor-parallel rank under torchrun, gloo)."""
+                 sequence_parallel: bool = False, engine_config=None, optimizer_config=None,
+                 dtype: str = "float32"):
+    """verl's own constructor and `initialize()` for `engine_cls`, on the CPU (one process per
+    tensor-parallel rank under torchrun, gloo) or the GPU. `engine_config` / `optimizer_config`: verl's
+    `McoreEngineConfig` / `McoreOptimizerConfig` from a trainer config (`ps-bridge verl-check`), else
+    the tests' (fp32, TP `tp`, plain Adam). Either way the fusions and dropout are off
+    (`STOCK_TEST_OVERRIDES`): both engines of a comparison compute the same thing."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
 
     from ps_bridge.parallel import init_parallel
 
-    init_parallel(tp=tp)
     model_config = HFModelConfig(path=ckpt, use_remove_padding=use_remove_padding, external_lib=external_lib)
-    engine_config = McoreEngineConfig(
-        forward_only=forward_only,
-        tensor_model_parallel_size=tp,
-        sequence_parallel=sequence_parallel,
-        use_distributed_optimizer=False,
-        vanilla_mbridge=vanilla_mbridge,
-        override_transformer_config=dict(STOCK_TEST_OVERRIDES, **(overrides or {})),
-    )
+    if engine_config is None:
+        engine_config = McoreEngineConfig(
+            forward_only=forward_only,
+            tensor_model_parallel_size=tp,
+            sequence_parallel=sequence_parallel,
+            use_distributed_optimizer=False,
+            vanilla_mbridge=vanilla_mbridge,
+            override_transformer_config=dict(STOCK_TEST_OVERRIDES, **(overrides or {})),
+        )
+    else:
+        user = dict(engine_config.override_transformer_config or {})
+        object.__setattr__(engine_config, "override_transformer_config", dict(user, **STOCK_TEST_OVERRIDES, **(overrides or {})))
+        object.__setattr__(engine_config, "forward_only", forward_only)
+        tp = engine_config.tensor_model_parallel_size
+    init_parallel(tp=tp)
     # McoreEngineConfig accepts only bf16/fp16 at construction; fp32 makes the comparison exact.
-    object.__setattr__(engine_config, "dtype", "float32")
+    object.__setattr__(engine_config, "dtype", dtype)
     object.__setattr__(engine_config, "use_remove_padding", use_remove_padding)
     object.__setattr__(engine_config, "use_fused_kernels", use_fused_kernels)
-    optimizer_config = McoreOptimizerConfig(lr=1e-3, clip_grad=0.0, weight_decay=0.0, total_training_steps=10, lr_warmup_steps=0)
+    if optimizer_config is None:
+        optimizer_config = McoreOptimizerConfig(lr=1e-3, clip_grad=0.0, weight_decay=0.0, total_training_steps=10,
+                                                lr_warmup_steps=0)
     engine = engine_cls(model_config, engine_config, optimizer_config, CheckpointConfig())
     with engine_call_on_cpu():  # megatron's optimizer keeps scalars on device="cuda"
         engine.initialize()
