@@ -443,7 +443,9 @@ def run_kind(kind: str, settings: CheckSettings, ckpt: str, cfg, batches, progre
             dataloader_kwargs={"shuffle": bool(arr.actor.shuffle)}, compute_loss=True,
         )
         metrics = phase("update", lambda: actor.train(td), actor)
-        mask = batch.batch["response_mask"].bool()
+        # the comparison runs on the CPU, whatever device the engines returned their rows on
+        old, ref_lp, entropy = old.cpu(), ref_lp.cpu(), entropy.cpu()
+        mask = batch.batch["response_mask"].bool().cpu()
         losses = [float(x) for x in _as_list(metrics.get("loss"))]
         norms = [float(x) for x in _as_list(metrics.get("grad_norm"))]
         kls = metrics.get("kl_loss", [])

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The verl-check step of scripts/gpu_moe_verl.sh alone (Qwen2.5-7B shape, 4 layers, 3 steps), for a
+# call that follows it on the same warm machine or a fresh one.
+set -uo pipefail
+OUT=${OUT:-/tmp/ps-bridge-out}
+mkdir -p "$OUT"
+[ -d /tmp/gpusite ] || tar -C /tmp -xJf .whl/gpusite.tar.xz || exit 1
+source scripts/gpu_env.sh
+python3 -m pip install -q --no-deps --no-build-isolation --disable-pip-version-check -e . >/tmp/ps-bridge-install.log 2>&1 || exit 1
+log="$OUT/run.log"
+timeout ${LIMIT:-400} python3 -m ps_bridge.cli verl-check --model "${MODEL:-qwen2.5-7b}" --no-progress --workdir /tmp/verl-check --layers 4 \
+  --prompts 32 --n 8 --prompt-len 2048 --response-len 512 --steps 3 --dtype bfloat16 \
+  --json "$OUT/verl_check_${MODEL:-qwen2.5-7b}.json" --plot "$OUT/verl_check_${MODEL:-qwen2.5-7b}.png" \
+  actor_rollout_ref.actor.ppo_mini_batch_size=8 actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384 \
+  actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768 actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=32768 \
+  >>"$log" 2>&1; echo "=== exit $? ($(date +%T))" >>"$log"
+grep -v "Warning\|warn" "$log" | tail -25
