@@ -29,7 +29,8 @@ _THIRD_PARTY_MODULES = (
 # (megatron's tensor-parallel layers, on every rank) that CUDA_DEVICE_MAX_CONNECTIONS=1 is advised.
 _NOTICE_MESSAGES = (
     r".*(not installed|falling back|fall back|roll back|not supported on current platform|"
-    r"only transformer-engine|deprecated|recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS)"
+    r"only transformer-engine|deprecated|recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS|"
+    r"engine is not available|is experimental and still under active development)"
 )
 # Third-party loggers whose records below ERROR are dropped. A logger that sets its own level at
 # import (megatron.bridge.utils.import_utils: INFO, with its own handler) is held by the filter.
@@ -58,6 +59,8 @@ def quiet_third_party(verbose: bool) -> None:
         return
     _QUIET["active"] = True
     warnings.filterwarnings("ignore", message=_NOTICE_MESSAGES, module=_THIRD_PARTY_MODULES)
+    # verl's engine config (a generated dataclass __post_init__, so the warning's module is "<string>")
+    warnings.filterwarnings("ignore", message="set sequence parallel to false as TP size is 1")
     for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
         warnings.filterwarnings("ignore", category=category, module=_THIRD_PARTY_MODULES)
     for name in _QUIET_LOGGERS:

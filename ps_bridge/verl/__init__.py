@@ -26,13 +26,15 @@ ENGINE_KEYS = (("cuda", "nvidia"), ("npu", "huawei"))
 
 
 def _ensure_log_handler() -> None:
-    """verl configures the root logger at WARNING; the `[PS]` lines are INFO and must reach the log."""
+    """verl configures the root logger at WARNING; the `[PS]` lines are INFO and must reach the log.
+    A level already set on our logger (the `ps-bridge` commands set it from `-v`) is kept."""
     if not logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
-    logger.setLevel(log_level_from_env())
+    if logger.level == logging.NOTSET:
+        logger.setLevel(log_level_from_env())
 
 
 def register_engines(config: PrefixSharingConfig) -> None:
