@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The verl-check step of scripts/gpu_moe_verl.sh alone (Qwen2.5-7B shape, 4 layers, 3 steps), for a
-# call that follows it on the same warm machine or a fresh one.
+# One verl-check shape (MODEL=qwen2.5-7b by default; LIMIT seconds, default 400), 4 layers, 3 steps, the
+# issue's data and budgets: for a call of its own on a warm or fresh nvidia-h200.
 set -uo pipefail
 OUT=${OUT:-/tmp/ps-bridge-out}
 mkdir -p "$OUT"
