@@ -63,14 +63,6 @@ class ParallelSettings:
                 "prefix sharing does not support dynamic context parallelism: dynamic_context_parallel=True; "
                 f"leave it off (a fixed context_parallel_size={self.cp} is supported)"
             )
-        if verl_engine and self.cp > 1:
-            # the engine's forward step would need its labels (verl's preprocess slices them by CP
-            # rank) and outputs per CP shard; not built nor tested yet
-            raise ValueError(
-                f"the prefix-shared verl engine does not support context parallelism yet: context_parallel_size="
-                f"{self.cp}; set actor_rollout_ref.actor.megatron.context_parallel_size=1 (and the ref's). "
-                "CP with prefix sharing runs in ps_bridge.schedule.logprob_pass and the CLI (--cp)"
-            )
         if self.vpp is not None and self.vpp > 1:
             raise ValueError(
                 f"prefix sharing does not support virtual pipeline stages: "

@@ -185,9 +185,12 @@ def test_context_parallel_settings():
     ParallelSettings(tp=2, cp=2, sequence_parallel=True, pp=2).check_supported()
     with pytest.raises(ValueError, match="dynamic_context_parallel"):
         ParallelSettings(cp=2, dynamic_cp=True).check_supported()
-    # not yet in the verl engine (its labels and outputs are not per CP shard): refused there, by name
-    with pytest.raises(ValueError, match="verl engine does not support context parallelism yet: context_parallel_size=2"):
-        ParallelSettings(cp=2).check_supported(verl_engine=True)
+    # the verl engine takes static CP too; dynamic CP and virtual pipeline stages stay refused there
+    ParallelSettings(tp=2, cp=2, sequence_parallel=True).check_supported(verl_engine=True)
+    with pytest.raises(ValueError, match="dynamic_context_parallel"):
+        ParallelSettings(cp=2, dynamic_cp=True).check_supported(verl_engine=True)
+    with pytest.raises(ValueError, match="virtual_pipeline_model_parallel_size=2"):
+        ParallelSettings(pp=2, cp=2, vpp=2).check_supported(verl_engine=True)
     qwen = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
     ParallelSettings(tp=2, cp=2).check(world_size=4, hf_config=qwen)  # 1 KV head per TP rank: repeated
     with pytest.raises(ModelShapeError, match=r"--cp 4.*4 query heads per TP rank|num_attention_heads=4 gives 2 query heads per TP rank, not divisible by 4"):

@@ -164,3 +164,36 @@ def test_tensor_parallel_two_ranks_match_stock_engine(qwen2_dir, sequence_parall
     for r in results:
         print(r)
         assert all(v < 1e-5 for k, v in r.items() if k not in ("rank", "tp_size")), r
+
+
+def test_context_parallel_two_ranks_match_engine_at_cp1(qwen2_dir, tmp_path):
+    """Our engine at context_parallel_size=2 with prefix sharing (two CPU processes, gloo, fp32) against
+    our own engine at CP=1 unshared, same checkpoint and micro-batches: `infer_batch` log-probs and
+    entropy (temperature 0.7) and the policy-loss gradients (`grad_loss`; megatron's CP loss scaling
+    and the gradient mean over data-parallel-with-CP must give the CP=1 gradient, not CP times it).
+    verl's stock engine is not the reference here: it has no context parallelism without Transformer
+    Engine, which does not run on a CPU."""
+    harness = str(Path(__file__).with_name("verl_harness.py"))
+    inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out = {}
+    for cp in (1, 2):
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cp}", harness,
+             "context_parallel", qwen2_dir, str(cp), str(tmp_path / f"cp{cp}")],
+            env=inherited, capture_output=True, text=True, timeout=300,
+        )
+        results = [json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", proc.stdout)]
+        assert proc.returncode == 0 and len(results) == cp, proc.stderr[-3000:]
+        assert all(r["cp_size"] == cp for r in results)
+        out[cp] = [torch.load(tmp_path / f"cp{cp}.rank{r}") for r in range(cp)]
+    ref = out[1][0]
+    for rank, got in enumerate(out[2]):  # every CP rank hands verl the full rows
+        for key in ("log_probs", "entropy"):
+            assert [len(t) for t in got[key]] == [len(t) for t in ref[key]]
+            diff = max((a - b).abs().max().item() for a, b in zip(got[key], ref[key]))
+            assert diff <= 1e-5, (rank, key, diff)
+        assert got["grads"].keys() == ref["grads"].keys()
+        for name, g in ref["grads"].items():
+            assert g.abs().max() > 0, name
+            rel = ((got["grads"][name] - g).abs().max() / g.abs().max()).item()
+            assert rel <= 1e-5, (rank, name, rel)

@@ -1,5 +1,7 @@
-"""verl engine comparison under tensor parallelism, one process per rank (run by tests/test_verl_plugin.py
-as `python tests/verl_harness.py CKPT [sequence_parallel]` under torch.distributed.run)."""
+"""verl engine comparisons, one process per rank, run by tests/test_verl_plugin.py under torch.distributed.run:
+`python tests/verl_harness.py CKPT [sequence_parallel]` (tensor parallelism, against the stock engine) and
+`python tests/verl_harness.py context_parallel CKPT CP OUT` (our engine at context_parallel_size CP: rows and
+gradients saved to OUT)."""
 
 from __future__ import annotations
 
@@ -47,6 +49,40 @@ def engine_comparison(ckpt: str, tp: int = 2, sequence_parallel: bool = False) -
     return result
 
 
+# ---- context parallelism: our engine's rows and gradients at a CP size -------------------------------
+
+
+def context_parallel_run(ckpt: str, cp: int, out: str) -> dict:
+    """Our engine at `context_parallel_size=cp` (prefix sharing on at cp > 1, off at cp == 1: the
+    unshared reference), THD: `infer_batch` rows and the policy-loss gradients (`grad_loss`), saved
+    by every rank to `OUT.rank<r>`."""
+    import torch
+    import torch.distributed as dist
+
+    from ps_bridge.verl.side_by_side import build_engine, grpo_micro_batch, prepare_side_by_side
+
+    prepare_side_by_side()
+    from megatron.core import parallel_state
+
+    from ps_bridge.config import PrefixSharingConfig
+    from ps_bridge.tiny_checkpoints import grpo_like_samples
+    from ps_bridge.verl.engine import PrefixSharedMegatronEngine
+
+    samples = grpo_like_samples(256, num_prompts=3, n=4, seed=7, shuffle=False)
+    engine = build_engine(PrefixSharedMegatronEngine, ckpt, use_remove_padding=True, forward_only=False, cp=cp)
+    engine.prefix_sharing_config = PrefixSharingConfig(enabled=cp > 1)
+    with engine_call_on_cpu(), engine.eval_mode():  # a temperature != 1: each shard's positions rescaled
+        rows = engine.infer_batch(grpo_micro_batch(samples, micro_batch_size=4, temperature=0.7))["model_output"]
+    with engine_call_on_cpu(), engine.train_mode():
+        engine.optimizer_zero_grad()
+        engine.forward_backward_batch(grpo_micro_batch(samples, micro_batch_size=4), grad_loss, forward_only=False)
+        grads = {n: p.main_grad.detach().clone() for n, p in engine.module[0].named_parameters()}
+    rank = dist.get_rank()
+    torch.save({"log_probs": [t.clone() for t in rows["log_probs"].unbind()],
+                "entropy": [t.clone() for t in rows["entropy"].unbind()], "grads": grads}, f"{out}.rank{rank}")
+    return {"rank": rank, "cp_size": parallel_state.get_context_parallel_world_size()}
+
+
 def grad_loss(model_output, data, dp_group=None):
     """Response log-probs weighted by the advantages plus entropy, token mean over the mini-batch."""
     from verl.workers.utils.padding import no_padding_2_padding
@@ -62,5 +98,8 @@ def grad_loss(model_output, data, dp_group=None):
 if __name__ == "__main__":
     import json
 
-    sp = len(sys.argv) > 2 and sys.argv[2] == "sequence_parallel"
-    print("RESULT " + json.dumps(engine_comparison(sys.argv[1], sequence_parallel=sp)), flush=True)
+    if sys.argv[1] == "context_parallel":
+        print("RESULT " + json.dumps(context_parallel_run(sys.argv[2], int(sys.argv[3]), sys.argv[4])), flush=True)
+    else:
+        sp = len(sys.argv) > 2 and sys.argv[2] == "sequence_parallel"
+        print("RESULT " + json.dumps(engine_comparison(sys.argv[1], sequence_parallel=sp)), flush=True)

@@ -15,19 +15,27 @@ loss all stay verl's. Per micro-batch it
 5. hands back the nested per-sample rows of length `P_i + R_i` that the stock engine returns.
 
 Labels are taken from verl's own label roll for the stock data format, so even the unlabelled
-last position of every row holds what the stock engine puts there.
+last position of every row holds what the stock engine puts there (at CP=1).
+
+Context parallelism (static `context_parallel_size > 1`): each CP rank runs its contiguous shard of
+the pack (padded to equal shards), takes the rows of its shard from the whole rows' labels, and
+`PackedRows.complete` hands verl the full rows on every CP rank, as verl's own CP output gather does
+(`postprocess_thd_engine`): the other ranks' values without gradient. verl's loss of the full rows
+then sends gradient to this rank's own rows only; megatron's schedule scales the loss by the CP size
+and its DDP averages gradients over data-parallel-with-CP, so the gradient is that of CP=1.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from functools import partial
 from typing import List, Optional, Sequence
 
 import torch
 
 from ps_bridge.config import PrefixSharingConfig
-from ps_bridge.forward import run_packed
+from ps_bridge.forward import cp_total_multiple, local_shard, run_packed, shard_tag
 from ps_bridge.layout import PackedPrefixLayout, Sample, build_layout, log_layout
 from ps_bridge.parallel import ParallelSettings
 from ps_bridge.parallel_info import rank_tag
@@ -74,10 +82,31 @@ def samples_from_micro_batch(batch) -> List[Sample]:
     return samples
 
 
+@contextmanager
+def _context_parallel_off():
+    """megatron's parallel state reporting one CP rank of one, while verl's preprocess functions form
+    the labels: they slice by CP rank, and the labels are wanted whole (`stock_row_labels`)."""
+    from megatron.core import parallel_state as mpu
+
+    saved = mpu.get_context_parallel_world_size, mpu.get_context_parallel_rank
+    mpu.get_context_parallel_world_size, mpu.get_context_parallel_rank = (lambda *a, **k: 1), (lambda *a, **k: 0)
+    try:
+        yield
+    finally:
+        mpu.get_context_parallel_world_size, mpu.get_context_parallel_rank = saved
+
+
 def stock_row_labels(engine, model, batch, data_format: str) -> torch.Tensor:
     """The label of every row position, flattened in sample order, exactly as the stock engine
-    forms it: `input_ids` rolled by one with verl's own preprocess function for `data_format`, with
-    the same padding options (they decide what the unlabelled last position of a row reads)."""
+    forms it at CP=1: `input_ids` rolled by one with verl's own preprocess function for
+    `data_format`, with the same padding options (they decide what the unlabelled last position of
+    a row reads). Under context parallelism too the whole rows' labels (as at CP=1): verl's functions
+    would slice them by CP rank, our rows (`PackedRows(cp_shard=...)`) take the shard themselves."""
+    with _context_parallel_off():
+        return _stock_row_labels(engine, model, batch, data_format)
+
+
+def _stock_row_labels(engine, model, batch, data_format: str) -> torch.Tensor:
     from verl.models.mcore.util import preprocess_bshd_engine, preprocess_thd_engine
     from verl.utils import tensordict_utils as tu
     from verl.utils.megatron_utils import unwrap_model
@@ -211,23 +240,28 @@ class PrefixSharingEngineMixin:
         pad = cfg.pad_multiple or mpu.get_tensor_model_parallel_world_size()
         # the true vocabulary: a padded one's extra ids stay out of the log-probs (ps_bridge.rows)
         vocab = self.model_config.hf_config.get_text_config().vocab_size
-        layout = build_layout(samples, share=cfg.enabled, pad_multiple=pad, vocab_size=vocab)
+        # under context parallelism the whole pack is padded to equal CP shards (`cp_total_multiple`)
+        pack = partial(build_layout, samples, pad_multiple=pad, vocab_size=vocab, total_multiple=cp_total_multiple())
+        layout = pack(share=cfg.enabled)
         if layout.shared and layout.has_sharing and not temperatures_agree_within_groups(layout, temperature):
             # a shared prompt position is scaled by one temperature; samples of one prompt with
             # different temperatures cannot share it
             logger.info("[PS][prepare] samples of one prompt carry different temperatures: not shared")
-            layout = build_layout(samples, share=False, pad_multiple=pad, vocab_size=vocab)
+            layout = pack(share=False)
         elif layout.shared and not layout.has_sharing:
             # nothing to share: one THD sequence per sample, the stock engine's computation
-            layout = build_layout(samples, share=False, pad_multiple=pad, vocab_size=vocab)
-        log_layout(layout, f"[{rank_tag()}]")
+            layout = pack(share=False)
+        log_layout(layout, f"[{rank_tag()}]{shard_tag(layout)}")
         layout = layout.to(device)
 
+        # each CP rank runs its contiguous shard of the pack
         output = run_packed(model, layout, cfg)
         if unwrap_model(model).post_process:
             data_format = "thd" if self.engine_config.use_remove_padding else "bshd"
-            rows = PackedRows(layout, labels=stock_row_labels(self, model, batch, data_format).to(device))
+            labels = stock_row_labels(self, model, batch, data_format).to(device)
+            rows = PackedRows(layout, labels=labels, cp_shard=local_shard(layout))
             output = self._packed_outputs(output, rows, temperature, calculate_entropy, calculate_sum_pi_squared)
+        # static CP: verl's postprocess takes no local_cp_size (that is dynamic CP's); the rows are whole
         return output, partial(postprocess_micro_batch_func, data=batch, local_cp_size=None)
 
     def _packed_outputs(self, logits, rows: PackedRows, temperature: torch.Tensor, calculate_entropy: bool,
@@ -243,9 +277,11 @@ class PrefixSharingEngineMixin:
         logits = logits.reshape(-1, logits.shape[-1])
         layout = rows.layout
         if not bool((temperature == 1).all()):
-            # every row reading a packed position belongs to one group, whose samples share a temperature
-            packed_temperature = torch.ones(layout.num_tokens, dtype=torch.float32, device=logits.device)
-            packed_temperature[rows.source] = temperature.repeat_interleave(layout.row_offsets.diff().to(logits.device))
+            # every row reading a packed position belongs to one group, whose samples share a
+            # temperature; under CP the positions of this rank's shard (rows.source is local there)
+            row_temperature = temperature.repeat_interleave(layout.row_offsets.diff().to(logits.device))
+            packed_temperature = torch.ones(rows.num_positions, dtype=torch.float32, device=logits.device)
+            packed_temperature[rows.source[rows.in_shard]] = row_temperature[rows.in_shard]
             logits = logits / packed_temperature.unsqueeze(-1).to(logits.dtype)
         chunk = self.engine_config.entropy_from_logits_chunk_size
         out = {}
