@@ -166,6 +166,21 @@ def test_tensor_parallel_two_ranks_match_stock_engine(qwen2_dir, sequence_parall
         assert all(v < 1e-5 for k, v in r.items() if k not in ("rank", "tp_size")), r
 
 
+def _harness_ranks(mode: str, ckpt: str, size: int, out: Path, size_key: str) -> list:
+    """`verl_harness.py MODE CKPT SIZE OUT` on `size` CPU processes; what every rank saved, by rank."""
+    harness = str(Path(__file__).with_name("verl_harness.py"))
+    inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={size}", harness,
+         mode, ckpt, str(size), str(out)],
+        env=inherited, capture_output=True, text=True, timeout=300,
+    )
+    results = [json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", proc.stdout)]
+    assert proc.returncode == 0 and len(results) == size, proc.stderr[-3000:]
+    assert all(r[size_key] == size for r in results), results
+    return [torch.load(f"{out}.rank{r}") for r in range(size)]
+
+
 def test_context_parallel_two_ranks_match_engine_at_cp1(qwen2_dir, tmp_path):
     """Our engine at context_parallel_size=2 with prefix sharing (two CPU processes, gloo, fp32) against
     our own engine at CP=1 unshared, same checkpoint and micro-batches: `infer_batch` log-probs and
@@ -173,19 +188,7 @@ def test_context_parallel_two_ranks_match_engine_at_cp1(qwen2_dir, tmp_path):
     and the gradient mean over data-parallel-with-CP must give the CP=1 gradient, not CP times it).
     verl's stock engine is not the reference here: it has no context parallelism without Transformer
     Engine, which does not run on a CPU."""
-    harness = str(Path(__file__).with_name("verl_harness.py"))
-    inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    out = {}
-    for cp in (1, 2):
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cp}", harness,
-             "context_parallel", qwen2_dir, str(cp), str(tmp_path / f"cp{cp}")],
-            env=inherited, capture_output=True, text=True, timeout=300,
-        )
-        results = [json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", proc.stdout)]
-        assert proc.returncode == 0 and len(results) == cp, proc.stderr[-3000:]
-        assert all(r["cp_size"] == cp for r in results)
-        out[cp] = [torch.load(tmp_path / f"cp{cp}.rank{r}") for r in range(cp)]
+    out = {cp: _harness_ranks("context_parallel", qwen2_dir, cp, tmp_path / f"cp{cp}", "cp_size") for cp in (1, 2)}
     ref = out[1][0]
     for rank, got in enumerate(out[2]):  # every CP rank hands verl the full rows
         for key in ("log_probs", "entropy"):
@@ -197,3 +200,45 @@ def test_context_parallel_two_ranks_match_engine_at_cp1(qwen2_dir, tmp_path):
             assert g.abs().max() > 0, name
             rel = ((got["grads"][name] - g).abs().max() / g.abs().max()).item()
             assert rel <= 1e-5, (rank, name, rel)
+
+
+@pytest.fixture(scope="module")
+def qwen35_moe_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("qwen35moe"))
+    vt.tiny_checkpoint(path, "qwen3.5-moe")
+    return path
+
+
+def test_expert_parallel_two_ranks_match_engine_at_ep1(qwen35_moe_dir, tmp_path):
+    """Our engine at expert_model_parallel_size=2 on two CPU processes (gloo, fp32; data parallel size 2,
+    each rank its own whole groups as verl's trainer hands them, megatron's allgather dispatcher) with
+    prefix sharing, against our engine at EP=1 on one process, unshared, over the whole batch (same
+    checkpoint, same per-sample advantages): each rank's `infer_batch` log-probs / entropy (temperature
+    0.7) equal the reference's rows of its samples; the policy-loss gradients after megatron's DDP
+    reduction (the mean over the two DP ranks of a loss scaled by verl's `dp_size`, as verl's losses
+    are) equal the single-rank gradient of the global token mean: dense weights on both ranks, and the
+    local experts of EP rank r against the reference's global experts r*2, r*2+1."""
+    out = {ep: _harness_ranks("expert_parallel", qwen35_moe_dir, ep, tmp_path / f"ep{ep}", "ep_size") for ep in (1, 2)}
+    assert [got["dp_size"] for got in out[2]] == [2, 2]
+    ref = out[1][0]
+    assert sorted(i for got in out[2] for i in got["samples"]) == ref["samples"]
+    assert all(len(got["samples"]) < len(ref["samples"]) for got in out[2])  # each rank: a part of the batch
+    for rank, got in enumerate(out[2]):
+        for key in ("log_probs", "entropy"):
+            mine = [ref[key][i] for i in got["samples"]]
+            assert [len(t) for t in got[key]] == [len(t) for t in mine]
+            diff = max((a - b).abs().max().item() for a, b in zip(got[key], mine))
+            assert diff <= 1e-5, (rank, key, diff)
+        experts = 0
+        for name, g in got["grads"].items():
+            m = re.match(r"(.*\.mlp\.experts\.linear_fc\d\.weight)(\d+)$", name)
+            if m:  # local expert i of EP rank r is global expert r * (local count) + i
+                per_rank = sum(1 for n in got["grads"] if n.startswith(m.group(1)) and n[len(m.group(1)):].isdigit())
+                name_ref, experts = m.group(1) + str(got["ep_rank"] * per_rank + int(m.group(2))), experts + 1
+            else:
+                name_ref = name
+            r = ref["grads"][name_ref]
+            assert r.shape == g.shape and r.abs().max() > 0, name
+            rel = ((g - r).abs().max() / r.abs().max()).item()
+            assert rel <= 1e-5, (rank, name, name_ref, rel)
+        assert experts > 0 and len(got["grads"]) < len(ref["grads"])  # the experts really are split
