@@ -45,10 +45,10 @@ class ParallelSettings:
             ep=getattr(config, "expert_model_parallel_size", 1) or 1,
         )
 
-    def check_supported(self, verl_engine: bool = False) -> None:
+    def check_supported(self) -> None:
         """Refuse, naming the setting and the fix, what prefix sharing does not support. The only
         place that knows: the CLI (before any process group), our providers (when the model is
-        built) and the verl engine (before it builds anything, `verl_engine=True`) all call this."""
+        built) and the verl engine (before it builds anything) all call this."""
         sizes = (
             ("tensor_model_parallel_size", self.tp),
             ("pipeline_model_parallel_size", self.pp),

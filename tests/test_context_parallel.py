@@ -186,11 +186,11 @@ def test_context_parallel_settings():
     with pytest.raises(ValueError, match="dynamic_context_parallel"):
         ParallelSettings(cp=2, dynamic_cp=True).check_supported()
     # the verl engine takes static CP too; dynamic CP and virtual pipeline stages stay refused there
-    ParallelSettings(tp=2, cp=2, sequence_parallel=True).check_supported(verl_engine=True)
+    ParallelSettings(tp=2, cp=2, sequence_parallel=True).check_supported()
     with pytest.raises(ValueError, match="dynamic_context_parallel"):
-        ParallelSettings(cp=2, dynamic_cp=True).check_supported(verl_engine=True)
+        ParallelSettings(cp=2, dynamic_cp=True).check_supported()
     with pytest.raises(ValueError, match="virtual_pipeline_model_parallel_size=2"):
-        ParallelSettings(pp=2, cp=2, vpp=2).check_supported(verl_engine=True)
+        ParallelSettings(pp=2, cp=2, vpp=2).check_supported()
     qwen = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
     ParallelSettings(tp=2, cp=2).check(world_size=4, hf_config=qwen)  # 1 KV head per TP rank: repeated
     with pytest.raises(ModelShapeError, match=r"--cp 4.*4 query heads per TP rank|num_attention_heads=4 gives 2 query heads per TP rank, not divisible by 4"):

@@ -163,7 +163,7 @@ class PrefixSharingEngineMixin:
                 "prefix sharing (ps_bridge.verl) computes log-probs from the packed logits and does not "
                 "support verl's fused kernels: set actor_rollout_ref.model.use_fused_kernels=False"
             )
-        ParallelSettings.from_config(cfg).check_supported(verl_engine=True)
+        ParallelSettings.from_config(cfg).check_supported()
         if self.engine_config.router_replay.mode != "disabled":
             _refuse("MoE router replay")
         if self.model_config.mtp.enable:

@@ -155,16 +155,12 @@ def tiny_checkpoint(path: str, family: str = "qwen2.5", seed: int = 0):
     return hf_model
 
 
-STOCK_TEST_OVERRIDES = dict(
-    apply_rope_fusion=False,
-    bias_activation_fusion=False,
-    masked_softmax_fusion=False,
-    bias_dropout_fusion=False,
-    gradient_accumulation_fusion=False,
-    attention_dropout=0.0,
-    hidden_dropout=0.0,
-    attention_backend="auto",
-)
+def stock_overrides() -> dict:
+    """The stock engine's config overrides: our providers' fusions off (`FUSIONS_OFF`), no dropout,
+    so both engines of a comparison compute the same thing."""
+    from ps_bridge.providers.base import FUSIONS_OFF
+
+    return dict(FUSIONS_OFF, attention_dropout=0.0, hidden_dropout=0.0, attention_backend="auto")
 
 
 def build_engine(engine_cls, ckpt: str, *, use_remove_padding: bool = True, forward_only: bool = True,
@@ -176,7 +172,7 @@ def build_engine(engine_cls, ckpt: str, *, use_remove_padding: bool = True, forw
     tensor-parallel / context-parallel / expert-parallel rank under torchrun, gloo) or the GPU. `engine_config` / `optimizer_config`: verl's
     `McoreEngineConfig` / `McoreOptimizerConfig` from a trainer config (`ps-bridge verl-check`), else
     the tests' (fp32, TP `tp`, CP `cp`, EP `ep`, plain Adam). Either way the fusions and dropout are off
-    (`STOCK_TEST_OVERRIDES`): both engines of a comparison compute the same thing."""
+    (`stock_overrides`): both engines of a comparison compute the same thing."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
 
@@ -192,11 +188,11 @@ def build_engine(engine_cls, ckpt: str, *, use_remove_padding: bool = True, forw
             sequence_parallel=sequence_parallel,
             use_distributed_optimizer=False,
             vanilla_mbridge=vanilla_mbridge,
-            override_transformer_config=dict(STOCK_TEST_OVERRIDES, **(overrides or {})),
+            override_transformer_config=dict(stock_overrides(), **(overrides or {})),
         )
     else:
         user = dict(engine_config.override_transformer_config or {})
-        object.__setattr__(engine_config, "override_transformer_config", dict(user, **STOCK_TEST_OVERRIDES, **(overrides or {})))
+        object.__setattr__(engine_config, "override_transformer_config", dict(user, **stock_overrides(), **(overrides or {})))
         object.__setattr__(engine_config, "forward_only", forward_only)
         tp = engine_config.tensor_model_parallel_size
         cp = engine_config.context_parallel_size
