@@ -7,6 +7,7 @@ a prefix-shared micro-batch's: `groups x (P + n R)` tokens of the grid row, rand
 
     python -m ps_bridge.bench.moe_layer [--model qwen3.5-35b-a3b] [--grid 2048,512,8] [--groups 4] [--json FILE]
     python -m ps_bridge.bench.moe_layer --smoke   # tiny shape on the CPU, bf16
+    python -m ps_bridge.bench.moe_layer --profile FILE   # also torch.profiler's table of one grouped step
 """
 
 from __future__ import annotations
@@ -66,11 +67,26 @@ def _time(layer, x, grad, warmup, repeats):
     return statistics.median(times)
 
 
+def profile_table(layer, x, grad, path: str, rows: int = 40) -> None:
+    """torch.profiler's operator table of one forward + backward of `layer` (after the timed runs),
+    sorted by device time, written to `path`: where the grouped layer's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if x.is_cuda else [])
+    with profile(activities=activities, record_shapes=False) as prof:
+        _step(layer, x, grad)
+        if x.is_cuda:
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if x.is_cuda else "self_cpu_time_total"
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by=key, row_limit=rows) + "\n")
+
+
 def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12))
 
 
-def run(model: str, P: int, R: int, n: int, groups: int, warmup: int, repeats: int, seed: int) -> dict:
+def run(model: str, P: int, R: int, n: int, groups: int, warmup: int, repeats: int, seed: int, profile: str = None) -> dict:
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.runtime import load_model_from_hf_config
 
@@ -96,6 +112,8 @@ def run(model: str, P: int, R: int, n: int, groups: int, warmup: int, repeats: i
     out_s, gx_s = _step(sequential, x, grad)
     grouped_ms = _time(grouped, x, grad, warmup, repeats)
     sequential_ms = _time(sequential, x, grad, warmup, repeats)
+    if profile:
+        profile_table(grouped, x, grad, profile)
     p = loaded.provider
     return dict(
         model=model, P=P, R=R, n=n, groups=groups, dtype="bfloat16",
@@ -124,6 +142,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--json", default=None, metavar="FILE")
     parser.add_argument("--smoke", action="store_true", help="tiny shape, runs on a CPU")
+    parser.add_argument("--profile", default=None, metavar="FILE", help="write torch.profiler's table of one grouped step")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() and not args.smoke:
         print("ps-bridge: error: the MoE layer bench needs a GPU; --smoke runs a tiny shape on the CPU", file=sys.stderr)
@@ -134,7 +153,7 @@ def main(argv=None) -> int:
         print(f"ps-bridge: error: --model {model!r} is not a MoE shape; known: {', '.join(moe)}", file=sys.stderr)
         return 2
     P, R, n = (int(v) for v in (args.grid or ("24,8,4" if args.smoke else "2048,512,8")).split(","))
-    result = run(model, P, R, n, args.groups, args.warmup, args.repeats, args.seed)
+    result = run(model, P, R, n, args.groups, args.warmup, args.repeats, args.seed, args.profile)
     print(f"MoE layer {model} ({result['experts']} experts, top-{result['topk']}, hidden {result['hidden']}, "
           f"expert FFN {result['expert_ffn']}), {result['tokens']} tokens = {args.groups} x ({P} + {n} x {R}), "
           f"{result['routed_rows']} routed rows, tokens per expert mean {result['tokens_per_expert_mean']:.0f} "
