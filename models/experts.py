@@ -11,6 +11,10 @@ and `GroupedMMRowLinear` (fc2) follow those protocols on torch's grouped matrix 
   does that): in bfloat16/float16 one `torch.nn.functional.grouped_mm` call over all experts
   (forward, and two in backward: input and weight gradients), int32 cumulative offsets; in any
   other dtype (float32: `grouped_mm` has no float32 path on the CPU) an exact per-expert loop;
+- the experts' matrices live in one buffer, so grouped_mm reads them as a stacked view with no copy
+  (a stacked copy of a 256-expert layer's weights was an eighth of its forward + backward on an
+  H200); where parameters were re-laid out (megatron's DDP buckets) each run of back-to-back
+  experts gets its own grouped_mm call;
 - no communication, as TE's expert linears under megatron's explicit expert communication: the
   token dispatcher does the expert TP / EP exchange; the shapes are this rank's expert-TP shard.
 
@@ -19,7 +23,7 @@ Where real TE is installed `grouped_expert_linears()` returns megatron's own TE 
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -38,48 +42,82 @@ def uses_grouped_mm(x: torch.Tensor) -> bool:
     return x.dtype in (torch.bfloat16, torch.float16)
 
 
-def _stacked(weights: Sequence[torch.Tensor]) -> torch.Tensor:
-    """`[E, out, in]` from the per-expert `[out, in]` matrices: a view when they lie back to back in
-    one storage (no copy), else a stacked copy."""
-    w0 = weights[0]
-    step = w0.numel()
-    if w0.is_contiguous() and all(
-        w.is_contiguous() and w.untyped_storage().data_ptr() == w0.untyped_storage().data_ptr()
-        and w.storage_offset() == w0.storage_offset() + i * step
-        for i, w in enumerate(weights)
-    ):
-        return w0.as_strided((len(weights), *w0.shape), (step, w0.shape[1], 1))
-    return torch.stack(list(weights))
+def weight_runs(weights: Sequence[torch.Tensor]) -> List[Tuple[int, int, torch.Tensor]]:
+    """The per-expert `[out, in]` matrices as maximal runs `(first, end, stacked [end-first, out, in])`
+    of experts that lie back to back in one storage, each stacked as a view (no copy). The layer
+    allocates all its experts in one buffer (one run); megatron's DDP may re-lay parameters into its
+    buckets, which can cut them into a few runs."""
+    runs, first = [], 0
+    for i in range(1, len(weights) + 1):
+        if i < len(weights) and _follows(weights[i - 1], weights[i]):
+            continue
+        w0 = weights[first]
+        if w0.is_contiguous():
+            step = w0.numel()
+            runs.append((first, i, w0.as_strided((i - first, *w0.shape), (step, w0.shape[1], 1))))
+        else:
+            runs.append((first, i, torch.stack(list(weights[first:i]))))
+        first = i
+    return runs
+
+
+def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.is_contiguous() and b.is_contiguous() and a.shape == b.shape and a.dtype == b.dtype
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and b.storage_offset() == a.storage_offset() + a.numel()
+    )
+
+
+def _offsets(tokens_per_expert: Sequence[int], device) -> torch.Tensor:
+    return torch.tensor(tokens_per_expert, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
 
 
 class _GroupedLinear(torch.autograd.Function):
-    """y[rows of e] = x[rows of e] @ W_e^T with one grouped_mm call; the stacked weights are rebuilt
-    in backward rather than kept (no extra activation memory)."""
+    """y[rows of e] = x[rows of e] @ W_e^T with one grouped_mm call per run of experts stored back to
+    back (one run for the layer as built); the stacked views are rebuilt in backward rather than kept."""
 
     @staticmethod
-    def forward(ctx, x, offs, *weights):
-        ctx.save_for_backward(x, offs, *weights)
-        return _grouped_mm()(x, _stacked(weights).transpose(-2, -1), offs=offs)
+    def forward(ctx, x, tokens_per_expert, *weights):
+        ctx.save_for_backward(x, *weights)
+        ctx.tokens_per_expert = tokens_per_expert
+        outs = []
+        for first, end, w, rows in _run_rows(weights, tokens_per_expert):
+            outs.append(_grouped_mm()(x[rows], w.transpose(-2, -1), offs=_offsets(tokens_per_expert[first:end], x.device)))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, offs, *weights = ctx.saved_tensors
+        x, *weights = ctx.saved_tensors
+        counts = ctx.tokens_per_expert
         grad_out = grad_out.contiguous()
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = _grouped_mm()(grad_out, _stacked(weights), offs=offs)
-        if any(ctx.needs_input_grad[2:]):
-            # [E, out, in]: per expert grad_out_e^T @ x_e, grouped along the token dimension
-            grad_w = _grouped_mm()(grad_out.t(), x, offs=offs)
-        grads_w = grad_w.unbind(0) if grad_w is not None else (None,) * len(weights)
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        grads_w = [None] * len(weights)
+        want_w = any(ctx.needs_input_grad[2:])
+        for first, end, w, rows in _run_rows(weights, counts):
+            offs = _offsets(counts[first:end], x.device)
+            g = grad_out[rows]
+            if grad_x is not None:
+                grad_x[rows] = _grouped_mm()(g, w, offs=offs)
+            if want_w:
+                # [E, out, in]: per expert grad_out_e^T @ x_e, grouped along the token dimension
+                grads_w[first:end] = _grouped_mm()(g.t(), x[rows], offs=offs).unbind(0)
         return (grad_x, None, *grads_w)
+
+
+def _run_rows(weights, tokens_per_expert):
+    """Each run of `weight_runs` with the slice of token rows its experts hold."""
+    starts = [0]
+    for c in tokens_per_expert:
+        starts.append(starts[-1] + int(c))
+    for first, end, w in weight_runs(weights):
+        yield first, end, w, slice(starts[first], starts[end])
 
 
 def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], tokens_per_expert: Sequence[int]) -> torch.Tensor:
     """`x [T, in]` sorted by expert (`tokens_per_expert[e]` rows each) times each expert's `[out, in]`."""
     if uses_grouped_mm(x):
-        offs = torch.tensor(tokens_per_expert, dtype=torch.int64).cumsum(0).to(device=x.device, dtype=torch.int32)
-        return _GroupedLinear.apply(x.contiguous(), offs, *weights)
+        return _GroupedLinear.apply(x.contiguous(), [int(c) for c in tokens_per_expert], *weights)
     chunks = torch.split(x, list(tokens_per_expert))
     return torch.cat([chunk @ w.t() for chunk, w in zip(chunks, weights)])
 
@@ -119,14 +157,19 @@ class _GroupedMMLinear(MegatronModule):
         shape[self.partition_dim] //= tp
         self.num_gemms = num_local_experts
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        for i in range(num_local_experts):
-            w = torch.nn.Parameter(torch.empty(shape, dtype=config.params_dtype, device=device))
+        # all experts in one buffer, so grouped_mm reads them as one stacked view (`weight_runs`).
+        # Registered last expert first: megatron's DDP lays a module's parameters into its buffer in
+        # reverse registration order, which keeps the experts ascending there too.
+        buffer = torch.empty([num_local_experts, *shape], dtype=config.params_dtype, device=device)
+        weights = [torch.nn.Parameter(buffer[i]) for i in range(num_local_experts)]
+        for w in weights:
             if config.perform_initialization:
                 init_method(w)
             set_tensor_model_parallel_attributes(w, is_parallel=tp > 1, dim=self.partition_dim, stride=1)
             # as megatron's expert linears: expert weights are reduced over the expert data-parallel group
             setattr(w, "allreduce", not (is_expert and ep > 1))
-            self.register_parameter(f"weight{i}", w)
+        for i in reversed(range(num_local_experts)):
+            self.register_parameter(f"weight{i}", weights[i])
 
     def weights(self):
         return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]

@@ -39,6 +39,8 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, switch
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from ps_bridge.models.token_permutation import use_gather_sum_permutation
+
 
 class PrefixSharedTopKRouter(TopKRouter):
     def __init__(self, *args, **kwargs):
@@ -180,7 +182,12 @@ class PrefixSharedMoELayer(MoELayer):
     CUDA is absent), whose all-gather needs the same token count on every TP x EP rank, it pads this
     rank's tokens with zero rows (zero weight in every router statistic) to the largest count and
     drops them from the output. Data-parallel ranks carry different micro-batches, so their packed
-    lengths differ."""
+    lengths differ. Its dispatcher permutes tokens with gathers and segmented sums instead of
+    scatter-adds (`models/token_permutation.py`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        use_gather_sum_permutation(self.token_dispatcher)
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
         pad = self._allgather_pad(hidden_states.shape[0])

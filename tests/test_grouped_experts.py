@@ -5,15 +5,20 @@ model is built with megatron's TEGroupedMLP in the grouped parameter layout."""
 import pytest
 import torch
 
-from ps_bridge.models.experts import _stacked, grouped_linear, uses_grouped_mm
+from ps_bridge.models.experts import grouped_linear, uses_grouped_mm, weight_runs
 
 
 def _case(dtype, contiguous_weights, seed=0):
+    """contiguous_weights: True (one buffer), False (one storage each), "runs" (two buffers, as
+    megatron's DDP buckets may cut a layer's experts)."""
     gen = torch.Generator().manual_seed(seed)
     tokens = [5, 0, 9, 1, 0, 17]  # experts without tokens included
     E, d_in, d_out = len(tokens), 32, 48
     x = torch.randn(sum(tokens), d_in, generator=gen).to(dtype).requires_grad_()
-    if contiguous_weights:  # back to back in one storage: the no-copy view path
+    if contiguous_weights == "runs":
+        a, b = (torch.randn(k, d_out, d_in, generator=gen).to(dtype) for k in (2, E - 2))
+        weights = [torch.nn.Parameter(a[i]) for i in range(2)] + [torch.nn.Parameter(b[i]) for i in range(E - 2)]
+    elif contiguous_weights:  # back to back in one storage: the no-copy view path
         w = torch.randn(E, d_out, d_in, generator=gen).to(dtype)
         weights = [p.requires_grad_() for p in (torch.nn.Parameter(w[i]) for i in range(E))]
     else:
@@ -35,12 +40,13 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
 
 
-@pytest.mark.parametrize("contiguous_weights", [True, False])
+@pytest.mark.parametrize("contiguous_weights", [True, False, "runs"])
 def test_grouped_mm_bf16_equals_per_expert_loop(contiguous_weights):
     x, weights, tokens, grad_out = _case(torch.bfloat16, contiguous_weights)
     assert uses_grouped_mm(x)
-    if contiguous_weights:
-        assert _stacked(weights).data_ptr() == weights[0].data_ptr()  # a view, no copy
+    runs = weight_runs(weights)
+    assert [(a, b) for a, b, _ in runs] == {True: [(0, 6)], "runs": [(0, 2), (2, 6)], False: [(i, i + 1) for i in range(6)]}[contiguous_weights]
+    assert all(w.data_ptr() == weights[a].data_ptr() for a, _, w in runs)  # views, no copy
     y = grouped_linear(x, weights, tokens)
     y.backward(grad_out)
     y_ref, gx_ref, gw_ref = _loop_float32(x, weights, tokens, grad_out)
@@ -78,6 +84,10 @@ def test_qwen35_moe_builds_grouped_experts(tmp_path_factory):
     names = {n for n, _ in loaded.model.named_parameters()}
     E = loaded.provider.num_moe_experts
     assert f"decoder.layers.0.mlp.experts.linear_fc1.weight{E - 1}" in names
+    # the experts lie in one buffer (after loading the checkpoint too): grouped_mm reads one view
+    for e in experts:
+        for linear in (e.linear_fc1, e.linear_fc2):
+            assert [(a, b) for a, b, _ in weight_runs(linear.weights())] == [(0, E)]
     assert not any("local_experts" in n for n in names)
 
 

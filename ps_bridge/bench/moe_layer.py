@@ -1,5 +1,7 @@
 """The MoE layer alone: grouped experts (`models/experts.py`, megatron's TEGroupedMLP on grouped_mm)
-vs megatron's SequentialMLP (one Python-loop GEMM pair per expert), forward + backward.
+vs megatron's SequentialMLP (one Python-loop GEMM pair per expert), forward + backward; and the
+grouped layer once more with megatron's own token permutation instead of ours
+(`models/token_permutation.py`).
 
 Both layers are the one our Qwen3.5 MoE provider builds (router, token dispatcher, routed experts,
 gated shared expert), taken from a one-layer model of the shape, with the same weights. The tokens are
@@ -21,6 +23,7 @@ import time
 import torch
 
 from ps_bridge.bench.catalog import FAMILIES, MODEL_SHAPES
+from ps_bridge.models.token_permutation import GATHER_SUM_DISPATCHERS
 
 
 def _sequential_twin(loaded, grouped):
@@ -112,6 +115,12 @@ def run(model: str, P: int, R: int, n: int, groups: int, warmup: int, repeats: i
     out_s, gx_s = _step(sequential, x, grad)
     grouped_ms = _time(grouped, x, grad, warmup, repeats)
     sequential_ms = _time(sequential, x, grad, warmup, repeats)
+    # the same grouped layer with megatron's own permutation (index_select / scatter_add_)
+    ours = type(grouped.token_dispatcher)
+    grouped.token_dispatcher.__class__ = {v: k for k, v in GATHER_SUM_DISPATCHERS.items()}.get(ours, ours)
+    out_m, gx_m = _step(grouped, x, grad)
+    stock_permutation_ms = _time(grouped, x, grad, warmup, repeats)
+    grouped.token_dispatcher.__class__ = ours
     if profile:
         profile_table(grouped, x, grad, profile)
     p = loaded.provider
@@ -125,7 +134,9 @@ def run(model: str, P: int, R: int, n: int, groups: int, warmup: int, repeats: i
         tokens_per_expert_mean=float(per_expert.mean()), tokens_per_expert_min=int(per_expert.min()),
         tokens_per_expert_max=int(per_expert.max()),
         grouped_ms=grouped_ms, sequential_ms=sequential_ms, speedup=sequential_ms / grouped_ms,
+        grouped_megatron_permutation_ms=stock_permutation_ms,
         output_rel_diff=_rel(out_g, out_s), input_grad_rel_diff=_rel(gx_g, gx_s),
+        permutation_output_rel_diff=_rel(out_g, out_m), permutation_input_grad_rel_diff=_rel(gx_g, gx_m),
         warmup=warmup, repeats=repeats,
         note="forward + backward of the whole MoE layer (router, dispatch, routed experts, shared expert), "
         "median ms; both layers have the same weights",
@@ -160,7 +171,9 @@ def main(argv=None) -> int:
           f"(min {result['tokens_per_expert_min']}, max {result['tokens_per_expert_max']}), bf16, fwd+bwd: "
           f"grouped {result['grouped_ms']:.2f} ms, sequential {result['sequential_ms']:.2f} ms, "
           f"{result['speedup']:.1f}x; grouped vs sequential output rel. diff {result['output_rel_diff']:.2e}, "
-          f"input grad {result['input_grad_rel_diff']:.2e}", flush=True)
+          f"input grad {result['input_grad_rel_diff']:.2e}; grouped with megatron's permutation "
+          f"{result['grouped_megatron_permutation_ms']:.2f} ms (vs ours: output {result['permutation_output_rel_diff']:.2e}, "
+          f"input grad {result['permutation_input_grad_rel_diff']:.2e})", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             f.write(json.dumps(result, indent=2) + "\n")

@@ -30,7 +30,8 @@ _THIRD_PARTY_MODULES = (
 _NOTICE_MESSAGES = (
     r".*(not installed|falling back|fall back|roll back|not supported on current platform|"
     r"only transformer-engine|deprecated|recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS|"
-    r"engine is not available|is experimental and still under active development)"
+    r"engine is not available|is experimental and still under active development|"
+    r"large number of experts .* without fp32 routing)"
 )
 # Third-party loggers whose records below ERROR are dropped. A logger that sets its own level at
 # import (megatron.bridge.utils.import_utils: INFO, with its own handler) is held by the filter.
@@ -41,6 +42,7 @@ _QUIET_LOGGERS = (
     "fla",
     "modelopt",
     "torch.utils.cpp_extension",
+    "tilelang",  # fla's Hopper GDN backward: an INFO line per kernel it compiles
 )
 
 
@@ -63,6 +65,9 @@ def quiet_third_party(verbose: bool) -> None:
     warnings.filterwarnings("ignore", message="set sequence parallel to false as TP size is 1")
     for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
         warnings.filterwarnings("ignore", category=category, module=_THIRD_PARTY_MODULES)
+    # invalid escapes in third-party docstrings, reported when a fresh install first compiles them
+    # (the warning's module is then the source file's path, so it is matched by category)
+    warnings.filterwarnings("ignore", category=SyntaxWarning)
     for name in _QUIET_LOGGERS:
         logger = logging.getLogger(name)
         logger.setLevel(logging.ERROR)

@@ -1,0 +1,159 @@
+"""Token permutation for megatron's MoE dispatchers without scatter-adds: gathers and segmented sums.
+
+Without Transformer Engine megatron permutes tokens to experts with `index_select` (whose backward is
+an `index_add_`) and restores them with a `scatter_add_` (`moe_utils.permute` / `unpermute`). On a
+GPU both are atomic adds over every routed row: slow (bf16 atomics; on an H200 they were a quarter of
+a Qwen3.5-35B-A3B MoE layer's forward + backward) and their summation order is not fixed.
+
+Here the same two maps are written as a gather and its adjoint, a segmented sum. With
+`sorted_indices` (megatron's permutation: routed row p holds token `sorted_indices[p]`), the
+*bags* of a token are the routed rows holding it, in row order:
+- permute   `y = x[sorted_indices]`                      backward `dx[t] = sum over t's bag of dy`
+- unpermute `x[t] = sum over t's bag of y`  (combine)    backward `dy = dx[sorted_indices]`
+The segmented sum is `torch.nn.functional.embedding_bag(mode="sum")` over the bags (one bag per
+token, empty bags give 0), which accumulates in float32 for bf16 and sums each token's rows in row
+order: deterministic and no less exact than the atomic adds it replaces.
+
+`GatherSumPermutation` plugs this into megatron's allgather and alltoall dispatchers (their own
+permutation metadata, routing and communication are kept): the permutation is still megatron's
+`permute`, run on detached tokens, with this module's backward attached; the combine is ours. It
+steps aside (megatron's own path) wherever the dispatcher does something else with the tokens: TE's
+fused permutation, token dropping with padding, padding for quantization, probabilities merged in the
+unpermute, or a shared expert overlapped with the dispatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
+
+
+@dataclass
+class TokenBags:
+    """The routed rows of each token: `rows[offsets[t] : offsets[t+1]]` hold token t, in row order."""
+
+    rows: torch.Tensor  # [routed rows] int64, routed row indices sorted by token (stable)
+    offsets: torch.Tensor  # [num_tokens] int64, where each token's bag starts
+    sorted_indices: torch.Tensor  # [routed rows] megatron's permutation: routed row -> token
+    num_tokens: int
+
+
+def token_bags(sorted_indices: torch.Tensor, num_tokens: int) -> TokenBags:
+    idx = sorted_indices.long()
+    rows = torch.argsort(idx, stable=True)
+    counts = torch.bincount(idx, minlength=num_tokens)
+    offsets = torch.cumsum(counts, 0) - counts
+    return TokenBags(rows=rows, offsets=offsets, sorted_indices=idx, num_tokens=num_tokens)
+
+
+def bag_sum(values: torch.Tensor, bags: TokenBags) -> torch.Tensor:
+    """`[num_tokens, H]`: each token's routed rows of `values [routed rows, H]` summed."""
+    return F.embedding_bag(bags.rows, values, bags.offsets, mode="sum")
+
+
+class _PermuteBackward(torch.autograd.Function):
+    """Returns the already permuted `permuted = tokens[sorted_indices]` (computed without autograd)
+    with the gradient to `tokens` as a segmented sum instead of an `index_add_`."""
+
+    @staticmethod
+    def forward(ctx, tokens, permuted, bags):
+        ctx.bags = bags
+        return permuted.view_as(permuted)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return bag_sum(grad.contiguous(), ctx.bags), None, None
+
+
+class _Unpermute(torch.autograd.Function):
+    """Routed rows back to tokens, summing each token's rows; backward gathers."""
+
+    @staticmethod
+    def forward(ctx, routed, bags):
+        ctx.bags = bags
+        return bag_sum(routed.contiguous(), bags)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.index_select(0, ctx.bags.sorted_indices), None
+
+
+def permute_with_bags(tokens: torch.Tensor, permuted: torch.Tensor, bags: TokenBags) -> torch.Tensor:
+    if not torch.is_grad_enabled() or not tokens.requires_grad:
+        return permuted
+    return _PermuteBackward.apply(tokens, permuted, bags)
+
+
+def unpermute_with_bags(routed: torch.Tensor, bags: TokenBags) -> torch.Tensor:
+    return _Unpermute.apply(routed, bags)
+
+
+class GatherSumPermutation:
+    """Mixin for megatron's allgather / alltoall token dispatchers: the permutation's backward and
+    the combine as gathers and segmented sums (module docstring)."""
+
+    def _gather_sum_applies(self) -> bool:
+        c = self.config
+        return not (
+            c.moe_permute_fusion
+            or getattr(self, "drop_and_pad", False)
+            or getattr(c, "moe_router_padding_for_quantization", False)
+            or getattr(self, "shared_experts", None) is not None
+        )
+
+    def _permute(self, super_call, hidden_states, *args):
+        """megatron's permuting method `super_call` on detached tokens, our backward attached."""
+        if not self._gather_sum_applies():
+            self._bags = None
+            return super_call(hidden_states, *args)
+        out = super_call(hidden_states.detach(), *args)
+        tokens = hidden_states.view(-1, hidden_states.shape[-1])
+        self._bags = token_bags(self.reversed_local_input_permutation_mapping, tokens.shape[0])
+        return (permute_with_bags(tokens, out[0], self._bags),) + tuple(out[1:])
+
+    def _unpermute(self, routed: torch.Tensor) -> torch.Tensor:
+        out = unpermute_with_bags(routed, self._bags)
+        self._bags = None
+        return out.view(self.hidden_shape_before_permute)
+
+
+class GatherSumAllGatherTokenDispatcher(GatherSumPermutation, MoEAllGatherTokenDispatcher):
+    """megatron's allgather dispatcher (used where CUDA is absent) with gather-sum permutation."""
+
+    def dispatch_postprocess(self, hidden_states, probs):
+        return self._permute(super().dispatch_postprocess, hidden_states, probs)
+
+    def combine_preprocess(self, hidden_states):
+        if getattr(self, "_bags", None) is None:
+            return super().combine_preprocess(hidden_states)
+        return self._unpermute(hidden_states)
+
+
+class GatherSumAlltoAllTokenDispatcher(GatherSumPermutation, MoEAlltoAllTokenDispatcher):
+    """megatron's alltoall dispatcher (used on the GPU) with gather-sum permutation."""
+
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        return self._permute(super().dispatch_preprocess, hidden_states, routing_map, probs)
+
+    def combine_postprocess(self, permutated_local_input_tokens):
+        if getattr(self, "_bags", None) is None:
+            return super().combine_postprocess(permutated_local_input_tokens)
+        return self._unpermute(permutated_local_input_tokens).view(self.hidden_shape)
+
+
+GATHER_SUM_DISPATCHERS = {
+    MoEAllGatherTokenDispatcher: GatherSumAllGatherTokenDispatcher,
+    MoEAlltoAllTokenDispatcher: GatherSumAlltoAllTokenDispatcher,
+}
+
+
+def use_gather_sum_permutation(dispatcher) -> None:
+    """Give megatron's dispatcher (built inside `MoELayer.__init__` from the config's dispatcher
+    type, with no spec hook) the gather-sum permutation by switching it to our subclass, which adds
+    methods only. Other dispatcher types (flex) are left as they are."""
+    cls = GATHER_SUM_DISPATCHERS.get(type(dispatcher))
+    if cls is not None:
+        dispatcher.__class__ = cls
