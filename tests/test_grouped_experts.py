@@ -115,3 +115,25 @@ def test_moe_layer_bench_smoke(tmp_path):
     result = json.loads(out.read_text())
     assert result["routed_rows"] == result["tokens"] * result["topk"]
     assert result["output_rel_diff"] < 1e-2 and result["input_grad_rel_diff"] < 1e-2
+
+
+def test_experts_stay_one_run_in_megatrons_ddp_buffer(tmp_path_factory):
+    """megatron's DDP with the distributed optimizer copies the parameters into its own buffer in
+    reverse registration order; the experts (registered last first) stay one ascending run there."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from qwen35_helpers import load_tiny
+    from ps_bridge.models.experts import GroupedMMColumnLinear, GroupedMMRowLinear
+
+    _, loaded, _ = load_tiny("qwen3.5-moe", tmp_path_factory, seed=1)
+    ddp = DistributedDataParallel(
+        config=loaded.model.config, ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True),
+        module=loaded.model)
+    buffers = {b.param_data.untyped_storage().data_ptr() for b in ddp.buffers + ddp.expert_parallel_buffers
+               if b.param_data is not None}
+    linears = [m for m in loaded.model.modules() if isinstance(m, (GroupedMMColumnLinear, GroupedMMRowLinear))]
+    assert linears
+    for linear in linears:
+        weights = linear.weights()
+        assert weights[0].untyped_storage().data_ptr() in buffers  # re-laid by DDP
+        assert [(a, b) for a, b, _ in weight_runs(weights)] == [(0, len(weights))]
