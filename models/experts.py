@@ -42,23 +42,30 @@ def uses_grouped_mm(x: torch.Tensor) -> bool:
     return x.dtype in (torch.bfloat16, torch.float16)
 
 
-def weight_runs(weights: Sequence[torch.Tensor]) -> List[Tuple[int, int, torch.Tensor]]:
-    """The per-expert `[out, in]` matrices as maximal runs `(first, end, stacked [end-first, out, in])`
-    of experts that lie back to back in one storage, each stacked as a view (no copy). The layer
-    allocates all its experts in one buffer (one run); megatron's DDP may re-lay parameters into its
-    buckets, which can cut them into a few runs."""
-    runs, first = [], 0
+def weight_spans(weights: Sequence[torch.Tensor]) -> List[Tuple[int, int]]:
+    """The maximal runs `(first, end)` of experts whose `[out, in]` matrices lie back to back in one
+    storage. The layer allocates all its experts in one buffer (one run); megatron's DDP may re-lay
+    parameters into its buckets, which can cut them into a few runs."""
+    spans, first = [], 0
     for i in range(1, len(weights) + 1):
-        if i < len(weights) and _follows(weights[i - 1], weights[i]):
-            continue
-        w0 = weights[first]
-        if w0.is_contiguous():
-            step = w0.numel()
-            runs.append((first, i, w0.as_strided((i - first, *w0.shape), (step, w0.shape[1], 1))))
-        else:
-            runs.append((first, i, torch.stack(list(weights[first:i]))))
-        first = i
-    return runs
+        if i == len(weights) or not _follows(weights[i - 1], weights[i]):
+            spans.append((first, i))
+            first = i
+    return spans
+
+
+def stacked(weights: Sequence[torch.Tensor], first: int, end: int) -> torch.Tensor:
+    """`[end-first, out, in]` of one span of `weight_spans`: a view (no copy) of contiguous matrices."""
+    w0 = weights[first]
+    if not w0.is_contiguous():  # a span of one matrix that is not contiguous
+        return w0.contiguous().unsqueeze(0)
+    step = w0.numel()
+    return w0.as_strided((end - first, *w0.shape), (step, w0.shape[1], 1))
+
+
+def weight_runs(weights: Sequence[torch.Tensor]) -> List[Tuple[int, int, torch.Tensor]]:
+    """`(first, end, stacked view)` for every span of `weight_spans`."""
+    return [(a, b, stacked(weights, a, b)) for a, b in weight_spans(weights)]
 
 
 def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -78,11 +85,11 @@ class _GroupedLinear(torch.autograd.Function):
     back (one run for the layer as built); the stacked views are rebuilt in backward rather than kept."""
 
     @staticmethod
-    def forward(ctx, x, tokens_per_expert, *weights):
+    def forward(ctx, x, tokens_per_expert, spans, *weights):
         ctx.save_for_backward(x, *weights)
-        ctx.tokens_per_expert = tokens_per_expert
+        ctx.tokens_per_expert, ctx.spans = tokens_per_expert, spans
         outs = []
-        for first, end, w, rows in _run_rows(weights, tokens_per_expert):
+        for first, end, w, rows in _run_rows(weights, tokens_per_expert, spans):
             outs.append(_grouped_mm()(x[rows], w.transpose(-2, -1), offs=_offsets(tokens_per_expert[first:end], x.device)))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -94,7 +101,7 @@ class _GroupedLinear(torch.autograd.Function):
         grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         grads_w = [None] * len(weights)
         want_w = any(ctx.needs_input_grad[2:])
-        for first, end, w, rows in _run_rows(weights, counts):
+        for first, end, w, rows in _run_rows(weights, counts, ctx.spans):
             offs = _offsets(counts[first:end], x.device)
             g = grad_out[rows]
             if grad_x is not None:
@@ -102,23 +109,33 @@ class _GroupedLinear(torch.autograd.Function):
             if want_w:
                 # [E, out, in]: per expert grad_out_e^T @ x_e, grouped along the token dimension
                 grads_w[first:end] = _grouped_mm()(g.t(), x[rows], offs=offs).unbind(0)
-        return (grad_x, None, *grads_w)
+        return (grad_x, None, None, *grads_w)
 
 
-def _run_rows(weights, tokens_per_expert):
-    """Each run of `weight_runs` with the slice of token rows its experts hold."""
+def _run_rows(weights, tokens_per_expert, spans):
+    """Each span's stacked view with the slice of token rows its experts hold."""
     starts = [0]
     for c in tokens_per_expert:
-        starts.append(starts[-1] + int(c))
-    for first, end, w in weight_runs(weights):
-        yield first, end, w, slice(starts[first], starts[end])
+        starts.append(starts[-1] + c)
+    for first, end in spans:
+        yield first, end, stacked(weights, first, end), slice(starts[first], starts[end])
 
 
-def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], tokens_per_expert: Sequence[int]) -> torch.Tensor:
-    """`x [T, in]` sorted by expert (`tokens_per_expert[e]` rows each) times each expert's `[out, in]`."""
+def _counts(tokens_per_expert) -> List[int]:
+    if torch.is_tensor(tokens_per_expert):
+        return tokens_per_expert.tolist()  # one call, not one 0-dim tensor per expert
+    return [int(c) for c in tokens_per_expert]
+
+
+def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], tokens_per_expert,
+                   spans: Optional[List[Tuple[int, int]]] = None) -> torch.Tensor:
+    """`x [T, in]` sorted by expert (`tokens_per_expert[e]` rows each) times each expert's `[out, in]`;
+    `spans`: `weight_spans(weights)` where the caller keeps it."""
+    counts = _counts(tokens_per_expert)
     if uses_grouped_mm(x):
-        return _GroupedLinear.apply(x.contiguous(), [int(c) for c in tokens_per_expert], *weights)
-    chunks = torch.split(x, list(tokens_per_expert))
+        spans = weight_spans(weights) if spans is None else spans
+        return _GroupedLinear.apply(x.contiguous(), counts, spans, *weights)
+    chunks = torch.split(x, counts)
     return torch.cat([chunk @ w.t() for chunk, w in zip(chunks, weights)])
 
 
@@ -157,7 +174,7 @@ class _GroupedMMLinear(MegatronModule):
         shape[self.partition_dim] //= tp
         self.num_gemms = num_local_experts
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        # all experts in one buffer, so grouped_mm reads them as one stacked view (`weight_runs`).
+        # all experts in one buffer, so grouped_mm reads them as one stacked view (`weight_spans`).
         # Registered last expert first: megatron's DDP lays a module's parameters into its buffer in
         # reverse registration order, which keeps the experts ascending there too.
         buffer = torch.empty([num_local_experts, *shape], dtype=config.params_dtype, device=device)
@@ -174,8 +191,18 @@ class _GroupedMMLinear(MegatronModule):
     def weights(self):
         return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
 
+    def spans(self, weights) -> List[Tuple[int, int]]:
+        """`weight_spans` of this layer's experts, recomputed only when a matrix has moved (checking
+        the spans costs milliseconds of host time per call at 256 experts; the pointers do not)."""
+        key = tuple(w.data_ptr() for w in weights)
+        if getattr(self, "_spans_key", None) != key:
+            self._spans_key, self._spans = key, weight_spans(weights)
+        return self._spans
+
     def forward(self, x: torch.Tensor, tokens_per_expert):
-        return grouped_linear(x, self.weights(), list(tokens_per_expert)), None
+        weights = self.weights()
+        spans = self.spans(weights) if uses_grouped_mm(x) else None
+        return grouped_linear(x, weights, tokens_per_expert, spans), None
 
     def backward_dw(self) -> None:  # no delayed weight gradients
         return None
