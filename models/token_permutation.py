@@ -133,10 +133,32 @@ class GatherSumAllGatherTokenDispatcher(GatherSumPermutation, MoEAllGatherTokenD
 
 
 class GatherSumAlltoAllTokenDispatcher(GatherSumPermutation, MoEAlltoAllTokenDispatcher):
-    """megatron's alltoall dispatcher (used on the GPU) with gather-sum permutation."""
+    """megatron's alltoall dispatcher (used on the GPU) with gather-sum permutation. With one
+    source rank (EP = TP = 1) its second permutation, the sort of token chunks by local expert, is
+    the identity (a split into 256 chunks and a copy of every routed row, forward and backward):
+    skipped, with megatron's host-sync points kept."""
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
         return self._permute(super().dispatch_preprocess, hidden_states, routing_map, probs)
+
+    def _chunk_sort_is_identity(self) -> bool:
+        if self.tp_size * self.ep_size != 1 or self.drop_and_pad or not self._gather_sum_applies():
+            return False
+        order = self.sort_input_by_local_experts
+        return torch.equal(order.cpu(), torch.arange(order.numel()))
+
+    def dispatch_postprocess(self, global_input_tokens, global_probs):
+        if not self._chunk_sort_is_identity():
+            return super().dispatch_postprocess(global_input_tokens, global_probs)
+        self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_2", self.tokens_per_expert)
+        tokens_per_expert = self._maybe_dtoh_and_synchronize("before_finish", self.tokens_per_expert)
+        self.tokens_per_expert = None
+        return global_input_tokens, tokens_per_expert, global_probs
+
+    def combine_preprocess(self, hidden_states):
+        if not self._chunk_sort_is_identity():
+            return super().combine_preprocess(hidden_states)
+        return hidden_states  # TP = 1: no reduce-scatter either
 
     def combine_postprocess(self, permutated_local_input_tokens):
         if getattr(self, "_bags", None) is None:

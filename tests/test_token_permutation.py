@@ -2,6 +2,7 @@
 segmented sum equal megatron's `permute` / `unpermute` (index_select + index_add_, scatter_add_) in
 value and gradient, tokens routed to no local expert included, and the Qwen3.5 MoE layers use it."""
 
+import pytest
 import torch
 
 from ps_bridge.models.token_permutation import (
@@ -79,3 +80,48 @@ def test_bf16_combine_no_less_exact_than_scatter_add():
     err_ours = (ours - exact16).norm() / exact.norm()
     err_theirs = (theirs - exact16).norm() / exact.norm()
     assert err_ours <= err_theirs, (err_ours, err_theirs)
+
+
+def _layer_step(layer, x, grad):
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    out, _ = layer(x)
+    out.backward(grad)
+    params = {n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
+    return out.detach(), x.grad, params
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the alltoall dispatcher needs CUDA")
+def test_gpu_alltoall_layer_equals_megatrons_permutation():
+    """The MoE layer on the GPU (alltoall dispatcher, EP = TP = 1: chunk sort skipped), float32:
+    output, input gradient and every parameter gradient equal the same layer with megatron's own
+    permutation (the dispatcher switched back to megatron's class)."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from ps_bridge.bench.catalog import FAMILIES, MODEL_SHAPES
+    from ps_bridge.config import PrefixSharingConfig
+    from ps_bridge.models.token_permutation import GatherSumAlltoAllTokenDispatcher
+    from ps_bridge.runtime import load_model_from_hf_config
+
+    shape = MODEL_SHAPES["tiny-qwen3.5-moe"]
+    loaded = load_model_from_hf_config(FAMILIES[shape.family](shape.dims, 1), PrefixSharingConfig(enabled=True),
+                                       dtype=torch.float32)
+    layer = loaded.model.decoder.layers[0].mlp
+    assert type(layer.token_dispatcher) is GatherSumAlltoAllTokenDispatcher
+    assert layer.token_dispatcher._chunk_sort_is_identity()
+    gen = torch.Generator(device=loaded.device).manual_seed(0)
+    hidden = int(loaded.provider.hidden_size)
+    x = torch.randn(300, 1, hidden, generator=gen, device=loaded.device)
+    grad = torch.randn(300, 1, hidden, generator=gen, device=loaded.device)
+    ours = _layer_step(layer, x, grad)
+    layer.token_dispatcher.__class__ = MoEAlltoAllTokenDispatcher
+    theirs = _layer_step(layer, x, grad)
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+    assert rel(ours[0], theirs[0]) < 1e-5 and rel(ours[1], theirs[1]) < 1e-5
+    assert ours[2].keys() == theirs[2].keys() and len(ours[2]) > 3
+    for name in ours[2]:
+        assert rel(ours[2][name], theirs[2][name]) < 1e-5, name
