@@ -20,7 +20,13 @@ The same weights make the router's other token statistics equal the unshared run
 
 The weights travel with the micro-batch in `packed_seq_params.moe_token_weights`; megatron's
 `MoELayer` is not handed `packed_seq_params`, so `PrefixSharedMoETransformerLayer` (megatron's
-`TransformerLayer`, whose MLP step receives it) gives them to its router for the MLP call. Covered: "aux_loss" and
+`TransformerLayer`, whose MLP step receives it) hands them to its MoE layer for that one call, and
+`PrefixSharedMoELayer` sets them on its router around the routed computation and clears them after.
+With MoE activation recompute (`recompute_granularity="selective"`, `recompute_modules=["moe"]`)
+the router's statistics are computed when the layer is recomputed in the backward pass, which under
+pipeline parallelism comes after other micro-batches' forwards: `PrefixSharedMoELayer` therefore
+does that recompute itself, with the call's weights (and EP padding) bound to the recomputed
+function, so a recomputed micro-batch reads its own weights. Covered: "aux_loss" and
 "global_aux_loss" (Qwen3.5's), the z-loss, the expert-bias counts. Refused when active with prefix
 sharing: "seq_aux_loss" (per-sequence statistics; a shared prompt belongs to n sequences).
 Token dropping (`moe_expert_capacity_factor`) is refused by the provider: which tokens an expert
@@ -29,10 +35,12 @@ drops depends on the order and number of packed tokens, so it cannot equal the u
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, switch_load_balancing_loss_func
@@ -178,28 +186,70 @@ def finish_router_statistics(model: torch.nn.Module, config) -> None:
 
 
 class PrefixSharedMoELayer(MoELayer):
-    """megatron's `MoELayer`; under expert parallelism with the `allgather` dispatcher (used where
-    CUDA is absent), whose all-gather needs the same token count on every TP x EP rank, it pads this
-    rank's tokens with zero rows (zero weight in every router statistic) to the largest count and
-    drops them from the output. Data-parallel ranks carry different micro-batches, so their packed
-    lengths differ. Its dispatcher permutes tokens with gathers and segmented sums instead of
-    scatter-adds (`models/token_permutation.py`)."""
+    """megatron's `MoELayer`, with the call's MoE token weights on its router for exactly the
+    routed computation of that call, recomputed or not.
+
+    - The weights (handed over by `PrefixSharedMoETransformerLayer` through `call_token_weights`
+      for the one call) are set on the router inside the function that runs the layer
+      and cleared after it. With MoE recompute on (`recompute_granularity="selective"`,
+      `"moe" in recompute_modules`) this layer checkpoints that function itself (megatron's own
+      checkpoint inside `MoELayer.forward` is switched off), so the recompute in the backward pass
+      binds the same weights: under pipeline parallelism it runs after later micro-batches'
+      forwards, and a router state left from the last call would be another micro-batch's.
+    - Under expert parallelism with the `allgather` dispatcher (used where CUDA is absent), whose
+      all-gather needs the same token count on every TP x EP rank, it pads this rank's tokens with
+      zero rows (zero weight in every router statistic) to the largest count and drops them from
+      the output. Data-parallel ranks carry different micro-batches, so their packed lengths differ.
+    - Its dispatcher permutes tokens with gathers and segmented sums instead of scatter-adds
+      (`models/token_permutation.py`).
+    """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         use_gather_sum_permutation(self.token_dispatcher)
+        # the recompute of the whole MoE layer is done here, with the call's router inputs bound
+        self.recompute_with_token_weights = self.moe_layer_recompute
+        self.moe_layer_recompute = False
+        self._call_weights: Optional[torch.Tensor] = None
+
+    @contextlib.contextmanager
+    def call_token_weights(self, weights: Optional[torch.Tensor]):
+        """Hand `weights` to the next `forward`, inside the block only."""
+        self._call_weights = weights
+        try:
+            yield
+        finally:
+            self._call_weights = None
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
-        pad = self._allgather_pad(hidden_states.shape[0])
-        if not pad:
-            return super().forward(hidden_states, intermediate_tensors, padding_mask)
+        weights = self._call_weights
         rows = hidden_states.shape[0]
-        padded = torch.cat([hidden_states, hidden_states.new_zeros(pad, *hidden_states.shape[1:])])
-        self.router.pad_rows = pad
-        try:
-            output, bias = super().forward(padded, intermediate_tensors, padding_mask)
-        finally:
-            self.router.pad_rows = 0
+        pad = self._allgather_pad(rows)  # a collective: once per call, never in the recompute
+        if pad:
+            hidden_states = torch.cat([hidden_states, hidden_states.new_zeros(pad, *hidden_states.shape[1:])])
+
+        def routed(hidden, intermediate, mask):  # run in forward and again when recomputed
+            self.router.token_weights, self.router.pad_rows = weights, pad
+            try:
+                return MoELayer.forward(self, hidden, intermediate, mask)
+            finally:
+                self.router.token_weights, self.router.pad_rows = None, 0
+
+        if self.recompute_with_token_weights and self.training:
+            if self.config.fp8 or self.config.fp4:
+                from megatron.core.extensions.transformer_engine import te_checkpoint
+
+                result = te_checkpoint(
+                    routed, False, tensor_parallel.random.get_cuda_rng_tracker, self.tp_group,
+                    hidden_states, intermediate_tensors, padding_mask,
+                )
+            else:
+                result = tensor_parallel.checkpoint(routed, False, hidden_states, intermediate_tensors, padding_mask)
+        else:
+            result = routed(hidden_states, intermediate_tensors, padding_mask)
+        if not pad:
+            return result
+        output, bias = result
         return output[:rows], bias
 
     def _allgather_pad(self, rows: int) -> int:
@@ -212,13 +262,12 @@ class PrefixSharedMoELayer(MoELayer):
 
 
 class PrefixSharedMoETransformerLayer(TransformerLayer):
-    """megatron's `TransformerLayer` that hands the micro-batch's MoE token weights to its router
-    before the MLP step (a layer without a prefix-shared router is left alone)."""
+    """megatron's `TransformerLayer` that hands the micro-batch's MoE token weights to its MoE layer
+    for the MLP step's call (a layer without a prefix-shared MoE layer is left alone). Nothing stays
+    on the layer or its router after the call."""
 
     def _forward_mlp(self, hidden_states, inference_context=None, padding_mask=None, packed_seq_params=None):
-        router = getattr(self.mlp, "router", None)
-        if not isinstance(router, PrefixSharedTopKRouter):
+        if not isinstance(self.mlp, PrefixSharedMoELayer):
             return super()._forward_mlp(hidden_states, inference_context, padding_mask, packed_seq_params)
-        # kept until the next call sets them, as the router's aux loss reads them in its forward
-        router.token_weights = getattr(packed_seq_params, "moe_token_weights", None)
-        return super()._forward_mlp(hidden_states, inference_context, padding_mask, packed_seq_params)
+        with self.mlp.call_token_weights(getattr(packed_seq_params, "moe_token_weights", None)):
+            return super()._forward_mlp(hidden_states, inference_context, padding_mask, packed_seq_params)

@@ -68,7 +68,7 @@ def _layer_spec(config, moe: bool, gdn: bool) -> ModuleSpec:
     sub.pre_mlp_layernorm = ZeroCenteredRMSNorm
     if moe:
         # prompt tokens weighted by their group size in the load-balancing statistics; the layer
-        # hands the micro-batch's token weights to the router
+        # hands the micro-batch's token weights to its MoE layer for the call (recompute included)
         spec.module = PrefixSharedMoETransformerLayer
         changes = {"router": PrefixSharedTopKRouter}
         if config.moe_grouped_gemm:  # megatron's TEGroupedMLP on torch's grouped_mm (TE's where installed)

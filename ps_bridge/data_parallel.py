@@ -77,21 +77,35 @@ def gather_rows(indices: Sequence[int], rows: Sequence[torch.Tensor], num_sample
     return out
 
 
-def reduce_data_parallel_gradients(model: torch.nn.Module) -> None:
+def data_parallel_size() -> int:
+    """The data-parallel size (without context parallelism); 1 before megatron's groups exist."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 1
+    return parallel_state.get_data_parallel_world_size()
+
+
+def reduce_data_parallel_gradients(model: torch.nn.Module, mean: bool = False) -> None:
     """Sum every gradient over the ranks that hold the same parameter and ran other groups: the
     data-parallel group, for expert weights (`allreduce=False`) the expert data-parallel group.
-    The gradient of the whole batch's summed loss (megatron's DDP averages instead; this run's loss
-    is a plain sum over samples, so the sum is the single-rank gradient)."""
+    The gradient of the whole batch's summed loss (this run's loss is a plain sum over samples, so
+    the sum is the single-rank gradient). `mean=True` divides every gradient by the data-parallel
+    size afterwards, expert weights included, as megatron's DDP does (its losses are per-rank means:
+    the mean of the ranks' losses is the batch's)."""
     from megatron.core import parallel_state
 
     dp = parallel_state.get_data_parallel_group()
     edp = parallel_state.get_expert_data_parallel_group()
+    size = dist.get_world_size(dp)
     for param in model.parameters():
         if param.grad is None:
             continue
         group = dp if getattr(param, "allreduce", True) else edp
         if dist.get_world_size(group) > 1:
             dist.all_reduce(param.grad, group=group)
+        if mean and size > 1:
+            param.grad /= size
 
 
 def dp_logprob_pass(loaded, micro_batches, share=None, loss_weights=None):

@@ -371,18 +371,24 @@ def finish_gradients(model: torch.nn.Module, config) -> None:
 
 
 def broadcast_replicas(model: torch.nn.Module) -> None:
-    """Make the context-parallel replicas of a randomly initialised model identical: every
-    parameter from CP rank 0 over the data-parallel-with-CP group, as megatron's DDP wrapper
-    broadcasts them at the start of training (`broadcast_params`). Weights loaded from a checkpoint
-    are identical already."""
+    """Make the replicas of a randomly initialised model identical, as megatron's DDP wrapper
+    broadcasts them at the start of training (`broadcast_params`): every parameter from rank 0 of
+    the data-parallel-with-CP group (the CP replicas, and under expert parallelism the
+    data-parallel ranks), expert weights (`allreduce=False`) over the expert data-parallel group
+    (the ranks that hold the same experts); without expert parallelism the buffers too. Weights
+    loaded from a checkpoint are identical already."""
     from megatron.core import parallel_state
 
-    if parallel_state.get_context_parallel_world_size() == 1:
-        return
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    src = dist.get_global_rank(group, 0)
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        dist.broadcast(tensor.data, src=src, group=group)
+    if dist.get_world_size(group) == 1:
+        return
+    expert_group = parallel_state.get_expert_data_parallel_group()
+    tensors = [(p.data, group if getattr(p, "allreduce", True) else expert_group) for p in model.parameters()]
+    if parallel_state.get_expert_model_parallel_world_size() == 1:
+        tensors += [(b, group) for b in model.buffers()]
+    for tensor, g in tensors:
+        if dist.get_world_size(g) > 1:
+            dist.broadcast(tensor, src=dist.get_global_rank(g, 0), group=g)
 
 
 def hf_named_gradients(bridge, model: torch.nn.Module) -> Dict[str, torch.Tensor]:

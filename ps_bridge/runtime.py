@@ -58,6 +58,7 @@ class LoadedModel:
     pp: int = 1
     sequence_parallel: bool = False
     cp: int = 1  # context-parallel size: each CP rank runs one contiguous shard of the pack
+    ep: int = 1  # expert-parallel size (MoE): its ranks are data-parallel ranks, each with its own samples
     # the vocabulary megatron's embedding and output layer have: `vocab_size` padded up when TP
     # does not divide it (the logits of the padded ids are kept out of the log-probs)
     padded_vocab_size: Optional[int] = None
@@ -167,7 +168,7 @@ def _provide_model(bridge, provider_name, config, dtype, settings, load_weights)
     model = models[0]
     device = default_device()
     model.to(device=device, dtype=dtype)
-    if not load_weights:  # random weights: the CP replicas must be one model
+    if not load_weights:  # random weights: the CP / data-parallel replicas must be one model
         from ps_bridge.parallel import broadcast_replicas
 
         broadcast_replicas(model)
@@ -184,6 +185,7 @@ def _provide_model(bridge, provider_name, config, dtype, settings, load_weights)
         pp=pp,
         sequence_parallel=settings.sequence_parallel,
         cp=settings.cp,
+        ep=settings.ep,
         padded_vocab_size=padded_vocab_size(provider),
     )
 
@@ -203,12 +205,12 @@ def tf32_disabled():
 def float32_reference_model(loaded: LoadedModel, hf_config) -> LoadedModel:
     """A float32 twin of a (bf16) model with exactly its weights (bf16 values upcast exactly) and the
     `torch_ref` attention and Gated DeltaNet kernels: the computation a bf16 run approximates.
-    TP = PP = 1, the model's CP size (CP ranks hold whole replicas); run it under `tf32_disabled()`
-    to make it a true float32 reference."""
+    TP = PP = 1, the model's CP and EP sizes (CP ranks hold whole replicas, EP ranks their experts);
+    run it under `tf32_disabled()` to make it a true float32 reference."""
     if loaded.tp > 1 or loaded.pp > 1:
         raise ValueError("float32_reference_model builds a twin without TP / PP; got tp/pp > 1")
     config = PrefixSharingConfig(enabled=False, backend="torch_ref", gdn_backend="torch_ref", pad_multiple=1)
-    twin = load_model_from_hf_config(hf_config, config, dtype=torch.float32, cp=loaded.cp)  # CP: same shards
+    twin = load_model_from_hf_config(hf_config, config, dtype=torch.float32, cp=loaded.cp, ep=loaded.ep)  # same shards
     target = twin.model.state_dict()
     twin.model.load_state_dict({
         name: value.to(target[name].dtype) if torch.is_tensor(value) and value.is_floating_point() else value

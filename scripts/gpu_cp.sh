@@ -21,16 +21,7 @@ timeout 110 scripts/gpu_checks.sh tests/test_context_parallel_gpu.py
 source scripts/gpu_env.sh
 ROWS=/tmp/ps-bridge-cp-rows
 rm -rf "$ROWS" && mkdir -p "$ROWS"
-step=0
-bench() {  # bench LIMIT_S NPROC ARGS...: one bench process group, its JSON kept apart
-  local limit=$1 nproc=$2; shift 2
-  step=$((step + 1))
-  echo "=== [$((SECONDS - start)) s] bench step $step (nproc $nproc): $*" | tee -a "$OUT/bench_cp.log"
-  timeout -k 10 "$limit" python3 -m torch.distributed.run --nproc-per-node "$nproc" -m ps_bridge.cli bench \
-    --no-progress --collective-timeout 45 --json "$ROWS/step$step-cp$nproc.json" "$@" >> "$OUT/bench_cp.log" 2>&1
-  echo "=== step $step exit $?" | tee -a "$OUT/bench_cp.log"
-  save_autotune
-}
+bench() { bench_step "$OUT/bench_cp.log" "$ROWS" cp "$@"; }  # bench LIMIT_S NPROC ARGS...
 COMMON=(--warmup 1 --repeats 2 --layers 4)
 bench 80 2 --cp 2 --models qwen2.5-7b --grid "32768,1024,8" --max-tokens-per-gpu 60000 "${COMMON[@]}"
 bench 85 2 --cp 2 --models qwen2.5-7b --grid "65536,512,8" --max-tokens-per-gpu 60000 "${COMMON[@]}"
@@ -38,15 +29,5 @@ bench 75 2 --cp 2 --models qwen3.5-9b --grid "32768,1024,8" --max-tokens-per-gpu
 LADDER=(--models qwen2.5-7b --shared-only --stop-on-failure --warmup 0 --repeats 1 --layers 4)
 bench 60 1 "${LADDER[@]}" --grid "65536,1024,8;81920,1024,8;98304,1024,8;114688,1024,8"
 bench 75 2 --cp 2 "${LADDER[@]}" --grid "131072,1024,8;163840,1024,8;196608,1024,8;229376,1024,8"
-python3 - "$ROWS" "$OUT/bench_cp.json" <<'PY'
-import glob, json, os, re, sys
-rows, first = [], None
-for path in sorted(glob.glob(os.path.join(sys.argv[1], "step*.json")), key=lambda p: int(re.search(r"step(\d+)", p).group(1))):
-    data = json.load(open(path))
-    first = first or data
-    cp = int(re.search(r"cp(\d+)", os.path.basename(path)).group(1))
-    rows += [dict(row, cp=cp) for row in data["rows"]]
-json.dump(dict(first or {}, rows=rows), open(sys.argv[2], "w"), indent=2)
-print(f"{len(rows)} rows merged into {sys.argv[2]}")
-PY
+python3 scripts/merge_bench_rows.py "$ROWS" "$OUT/bench_cp.json"
 echo "gpu_cp.sh done in $((SECONDS - start)) s" | tee -a "$OUT/bench_cp.log"

@@ -1,6 +1,7 @@
-# Sourced by scripts/gpu_checks.sh and scripts/gpu_cp.sh (repository root): the environment our
+# Sourced by scripts/gpu_checks.sh, gpu_cp.sh and gpu_ep.sh (repository root): the environment our
 # stack runs in on the lent GPU machine, from the archive `.whl/gpusite.tar.xz` unpacked to
-# /tmp/gpusite, and `save_autotune`, which keeps the kernel caches worth carrying in $OUT.
+# /tmp/gpusite; `save_autotune`, which keeps the kernel caches worth carrying in $OUT; and
+# `bench_step`, one `ps-bridge bench` under torchrun.
 export PYTHONPATH="/tmp/gpusite" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 # tilelang's kernel cache lives inside Triton's cache directory, so one archive carries both
 export TRITON_CACHE_DIR=/tmp/triton-cache FLA_CACHE_RESULTS=1
@@ -12,4 +13,18 @@ save_autotune() {
        [ -d tilelang-kernels ] && find tilelang-kernels -type f ! -path '*/.staging*' ! -name '*.tmp*' -print0; } \
      | tar --null --ignore-failed-read -czf "$OUT/.autotune.tmp" -T - \
      && mv "$OUT/.autotune.tmp" "$OUT/triton-autotune.tar.gz") 2>/dev/null
+}
+BENCH_STEP=0
+bench_step() {
+  # bench_step LOG ROWS TAG LIMIT_S NPROC ARGS...: one bench process group under torchrun (an
+  # out-of-memory rank that hangs its NCCL peer costs that step only: `timeout`, --collective-timeout),
+  # output appended to LOG, its JSON kept apart as ROWS/step<k>-<TAG><NPROC>.json
+  # (scripts/merge_bench_rows.py merges them)
+  local log=$1 rows=$2 tag=$3 limit=$4 nproc=$5; shift 5
+  BENCH_STEP=$((BENCH_STEP + 1))
+  echo "=== [$SECONDS s] bench step $BENCH_STEP (nproc $nproc): $*" | tee -a "$log"
+  timeout -k 10 "$limit" python3 -m torch.distributed.run --nproc-per-node "$nproc" -m ps_bridge.cli bench \
+    --no-progress --collective-timeout 45 --json "$rows/step$BENCH_STEP-$tag$nproc.json" "$@" >> "$log" 2>&1
+  echo "=== step $BENCH_STEP exit $?" | tee -a "$log"
+  save_autotune
 }

@@ -1,6 +1,7 @@
 """What the parallel tests share: the micro-batches (also run by the torchrun workers), the
 single-rank unshared reference, the torchrun launcher and the per-rank log checks."""
 
+import contextlib
 import os
 import random
 import re
@@ -68,6 +69,53 @@ MICRO_BATCHES = {"parallel": parallel_micro_batches, "cp": cp_micro_batches, "ep
 
 def micro_batch_weights(micro_batches) -> List[List[torch.Tensor]]:
     return [loss_weights(mb, seed=i) for i, mb in enumerate(micro_batches)]
+
+
+@contextlib.contextmanager
+def recorded_aux_losses():
+    """The load-balancing loss value (its coefficient divided out) each prefix-shared MoE router
+    attaches inside the block, as a list of (layer number, value) in call order."""
+    from ps_bridge.models.moe import PrefixSharedTopKRouter
+
+    records = []
+    original = PrefixSharedTopKRouter.attach_and_log_load_balancing_loss
+
+    def record(self, activation, coeff, aux_loss, name, *args, **kwargs):
+        records.append((self.layer_number, float(aux_loss.detach() / coeff)))
+        return original(self, activation, coeff, aux_loss, name, *args, **kwargs)
+
+    PrefixSharedTopKRouter.attach_and_log_load_balancing_loss = record
+    try:
+        yield records
+    finally:
+        PrefixSharedTopKRouter.attach_and_log_load_balancing_loss = original
+
+
+def aux_by_micro_batch(records) -> dict:
+    """`recorded_aux_losses` keyed (micro-batch, layer): each micro-batch calls every router of this
+    pipeline stage once, in the schedule's micro-batch order (forward, or the recompute in backward)."""
+    per_micro_batch = len({layer for layer, _ in records})
+    return {(i // per_micro_batch, layer): value for i, (layer, value) in enumerate(records)}
+
+
+@contextlib.contextmanager
+def moe_recompute_on_build():
+    """Models built inside the block have megatron's MoE activation recompute switched on in their
+    config (`recompute_granularity="selective"`, `recompute_modules=["moe"]`)."""
+    import ps_bridge.parallel as parallel
+
+    real = parallel.configure_provider
+
+    def with_moe_recompute(provider, settings):
+        real(provider, settings)
+        provider.recompute_granularity = "selective"
+        provider.recompute_modules = ["moe"]
+
+    parallel.configure_provider = with_moe_recompute
+    try:
+        yield
+    finally:
+        parallel.configure_provider = real
 
 
 # `torchrun` itself, found through this interpreter (no console script needed on PATH)

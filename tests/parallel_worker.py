@@ -6,6 +6,7 @@ log-probs and the full gradients under Hugging Face names. Every rank logs its `
 """
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -15,7 +16,9 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from parallel_cases import MICRO_BATCHES, leave_worker, micro_batch_weights  # noqa: E402
+from parallel_cases import (  # noqa: E402
+    MICRO_BATCHES, aux_by_micro_batch, leave_worker, micro_batch_weights, moe_recompute_on_build, recorded_aux_losses,
+)
 
 
 def main() -> None:
@@ -29,6 +32,7 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=1, help="expert parallelism: groups split across the DP ranks")
     parser.add_argument("--cases", default=None, choices=sorted(MICRO_BATCHES), help="default: ep with --ep > 1, else parallel")
     parser.add_argument("--skip-finish-gradients", action="store_true", help="negative control")
+    parser.add_argument("--moe-recompute", action="store_true", help="megatron's MoE activation recompute on")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     logging.getLogger("ps_bridge").setLevel(logging.INFO)
@@ -43,22 +47,32 @@ def main() -> None:
 
         ps_bridge.schedule.finish_gradients = lambda model, config: None
 
-    loaded = load_model(
-        args.hf_path, PrefixSharingConfig(enabled=True), tp=args.tp, pp=args.pp, sequence_parallel=args.sp, cp=args.cp,
-        ep=args.ep,
-    )
+    with moe_recompute_on_build() if args.moe_recompute else contextlib.nullcontext():
+        loaded = load_model(
+            args.hf_path, PrefixSharingConfig(enabled=True), tp=args.tp, pp=args.pp, sequence_parallel=args.sp,
+            cp=args.cp, ep=args.ep,
+        )
     if args.ep > 1:  # data-parallel ranks: each runs its whole groups, rows and gradient sums gathered
         from ps_bridge.data_parallel import dp_logprob_pass as logprob_pass  # noqa: F811
     rank = torch.distributed.get_rank()
     print(f"[parallel_worker] global_rank={rank} backend={torch.distributed.get_backend()} device={loaded.device}", file=sys.stderr)
     micro_batches = MICRO_BATCHES[args.cases or ("ep" if args.ep > 1 else "parallel")]()
     loaded.model.zero_grad(set_to_none=True)
-    shared = logprob_pass(loaded, micro_batches, share=True, loss_weights=micro_batch_weights(micro_batches))
+    with recorded_aux_losses() as records:
+        shared = logprob_pass(loaded, micro_batches, share=True, loss_weights=micro_batch_weights(micro_batches))
+    # MoE: each rank's load-balancing loss is its share (its tokens' router probabilities against the
+    # token counts of the whole micro-batch); the shares of all ranks add up to the single-rank value
+    aux = {}
+    box = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(box, aux_by_micro_batch(records))
+    for part in box:
+        for key, value in part.items():
+            aux[key] = aux.get(key, 0.0) + value
     grads = hf_named_gradients(loaded.bridge, loaded.model)
     with torch.no_grad():
         forward_only = logprob_pass(loaded, micro_batches, share=True)
     if is_output_rank():  # (under --ep, data-parallel rank 0 of global rank 0 holds every row)
-        torch.save(dict(logprobs=shared, forward_only=forward_only, grads=grads), args.out)
+        torch.save(dict(logprobs=shared, forward_only=forward_only, grads=grads, aux=aux), args.out)
     leave_worker()
 
 

@@ -69,16 +69,30 @@ def test_cli_ep2_equals_hf(moe_checkpoint, tmp_path, share):
     assert worst <= 2e-5, worst
 
 
-EP_CASES = {"ep2": (2, ["--ep", "2"]), "ep2_tp2_sp": (4, ["--ep", "2", "--tp", "2", "--sp"])}
+EP_CASES = {
+    "ep2": (2, ["--ep", "2"]),
+    "ep2_tp2_sp": (4, ["--ep", "2", "--tp", "2", "--sp"]),
+    "ep2_pp2": (4, ["--ep", "2", "--pp", "2"]),
+    # megatron's MoE recompute under 1F1B: stage 0 runs micro-batch 1's forward before micro-batch 0's
+    # backward, where the MoE layer is recomputed with micro-batch 0's own token weights
+    "ep2_pp2_moe_recompute": (4, ["--ep", "2", "--pp", "2", "--moe-recompute"]),
+}
 
 
-@pytest.mark.parametrize("case", [pytest.param("ep2", marks=pytest.mark.slow), pytest.param("ep2_tp2_sp", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(EP_CASES))
 def test_ep_logprobs_and_gradients_equal_single_rank_unshared(moe_checkpoint, tmp_path, case):
-    """Log-probs and every HF-named gradient (aux loss included: the model trains) of the
+    """Log-probs, every HF-named gradient and the load-balancing loss (the model trains) of the
     prefix-shared EP run, groups split across the data-parallel ranks and gradients summed over
-    them (`data_parallel.reduce_data_parallel_gradients`: the loss is a plain sum over samples),
-    equal the single-rank unshared run on the whole batch."""
-    from parallel_cases import WORKER, ep_micro_batches, max_logprob_diff, micro_batch_weights, relative_grad_diffs
+    them (`data_parallel.reduce_data_parallel_gradients`: the loss is a plain sum over samples, so
+    the sum, not megatron's DDP mean, is the whole batch's gradient; expert weights are summed over
+    the expert data-parallel group), equal the single-rank unshared run on the whole batch. Under
+    PP=2 every stage holds two of the four layers and its EP ranks exchange tokens among themselves.
+    The aux loss: each rank's value is its share, the shares of all ranks add up to the single-rank one."""
+    from parallel_cases import (
+        WORKER, aux_by_micro_batch, ep_micro_batches, max_logprob_diff, micro_batch_weights, recorded_aux_losses,
+        relative_grad_diffs,
+    )
 
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.parallel import hf_named_gradients
@@ -89,15 +103,60 @@ def test_ep_logprobs_and_gradients_equal_single_rank_unshared(moe_checkpoint, tm
     loaded = load_model(path, PrefixSharingConfig(enabled=True))
     micro_batches = ep_micro_batches()
     loaded.model.zero_grad(set_to_none=True)
-    ref_logprobs = logprob_pass(loaded, micro_batches, share=False, loss_weights=micro_batch_weights(micro_batches))
+    with recorded_aux_losses() as records:
+        ref_logprobs = logprob_pass(loaded, micro_batches, share=False, loss_weights=micro_batch_weights(micro_batches))
+    ref_aux = aux_by_micro_batch(records)
     ref_grads = hf_named_gradients(loaded.bridge, loaded.model)
     nproc, flags = EP_CASES[case]
     out = tmp_path / "result.pt"
     proc = torchrun(nproc, [WORKER, "--hf-path", path, "--out", str(out), *flags], timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = torch.load(out)
-    assert max_logprob_diff(got["logprobs"], ref_logprobs) <= 1e-5
-    assert max_logprob_diff(got["forward_only"], ref_logprobs) <= 1e-5
+    logprob_diff = max_logprob_diff(got["logprobs"], ref_logprobs)
+    assert set(got["aux"]) == set(ref_aux) and len(ref_aux) == 2 * 4, (sorted(got["aux"]), sorted(ref_aux))
+    aux_diff = max(abs(got["aux"][k] - v) / abs(v) for k, v in ref_aux.items())
     diffs = relative_grad_diffs(got["grads"], ref_grads)
+    print(f"{case}: max |logp| diff {logprob_diff:.2e}, aux loss rel {aux_diff:.2e}, grad rel {max(diffs.values()):.2e}")
+    assert logprob_diff <= 1e-5
+    assert max_logprob_diff(got["forward_only"], ref_logprobs) <= 1e-5
+    assert aux_diff <= 1e-5, (got["aux"], ref_aux)
     wrong = {n: f"{d:.2e}" for n, d in diffs.items() if not d <= 1e-5}
     assert not wrong, wrong
+
+
+@pytest.mark.slow
+def test_bench_smoke_under_expert_parallel(tmp_path):
+    """`ps-bridge bench --smoke --ep 2` under torchrun (gloo, float32, tiny Qwen3.5 MoE): each
+    data-parallel rank runs 1 of the 2 groups of the row's batch, shared and unshared, with the
+    gradients reduced every step; the random replicas are one model (broadcast), so the shared rows
+    of both ranks equal the unshared ones and the float32 twin's; rank 0 alone reports, with the
+    world layout and the whole batch's token counts."""
+    out = tmp_path / "bench.json"
+    argv = ["-m", "ps_bridge.cli", "bench", "--smoke", "--ep", "2", "--groups", "2", "--no-progress",
+            "--fp32-reference", "--grid", "24,8,4", "--json", str(out)]
+    proc = torchrun(2, argv, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("ps-bridge bench on") == 1
+    assert "expert parallel 2 (data parallel 2: each rank 1 of the 2 groups" in proc.stdout
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["model"] == "tiny-qwen3.5-moe" and row["error"] is None, row
+    assert row["parallel"] == dict(world_size=2, cp=1, ep=2, data_parallel=2, groups_per_rank=1)
+    assert row["tokens_unshared"] == 2 * 4 * (24 + 8) and row["tokens_shared"] == 2 * (24 + 4 * 8)
+    assert row["max_logprob_diff"] <= 1e-5 and row["shared_max_err_fp32"] <= 1e-5, row
+    assert row["unshared_max_err_fp32"] <= 1e-5 and row["actor_speedup"] > 0
+
+
+def test_bench_refuses_what_expert_parallel_cannot_split():
+    """The bench's own `--ep` limits, before any process group: whole groups, the same number per
+    data-parallel rank; MoE shapes only; not with --cp."""
+    from ps_bridge.bench.run import _expert_parallel_problem
+
+    def args(**kw):
+        return type("Args", (), dict(dict(ep=2, cp=1, groups=4), **kw))()
+
+    assert _expert_parallel_problem(args(), ["tiny-qwen3.5-moe", "qwen3.5-35b-a3b"], 2) is None
+    assert "--groups 3 cannot be split evenly across the 2 data-parallel ranks" in _expert_parallel_problem(
+        args(groups=3), ["tiny-qwen3.5-moe"], 2)
+    assert "use --groups 4" in _expert_parallel_problem(args(groups=6), ["tiny-qwen3.5-moe"], 4)
+    assert "needs MoE model shapes; tiny-qwen2.5 has no experts" in _expert_parallel_problem(args(), ["tiny-qwen2.5"], 2)
+    assert "not both" in _expert_parallel_problem(args(cp=2), ["tiny-qwen3.5-moe"], 4)

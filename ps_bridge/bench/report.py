@@ -40,6 +40,8 @@ class RowResult:
     unshared_rel_err_fp32: Optional[float] = None
     shared_max_err_fp32: Optional[float] = None
     unshared_max_err_fp32: Optional[float] = None
+    # the processes of the run: world_size, cp, ep, data_parallel, groups_per_rank (EP: each rank's whole groups)
+    parallel: Optional[dict] = None
 
     @classmethod
     def failed(cls, model: str, layers: int, backend: str, P: int, R: int, n: int, groups: int, error: str) -> "RowResult":

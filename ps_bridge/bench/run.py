@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -67,6 +68,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cp", type=int, default=1,
                         help="context-parallel size: run under 'torchrun --nproc-per-node N' with N = --cp "
                              "(global rank 0 reports); every micro-batch is split into N contiguous shards")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel size (MoE shapes): run under 'torchrun --nproc-per-node N' with N = --ep "
+                             "(global rank 0 reports); the ranks are data-parallel: each gets its own whole groups of "
+                             "the row's batch (--groups a multiple of N), gradients are reduced over them every step")
     parser.add_argument("--shared-only", action="store_true",
                         help="time the prefix-shared packing alone (no unshared baseline): how long a P fits")
     parser.add_argument("--max-tokens-per-gpu", type=int, default=None,
@@ -85,11 +90,59 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 # ---- one grid row ------------------------------------------------------------------------------
 
 
+def _data_parallel_share(samples: list) -> list:
+    """This data-parallel rank's whole groups of the row's batch (all of it without EP)."""
+    from ps_bridge.data_parallel import dp_share
+
+    return dp_share(samples)[1]
+
+
+def _whole_batch_rows(rows):
+    """Every data-parallel rank's response rows, in rank order, on every rank (as given without EP)."""
+    from ps_bridge.data_parallel import data_parallel_size
+
+    if rows is None or data_parallel_size() == 1:
+        return rows
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group()
+    box = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(box, rows.cpu(), group=group)
+    return torch.cat(box)
+
+
+def _slowest_rank(mode: ModeResult) -> ModeResult:
+    """Under EP the step is the slowest data-parallel rank's (they wait for each other in the expert
+    exchange and the gradient reduction): the largest median time and peak over the ranks."""
+    from ps_bridge.data_parallel import data_parallel_size
+    from ps_bridge.parallel import max_over_ranks
+
+    if data_parallel_size() == 1:
+        return mode
+    peak = lambda mib: None if mib is None else max_over_ranks(mib)  # noqa: E731
+    return dataclasses.replace(
+        mode, actor_ms=max_over_ranks(mode.actor_ms), logprob_ms=max_over_ranks(mode.logprob_ms),
+        actor_peak_mib=peak(mode.actor_peak_mib), logprob_peak_mib=peak(mode.logprob_peak_mib),
+    )
+
+
+def world_layout(args) -> dict:
+    """How the processes of this run are laid out (stated with every row)."""
+    from ps_bridge.data_parallel import data_parallel_size
+    from ps_bridge.parallel import launched_world_size
+
+    dp = data_parallel_size()
+    return dict(world_size=launched_world_size(), cp=args.cp, ep=args.ep, data_parallel=dp,
+                groups_per_rank=args.groups // dp)
+
+
 def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, reference=None) -> List[RowResult]:
     from ps_bridge.forward import cp_total_multiple
     from ps_bridge.layout import build_layout
 
-    samples = make_samples(P, R, n, args.groups, loaded.vocab_size, args.seed)
+    batch = make_samples(P, R, n, args.groups, loaded.vocab_size, args.seed)
+    samples = _data_parallel_share(batch)  # under EP this rank's whole groups; the row counts the whole batch
+    whole = build_layout(batch, share=True, vocab_size=loaded.vocab_size, total_multiple=cp_total_multiple())
     shared_layout = build_layout(samples, share=True, vocab_size=loaded.vocab_size, total_multiple=cp_total_multiple())
     common = dict(warmup=args.warmup, repeats=args.repeats, chunk=args.logprob_chunk, progress=progress,
                   max_tokens=args.max_tokens_per_gpu)
@@ -99,22 +152,24 @@ def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, refer
         base, base_rows, layouts = run_unshared(loaded, samples, backends[0], **common)
     if base is None:  # not even split: time the shared packing alone
         base = ModeResult(shared_layout.tokens_unshared, math.nan, math.nan, None, None, micro_batches=0)
+    base, base_rows = _slowest_rank(base), _whole_batch_rows(base_rows)
     reference_rows = None
     if reference is not None and base_rows is not None:  # on the same micro-batches as the unshared run
-        reference_rows = reference.response_logprobs(layouts)
+        reference_rows = _whole_batch_rows(reference.response_logprobs(layouts))
     results = []
     for backend in backends:
         shared, rows = run_mode(loaded, shared_layout, backend, **common)
+        shared, rows = _slowest_rank(shared), _whole_batch_rows(rows)
         fp32 = row_errors(reference_rows, rows, base_rows)
-        useful = shared_layout.tokens_unshared
+        useful = whole.tokens_unshared
         results.append(
             RowResult(
                 model=model_name,
                 layers=layers,
                 backend=backend,
                 P=P, R=R, n=n, groups=args.groups,
-                tokens_unshared=shared_layout.tokens_unshared,
-                tokens_shared=shared_layout.tokens_shared,
+                tokens_unshared=whole.tokens_unshared,
+                tokens_shared=whole.tokens_shared,
                 ideal_speedup=ideal_speedup(P, R, n),
                 actor_speedup=base.actor_ms / shared.actor_ms,
                 logprob_speedup=base.logprob_ms / shared.logprob_ms,
@@ -125,6 +180,7 @@ def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, refer
                 shared_tokens_per_s=useful / (shared.actor_ms / 1e3),
                 max_logprob_diff=float((rows - base_rows).abs().max()) if base_rows is not None else math.nan,
                 unshared_out_of_memory=base_rows is None and not args.shared_only,
+                parallel=world_layout(args),
                 **fp32,
             )
         )
@@ -139,6 +195,23 @@ def _error(message: str) -> int:
     return 2
 
 
+def _expert_parallel_problem(args, models, world_size: int):
+    """What keeps this bench run from `--ep`, or None. The bench's own limits: every data-parallel
+    rank must get the same number of whole groups (so every rank makes the same decisions and
+    collectives), MoE shapes only, not together with --cp."""
+    dense = [m for m in models if not MODEL_SHAPES[m].family.endswith("-moe")]
+    if dense:
+        moe = ", ".join(k for k, v in MODEL_SHAPES.items() if v.family.endswith("-moe"))
+        return f"--ep {args.ep} needs MoE model shapes; {', '.join(dense)} has no experts (use --models {moe})"
+    if args.cp > 1:
+        return f"the bench runs --ep or --cp, not both (--ep {args.ep} --cp {args.cp}): drop one"
+    dp = world_size // args.cp
+    if args.groups % dp:
+        return (f"--groups {args.groups} cannot be split evenly across the {dp} data-parallel ranks of --ep {args.ep} "
+                f"(each rank gets whole groups, the same number): use --groups {dp * max(1, args.groups // dp)}")
+    return None
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.kernels.attention import BACKENDS
@@ -149,7 +222,9 @@ def run_bench(args: argparse.Namespace) -> int:
             "ps-bridge bench measures GPU speed and needs an NVIDIA GPU, but CUDA is not available "
             "here; run 'ps-bridge bench --smoke' for a tiny functional run on the CPU"
         )
-    models = args.models or (["tiny-qwen2.5", "tiny-qwen3.5"] if args.smoke else list(DEFAULT_MODELS))
+    models = args.models or (
+        (["tiny-qwen3.5-moe"] if args.ep > 1 else ["tiny-qwen2.5", "tiny-qwen3.5"]) if args.smoke else list(DEFAULT_MODELS)
+    )
     grid = args.grid or list(SMOKE_GRID if args.smoke else DEFAULT_GRID)
     for name in models:
         if name not in MODEL_SHAPES:
@@ -163,17 +238,22 @@ def run_bench(args: argparse.Namespace) -> int:
         return _error("--layers must be >= 1")
     if args.groups < 1 or args.repeats < 1 or args.warmup < 0:
         return _error("--groups and --repeats must be >= 1, --warmup >= 0")
-    if args.cp > 1 and not cuda and not args.smoke:
-        return _error("--cp needs GPUs (or --smoke on a CPU)")
-    from ps_bridge.parallel import ParallelSettings, init_parallel, is_output_rank
+    if (args.cp > 1 or args.ep > 1) and not cuda and not args.smoke:
+        return _error("--cp and --ep need GPUs (or --smoke on a CPU)")
+    from ps_bridge.parallel import ParallelSettings, init_parallel, is_output_rank, launched_world_size
 
     try:
-        ParallelSettings(cp=args.cp).check()  # torchrun's world must be --cp processes (or a multiple)
+        # torchrun's world must be --cp (--ep) processes or a multiple
+        ParallelSettings(cp=args.cp, ep=args.ep).check()
     except ValueError as e:
         return _error(str(e))
-    if args.cp > 1:
+    if args.ep > 1:
+        problem = _expert_parallel_problem(args, models, launched_world_size())
+        if problem:
+            return _error(problem)
+    if args.cp > 1 or args.ep > 1:
         # before any model: the process groups, with the collective timeout
-        init_parallel(cp=args.cp, timeout_s=args.collective_timeout)
+        init_parallel(cp=args.cp, ep=args.ep, timeout_s=args.collective_timeout)
     report = is_output_rank()
     warmup, repeats = (min(args.warmup, 1), min(args.repeats, 2)) if args.smoke else (args.warmup, args.repeats)
     args.warmup, args.repeats = warmup, repeats
@@ -184,9 +264,12 @@ def run_bench(args: argparse.Namespace) -> int:
     device = default_device()
     env = environment(device)
     out = print if report else (lambda *a, **k: None)
+    dp = launched_world_size() // args.cp
     out(f"ps-bridge bench on {env['device']} (torch {env['torch']}, triton {env['triton']}, "
           f"megatron-core {env['megatron_core']}, megatron-bridge {env['megatron_bridge']}), {str(dtype)[6:]}, "
-          f"warm-up {warmup}, median of {repeats}" + (f", context parallel {args.cp} GPUs" if args.cp > 1 else ""),
+          f"warm-up {warmup}, median of {repeats}" + (f", context parallel {args.cp} GPUs" if args.cp > 1 else "")
+        + (f", expert parallel {args.ep} (data parallel {dp}: each rank {args.groups // dp} of the "
+           f"{args.groups} groups, gradients reduced every step)" if args.ep > 1 else ""),
         flush=True)
 
     steps_per_row = 1 + len(args.backends)
@@ -216,7 +299,7 @@ def run_bench(args: argparse.Namespace) -> int:
         layers = args.layers or shape.bench_layers
         hf_config = FAMILIES[shape.family](shape.dims, layers)
         config = PrefixSharingConfig(enabled=True, backend=args.backends[0], pad_multiple=1)
-        loaded = load_model_from_hf_config(hf_config, config, dtype=dtype, cp=args.cp)
+        loaded = load_model_from_hf_config(hf_config, config, dtype=dtype, cp=args.cp, ep=args.ep)
         reference = Fp32Reference(hf_config, loaded, args.logprob_chunk) if args.fp32_reference else None
         head_dim = int(loaded.provider.kv_channels)  # Qwen3.5 sets head_dim apart from hidden/heads
         info = (f"{name}: {layers} of {shape.full_layers} layers, hidden {shape.dims['hidden_size']}, "

@@ -59,7 +59,11 @@ def run_actor_step(loaded, layouts, masks, count: float, chunk: int) -> None:
     """What the bench times as the actor step: for each micro-batch, forward, per-sample log-probs
     and the backward of a masked mean log-prob loss over the `count` response tokens of all of them.
     Under context parallelism each rank runs its shard and the step ends with the gradients'
-    reduction over the CP group (a trainer's DDP does it once per step), as megatron scales it."""
+    reduction over the CP group (a trainer's DDP does it once per step), as megatron scales it.
+    Under expert parallelism each data-parallel rank runs its own groups and the step ends with the
+    data-parallel reduction (expert weights over the expert data-parallel group), averaged as
+    megatron's DDP averages the ranks' per-rank mean losses."""
+    from ps_bridge.data_parallel import reduce_data_parallel_gradients
     from ps_bridge.parallel import finish_gradients
     from ps_bridge.runtime import row_logprobs
 
@@ -68,6 +72,8 @@ def run_actor_step(loaded, layouts, masks, count: float, chunk: int) -> None:
         (-(rows * mask).sum() / count * loaded.cp).backward()
     if loaded.cp > 1:
         finish_gradients(loaded.model, loaded.provider)
+    if loaded.ep > 1:
+        reduce_data_parallel_gradients(loaded.model, mean=True)
 
 
 def run_mode(
