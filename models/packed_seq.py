@@ -3,8 +3,8 @@
 megatron-core passes `packed_seq_params` untouched from `GPTModel.forward` to every layer, so a
 subclass with a few extra fields is how the micro-batch reaches our modules without any global
 state: the packed layout (attention pattern, positions, GDN segments), the softmax-attention backend
-by name, and the MoE routers' token weights (derived from the layout on first use), and the positions at which
-the output layer runs (`output_positions`, from the layout: `PrefixSharedGPTModel`). What is fixed
+by name, the MoE routers' token weights (derived from the layout on first use) and the positions at
+which the output layer runs (`output_positions`, from the layout: `PrefixSharedGPTModel`). What is fixed
 when the model is built (the Gated DeltaNet backend) lives on the model's config instead.
 """
 

@@ -104,13 +104,15 @@ class PackedRows:
 
     # ---- values -> rows --------------------------------------------------------------------
     def values(self, packed: torch.Tensor) -> torch.Tensor:
-        """Flattened rows `[sum(P_i + R_i)]` of a per-position value `[T]` (entropy, ...); under CP
-        of this rank's shard `[T / cp]`, 0 in the rows of other shards."""
+        """Flattened rows `[sum(P_i + R_i)]` of a per-position value `[num_positions]` (entropy, ...):
+        one per position the model computed (`[T]`; `[T / cp]` of this rank's shard under CP; the read
+        positions only when the layout lists them), 0 in the rows of positions not computed here."""
         rows = packed.reshape(-1).index_select(0, self.source)
         return torch.where(self.computed, rows, torch.zeros_like(rows))
 
     def logprobs(self, logits: torch.Tensor, vocab_parallel: bool = False, tp_group=None, chunk_rows: int = 1024) -> torch.Tensor:
-        """Flattened rows of log-probs, float32, from packed logits `[T, V]` (or `[1, T, V]`).
+        """Flattened rows of log-probs, float32, from packed logits `[num_positions, V]` (or with a
+        leading 1): every position, this rank's CP shard, or the read positions (see `values`).
 
         `vocab_parallel`: `logits` is this rank's `[T, V / tp]` shard (megatron's parallel output
         layer), normalised across the TP group chunk by chunk (`chunked_vocab_parallel_logprobs`: no
