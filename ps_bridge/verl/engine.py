@@ -191,9 +191,9 @@ class PrefixSharingEngineMixin:
             )
         cfg = self._prefix_sharing()
         logger.info(
-            "[PS][prepare][%s] config.enable_prefix_sharing=%s backend=%s provider=%s engine=%s model=%s",
+            "[PS][prepare][%s] config.enable_prefix_sharing=%s backend=%s provider=%s engine=%s model=%s prompt_values=%s",
             rank_tag(), cfg.enabled, cfg.backend, cfg.provider, type(self).__name__,
-            type(self._unwrapped_model()).__name__,
+            type(self._unwrapped_model()).__name__, cfg.layout_prompt_values,
         )
 
     def _unwrapped_model(self):
