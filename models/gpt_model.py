@@ -6,6 +6,18 @@ megatron-core applies a frequency table per token when the table is exactly as l
 so `_preprocess` replaces the table by one built from `layout.positions`. Everything else is
 megatron-core's GPTModel, so parameter names, pipeline stages and the output layer stay stock.
 
+The output layer runs only on the positions whose values the rows read when the micro-batch says
+so (`packed_seq_params.output_positions`, from the layout: each response position and each prompt's
+last position): `SelectedOutputsMixin._postprocess` takes those rows of the final hidden states
+with one `index_select` and hands them to megatron's `_postprocess`, so the logits are
+`[1, G + sum R_i, V / tp]` instead of `[1, T, V / tp]`. Under sequence parallelism the hidden states
+are this rank's sequence shard; they are gathered first (megatron's output layer would gather them
+too), and the output layer then runs without its own sequence-parallel gather: the gather's backward
+keeps this rank's part of a gradient the output layer's input-gradient all-reduce has already
+summed over TP, which is the gradient megatron's reduce-scatter gives. Under CP the positions are
+those of this rank's shard. Tied embeddings, the padded vocabulary and pipeline stages are
+untouched: the selection happens where megatron applies the output layer, on the last stage only.
+
 Under context parallelism each rank runs one contiguous shard of the pack (`forward.run_packed`).
 megatron's THD RoPE under CP reads a rank's table entries in its load-balanced ("zigzag") order:
 the first half of rank r's tokens at table rows `r*h .. (r+1)*h`, the second half at
@@ -48,8 +60,41 @@ def cp_rope_table(table: torch.Tensor, cp_size: int) -> torch.Tensor:
     return torch.cat([halves[:, 0].reshape(-1, *table.shape[1:]), halves.flip(0)[:, 1].reshape(-1, *table.shape[1:])])
 
 
-class PrefixSharedGPTModel(GPTModel):
-    """GPTModel + per-token RoPE positions from `packed_seq_params.prefix_layout`."""
+class SelectedOutputsMixin:
+    """Before a GPTModel's `_postprocess`: keep the hidden states of `packed_seq_params.output_positions`
+    only (see the module docstring). megatron's `forward` calls `_postprocess` with keywords."""
+
+    def _postprocess(self, hidden_states, **kwargs):
+        positions = getattr(kwargs.get("packed_seq_params"), "output_positions", None)
+        if positions is None or not self.post_process:
+            return super()._postprocess(hidden_states=hidden_states, **kwargs)
+        if kwargs.get("labels") is not None or self.config.mtp_num_layers or kwargs.get("output_processor") is not None:
+            raise ValueError(
+                "the prefix-shared model runs its output layer on the read positions only "
+                "(layout.output_positions) and then returns logits: labels, multi-token prediction and "
+                "output processors are not supported with it; build the layout with prompt_values=True "
+                "(PrefixSharingConfig(prompt_values=True)) to compute every position"
+            )
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        layer = self.output_layer
+        sequence_parallel = layer.sequence_parallel
+        if sequence_parallel:
+            # backward: this rank's part of the (already TP-summed) gradient, see the module docstring
+            hidden_states = gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False, group=self.pg_collection.tp
+            )
+        hidden_states = hidden_states.index_select(0, positions.to(hidden_states.device))
+        layer.sequence_parallel = False  # the rows are gathered and selected: no second gather
+        try:
+            return super()._postprocess(hidden_states=hidden_states, **kwargs)
+        finally:
+            layer.sequence_parallel = sequence_parallel
+
+
+class PrefixSharedGPTModel(SelectedOutputsMixin, GPTModel):
+    """GPTModel + per-token RoPE positions from `packed_seq_params.prefix_layout` + the output layer
+    on the read positions only (`packed_seq_params.output_positions`)."""
 
     def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None, packed_seq_params=None, **kwargs):
         out = super()._preprocess(

@@ -3,7 +3,8 @@
 megatron-core passes `packed_seq_params` untouched from `GPTModel.forward` to every layer, so a
 subclass with a few extra fields is how the micro-batch reaches our modules without any global
 state: the packed layout (attention pattern, positions, GDN segments), the softmax-attention backend
-by name, and the MoE routers' token weights (derived from the layout on first use). What is fixed
+by name, the MoE routers' token weights (derived from the layout on first use) and the positions at
+which the output layer runs (`output_positions`, from the layout: `PrefixSharedGPTModel`). What is fixed
 when the model is built (the Gated DeltaNet backend) lives on the model's config instead.
 """
 
@@ -35,6 +36,9 @@ class PrefixSharedPackedSeqParams(PackedSeqParams):
     attention_backend: str = "torch_ref"
     # context parallelism: this rank runs positions `cp_shard` of the layout's pack (all when None)
     cp_shard: Optional[slice] = None
+    # the positions of this rank's tokens whose output-layer values the rows read, sorted (the
+    # layout's `local_output_positions`); None: the output layer runs on every position
+    output_positions: Optional[torch.Tensor] = None
 
     @property
     def moe_token_weights(self) -> torch.Tensor:
@@ -73,6 +77,7 @@ class PrefixSharedPackedSeqParams(PackedSeqParams):
             prefix_layout=layout,
             attention_backend=attention_backend,
             cp_shard=cp_shard,
+            output_positions=layout.local_output_positions(cp_shard),
         )
 
 

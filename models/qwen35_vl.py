@@ -21,7 +21,9 @@ import contextlib
 
 import torch
 from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model import Qwen3VLModel
+from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.text_model import Qwen3VLGPTModel
 
+from ps_bridge.models.gpt_model import SelectedOutputsMixin
 from ps_bridge.models.packed_seq import require_prefix_layout
 
 IMAGES_REFUSED = (
@@ -50,6 +52,11 @@ class PrefixSharedQwen35VLModel(Qwen3VLModel):
         return super().forward(
             input_ids, mrope_positions, None, *args, packed_seq_params=packed_seq_params, **kwargs
         )
+
+
+class PrefixSharedQwen3VLGPTModel(SelectedOutputsMixin, Qwen3VLGPTModel):
+    """The language model of `PrefixSharedQwen35VLModel`: its output layer runs on the read positions
+    only (`packed_seq_params.output_positions`), as `PrefixSharedGPTModel`'s does."""
 
 
 @contextlib.contextmanager

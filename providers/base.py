@@ -52,7 +52,7 @@ class PrefixSharedProviderMixin(PrefixSharingProviderBase):
     def provide(self, pre_process=None, post_process=None, vp_stage=None):
         prepare_for_prefix_sharing(self)
         model = super().provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
-        # PrefixSharedGPTModel only overrides _preprocess and adds no state, so re-classing the
+        # PrefixSharedGPTModel only overrides _preprocess / _postprocess and adds no state, so re-classing the
         # stock-built GPTModel keeps Megatron-Bridge's whole construction path unchanged.
         model.__class__ = PrefixSharedGPTModel
         return model

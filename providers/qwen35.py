@@ -34,7 +34,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from ps_bridge.kernels.gdn import check_gdn_backend_usable
 from ps_bridge.models.moe import check_moe_settings
 from ps_bridge.models.qwen35_specs import prefix_shared_qwen35_block_spec
-from ps_bridge.models.qwen35_vl import PrefixSharedQwen35VLModel, local_vision_tower
+from ps_bridge.models.qwen35_vl import PrefixSharedQwen35VLModel, PrefixSharedQwen3VLGPTModel, local_vision_tower
 from ps_bridge.providers.base import (
     PrefixSharedProviderMixin,
     PrefixSharingProviderBase,
@@ -101,8 +101,11 @@ class PrefixSharedQwen35VLProviderMixin(PrefixSharingProviderBase):
         check_moe_settings(self)
         with local_vision_tower():
             model = super().provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
-        # only forward() differs and it adds no state: re-class the stock-built model
+        # only forward() differs and it adds no state: re-class the stock-built model; its language
+        # model's output layer runs on the read positions only (adds no state either)
         model.__class__ = PrefixSharedQwen35VLModel
+        if model.language_model is not None:
+            model.language_model.__class__ = PrefixSharedQwen3VLGPTModel
         return model
 
 

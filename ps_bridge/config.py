@@ -2,7 +2,7 @@
 
 `PrefixSharingConfig` is the one object the rest of the code reads. It is built explicitly, or
 from the environment (`ENABLE_PREFIX_SHARING=1`, `PS_BRIDGE_BACKEND`, `PS_BRIDGE_PROVIDER`,
-`PS_BRIDGE_GDN_BACKEND`), and validates names at construction so that a typo fails here, with the
+`PS_BRIDGE_GDN_BACKEND`, `PS_BRIDGE_PROMPT_VALUES`), and validates names at construction so that a typo fails here, with the
 valid choices, rather than deep inside a forward pass. `PS_BRIDGE_LOG_LEVEL` (the `[PS]` lines under
 verl) is read here too. torchrun's own variables are read where the process group is set up
 (`ps_bridge.parallel`).
@@ -19,6 +19,7 @@ ENV_BACKEND = "PS_BRIDGE_BACKEND"
 ENV_PROVIDER = "PS_BRIDGE_PROVIDER"
 ENV_GDN_BACKEND = "PS_BRIDGE_GDN_BACKEND"
 ENV_LOG_LEVEL = "PS_BRIDGE_LOG_LEVEL"
+ENV_PROMPT_VALUES = "PS_BRIDGE_PROMPT_VALUES"
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -45,6 +46,15 @@ class PrefixSharingConfig:
     pad_multiple: every packed sequence is padded to a multiple of this (the TP size when sequence
                   parallelism is on); None means "the tensor-parallel size".
     gdn_backend:  Gated DeltaNet backend name (Qwen3.5), see `ps_bridge.kernels.gdn`.
+    prompt_values: False (default): with sharing on, the output layer runs only on the positions
+                  whose values verl's losses read, every response position and each prompt's last
+                  position (its `G + sum R_i` rows instead of the pack's `T`); the log-prob, entropy
+                  and other per-token rows hold 0 at the other prompt positions (row positions
+                  before `P_i - 1`, which verl's `response_mask` masks). True: every position is
+                  computed, as without this option; for callers that read prompt positions (e.g.
+                  an SFT loss whose `loss_mask` covers prompt tokens). Under verl set it with
+                  `PS_BRIDGE_PROMPT_VALUES=1`. With `enabled=False` (the unshared computation, the
+                  stock engine's) every position is computed whatever this says.
     """
 
     enabled: bool = True
@@ -52,6 +62,7 @@ class PrefixSharingConfig:
     provider: Optional[str] = None
     pad_multiple: Optional[int] = None
     gdn_backend: str = "auto"
+    prompt_values: bool = False
 
     def __post_init__(self):
         from ps_bridge.kernels.attention import BACKENDS
@@ -79,12 +90,19 @@ class PrefixSharingConfig:
         if self.pad_multiple is not None and self.pad_multiple < 1:
             raise ValueError(f"pad_multiple must be >= 1, got {self.pad_multiple}")
 
+    @property
+    def layout_prompt_values(self) -> bool:
+        """What `build_layout(prompt_values=...)` gets for a run with this config: the option when
+        sharing is on; True (every position, the stock computation) when it is off."""
+        return self.prompt_values or not self.enabled
+
     @classmethod
     def from_env(cls, **overrides) -> "PrefixSharingConfig":
         """Read `ENABLE_PREFIX_SHARING`, `PS_BRIDGE_BACKEND`, `PS_BRIDGE_PROVIDER`,
-        `PS_BRIDGE_GDN_BACKEND`; overrides win."""
+        `PS_BRIDGE_GDN_BACKEND`, `PS_BRIDGE_PROMPT_VALUES`; overrides win."""
         values = dict(
             enabled=_env_flag(ENV_ENABLE),
+            prompt_values=_env_flag(ENV_PROMPT_VALUES),
             backend=os.environ.get(ENV_BACKEND) or "torch_ref",
             provider=os.environ.get(ENV_PROVIDER) or None,
             gdn_backend=os.environ.get(ENV_GDN_BACKEND) or "auto",

@@ -24,6 +24,15 @@ this sample's own label `r_i[0]`; the last row position has no label and holds 0
 
 With `share=False` every sample is its own segment `[prompt + response]`: the unshared computation,
 used as the reference and as the fallback.
+
+Read positions. verl's losses read a row only from position `P_i - 1` on (the response log-probs,
+entropies, ...). A shared layout built with `prompt_values=False` (what a `PrefixSharingConfig`
+gives by default: `runtime.make_layout`, the verl engine) lists in `output_positions` the packed
+positions those row positions read: every response position and each prompt's last position. The
+model runs its output layer on these positions only (`PrefixSharedGPTModel`, through
+`PrefixSharedPackedSeqParams.output_positions`), and the row extractor (`ps_bridge.rows`) leaves 0
+in the rows of the other prompt positions. `output_positions` is None (every position computed)
+for `prompt_values=True` and for unshared layouts (the stock computation).
 """
 
 from __future__ import annotations
@@ -69,6 +78,9 @@ class PackedPrefixLayout:
       whole segment when unshared), sample_prompt_length, sample_response_length.
     Inverse map (flattened rows, length sum(P_i + R_i)): row_offsets [B+1], row_source (packed
       position read), row_label (label, or -1 for the last row position).
+    Read positions: output_positions, sorted packed positions the output layer runs on (each
+      response position and each prompt's last position), or None for every position (see the
+      module docstring).
     """
 
     tokens: torch.Tensor
@@ -101,6 +113,7 @@ class PackedPrefixLayout:
     # the model's true vocabulary when the layout was built for one (token ids are checked against
     # it, and the row extractor keeps a padded vocabulary's extra ids out of the log-probs)
     vocab_size: Optional[int] = None
+    output_positions: Optional[torch.Tensor] = None
 
     # ---- sizes ---------------------------------------------------------------------------
     @property
@@ -164,6 +177,37 @@ class PackedPrefixLayout:
             )
         size = T // cp_size
         return slice(cp_rank * size, (cp_rank + 1) * size)
+
+    def local_output_positions(self, cp_shard: Optional[slice] = None) -> Optional[torch.Tensor]:
+        """The positions of this rank's tokens (its CP shard, offsets local to it; all without CP) at
+        which the model runs its output layer, sorted, on the layout's device; None: every position.
+        A CP shard that holds no read position gets its first position, so that the output layer
+        never runs on zero rows (the rows read nothing from it: `output_mask`)."""
+        if self.output_positions is None:
+            return None
+        key = ("local_output_positions", str(self.device), None if cp_shard is None else (cp_shard.start, cp_shard.stop))
+
+        def build():
+            positions = self.output_positions.to(self.device)
+            if cp_shard is None:
+                return positions
+            inside = positions[(positions >= cp_shard.start) & (positions < cp_shard.stop)] - cp_shard.start
+            return inside if inside.numel() else positions.new_zeros(1)
+
+        return self.derived(key, build)
+
+    def output_mask(self) -> Optional[torch.Tensor]:
+        """`[T]` bool on the layout's device: True at the positions whose values rows read
+        (`output_positions`); None when every position is computed."""
+        if self.output_positions is None:
+            return None
+
+        def build():
+            mask = torch.zeros(self.num_tokens, dtype=torch.bool, device=self.device)
+            mask[self.output_positions.to(self.device)] = True
+            return mask
+
+        return self.derived(("output_mask", str(self.device)), build)
 
     def describe(self) -> str:
         valid = self.host["valid_lengths"]
@@ -235,8 +279,14 @@ def build_layout(
     vocab_size: Optional[int] = None,
     pad_token_id: int = 0,
     total_multiple: int = 1,
+    prompt_values: bool = True,
 ) -> PackedPrefixLayout:
-    """Pack `samples` (any order) into one prefix-shared THD layout; see the module docstring."""
+    """Pack `samples` (any order) into one prefix-shared THD layout; see the module docstring.
+
+    `prompt_values=False` (shared layouts only; an unshared one always computes every position)
+    lists the read positions in `output_positions`: the output layer then skips the other prompt
+    positions, whose rows hold 0. The default here computes every position; runs configured by a
+    `PrefixSharingConfig` pass its `prompt_values` (default False)."""
     if pad_multiple < 1:
         raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
     if total_multiple < 1:
@@ -322,6 +372,12 @@ def build_layout(
         row_source.append(src)
         row_label.append(labels)
     row_offsets = cumulative_offsets(len(s.prompt) + len(s.response) for s in samples)
+    output_positions = None
+    if share and not prompt_values:
+        # every response position, and each group's last prompt position (its responses' fork)
+        forks = [offsets[g] + group_prompt_len[g] - 1 for g in range(len(groups))]
+        responses = [torch.arange(offsets[s], offsets[s] + valid_lengths[s]) for s in range(num_prompt_segments, len(seg_tokens))]
+        output_positions = torch.cat([torch.tensor(forks, dtype=torch.long)] + responses)
 
     group_size = [len(m) for m in groups]
     tokens_unshared = sum(len(s.prompt) + len(s.response) for s in samples)
@@ -365,6 +421,7 @@ def build_layout(
             max_padded_length=max(padded_lengths),
         ),
         vocab_size=vocab_size,
+        output_positions=output_positions,
     )
     return layout
 

@@ -23,6 +23,12 @@ shard (a fork row included: it belongs to the rank holding its prompt's last pos
 elsewhere; no logits cross ranks. A rank's loss is that of its own rows (megatron's CP: the gradient
 reduction over the CP group completes it), and `complete` sums the ranks' rows into the full rows
 for reporting.
+
+When the layout lists read positions (`layout.output_positions`: each response position and each
+prompt's last position, the default of prefix-shared runs), the model ran its output layer on those
+positions only: the logits are `[G + sum R_i, V / tp]` (of this rank's shard under CP), `source`
+indexes them, and the rows of the other prompt positions (row positions before `P_i - 1`) hold 0,
+log-prob and per-token value alike. verl's losses read from `P_i - 1` on (`response_mask`).
 """
 
 from __future__ import annotations
@@ -55,14 +61,24 @@ class PackedRows:
             raise ValueError(f"{self.labels.numel()} row labels for {source.numel()} row positions")
         self.offsets = layout.row_offsets.tolist()
         if cp_shard is None:
-            self.num_positions = layout.num_tokens
+            local, start = layout.num_tokens, 0
             self.in_shard = torch.ones_like(source, dtype=torch.bool)
-            self.source = source
-        else:  # positions of this rank's shard, local offsets; the other rows read position 0, masked
-            self.num_positions = cp_shard.stop - cp_shard.start
+        else:  # positions of this rank's shard, local offsets; the other rows are masked
+            local, start = cp_shard.stop - cp_shard.start, cp_shard.start
             self.in_shard = (source >= cp_shard.start) & (source < cp_shard.stop)
-            self.source = torch.where(self.in_shard, source - cp_shard.start, 0)
-        self.has_label = (self.labels >= 0) & self.in_shard
+        local_source = torch.where(self.in_shard, source - start, 0)
+        selected = layout.local_output_positions(cp_shard)
+        if selected is None:  # the model computed every position of this rank's tokens
+            self.num_positions = local
+            self.computed = self.in_shard
+            self.source = local_source
+        else:  # the model computed `selected` only (`layout.output_positions`): index into those
+            self.num_positions = int(selected.numel())
+            index = torch.full((local,), -1, dtype=torch.long, device=device)
+            index[selected] = torch.arange(self.num_positions, device=device)
+            self.computed = self.in_shard & layout.output_mask()[source]
+            self.source = torch.where(self.computed, index[local_source], 0)
+        self.has_label = (self.labels >= 0) & self.computed
         self.safe_labels = self.labels.clamp(min=0)
 
     @classmethod
@@ -88,13 +104,15 @@ class PackedRows:
 
     # ---- values -> rows --------------------------------------------------------------------
     def values(self, packed: torch.Tensor) -> torch.Tensor:
-        """Flattened rows `[sum(P_i + R_i)]` of a per-position value `[T]` (entropy, ...); under CP
-        of this rank's shard `[T / cp]`, 0 in the rows of other shards."""
+        """Flattened rows `[sum(P_i + R_i)]` of a per-position value `[num_positions]` (entropy, ...):
+        one per position the model computed (`[T]`; `[T / cp]` of this rank's shard under CP; the read
+        positions only when the layout lists them), 0 in the rows of positions not computed here."""
         rows = packed.reshape(-1).index_select(0, self.source)
-        return rows if self.cp_shard is None else torch.where(self.in_shard, rows, torch.zeros_like(rows))
+        return torch.where(self.computed, rows, torch.zeros_like(rows))
 
     def logprobs(self, logits: torch.Tensor, vocab_parallel: bool = False, tp_group=None, chunk_rows: int = 1024) -> torch.Tensor:
-        """Flattened rows of log-probs, float32, from packed logits `[T, V]` (or `[1, T, V]`).
+        """Flattened rows of log-probs, float32, from packed logits `[num_positions, V]` (or with a
+        leading 1): every position, this rank's CP shard, or the read positions (see `values`).
 
         `vocab_parallel`: `logits` is this rank's `[T, V / tp]` shard (megatron's parallel output
         layer), normalised across the TP group chunk by chunk (`chunked_vocab_parallel_logprobs`: no
@@ -134,6 +152,9 @@ class PackedRows:
             raise ValueError(
                 f"logits have {logits.shape[0]} positions, the layout has {self.num_positions}"
                 + ("" if self.cp_shard is None else f" in this rank's context-parallel shard {self.cp_shard}")
+                + ("" if self.layout.output_positions is None else
+                   " read positions (layout.output_positions: run the model through ps_bridge.forward.run_packed, "
+                   "which hands them to the output layer, or build the layout with prompt_values=True)")
             )
         return logits
 

@@ -220,11 +220,13 @@ def float32_reference_model(loaded: LoadedModel, hf_config) -> LoadedModel:
 
 def make_layout(samples, loaded: LoadedModel, share: Optional[bool] = None) -> PackedPrefixLayout:
     """The packed layout of `samples` for this model: segments padded to the TP size (sequence
-    parallelism scatters the pack evenly), the whole pack to `cp_total_multiple()` under CP."""
+    parallelism scatters the pack evenly), the whole pack to `cp_total_multiple()` under CP; a shared
+    layout lists the read positions unless `loaded.config.prompt_values` (`PrefixSharingConfig`)."""
     share = loaded.config.enabled if share is None else share
     pad = loaded.config.pad_multiple or int(getattr(loaded.provider, "tensor_model_parallel_size", 1))
     layout = build_layout(
-        samples, share=share, pad_multiple=pad, vocab_size=loaded.vocab_size, total_multiple=cp_total_multiple()
+        samples, share=share, pad_multiple=pad, vocab_size=loaded.vocab_size, total_multiple=cp_total_multiple(),
+        prompt_values=loaded.config.layout_prompt_values,
     )
     log_layout(layout, f"[{rank_tag()}]{shard_tag(layout)}")
     return layout

@@ -41,7 +41,8 @@ def main() -> None:
     samples = make_samples(P, R, n, 1, loaded.vocab_size, 1234)
     summary = {}
     for share in (False, True):
-        layout = build_layout(samples, share=share, vocab_size=loaded.vocab_size).to(loaded.device)
+        layout = build_layout(samples, share=share, vocab_size=loaded.vocab_size,
+                              prompt_values=config.layout_prompt_values).to(loaded.device)
         mask = response_row_mask(layout).to(loaded.device)
         count = float(mask.sum())
 

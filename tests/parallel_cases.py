@@ -242,7 +242,8 @@ def run_and_compare(
     name: str, nproc: int, flags, tp: int, pp: int, hf_path: str, ref: dict, tmp_path, cp: int = 1, cases: str = "parallel", **log_checks
 ) -> None:
     """Launch the worker under torchrun and require the single-rank unshared log-probs (with and
-    without backward) and HF-named gradients, and every rank's `[PS]` lines."""
+    without backward) and HF-named gradients, and every rank's `[PS]` lines. Returns the worker's
+    saved results."""
     out = tmp_path / "result.pt"
     proc = torchrun(nproc, [WORKER, "--hf-path", hf_path, "--out", str(out), "--cases", cases, *flags])
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -261,3 +262,4 @@ def run_and_compare(
         check_rank_logs(proc.stderr, tp, pp, **log_checks)
     for rank in range(nproc):
         assert f"[parallel_worker] global_rank={rank} backend=gloo device=cpu" in proc.stderr
+    return got

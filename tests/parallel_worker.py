@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--cases", default=None, choices=sorted(MICRO_BATCHES), help="default: ep with --ep > 1, else parallel")
     parser.add_argument("--skip-finish-gradients", action="store_true", help="negative control")
     parser.add_argument("--moe-recompute", action="store_true", help="megatron's MoE activation recompute on")
+    parser.add_argument("--prompt-values", action="store_true", help="PrefixSharingConfig(prompt_values=True)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     logging.getLogger("ps_bridge").setLevel(logging.INFO)
@@ -49,7 +50,7 @@ def main() -> None:
 
     with moe_recompute_on_build() if args.moe_recompute else contextlib.nullcontext():
         loaded = load_model(
-            args.hf_path, PrefixSharingConfig(enabled=True), tp=args.tp, pp=args.pp, sequence_parallel=args.sp,
+            args.hf_path, PrefixSharingConfig(enabled=True, prompt_values=args.prompt_values), tp=args.tp, pp=args.pp, sequence_parallel=args.sp,
             cp=args.cp, ep=args.ep,
         )
     if args.ep > 1:  # data-parallel ranks: each runs its whole groups, rows and gradient sums gathered
@@ -57,6 +58,13 @@ def main() -> None:
     rank = torch.distributed.get_rank()
     print(f"[parallel_worker] global_rank={rank} backend={torch.distributed.get_backend()} device={loaded.device}", file=sys.stderr)
     micro_batches = MICRO_BATCHES[args.cases or ("ep" if args.ep > 1 else "parallel")]()
+    # the rows the output layer runs on, per micro-batch, on the last pipeline stage
+    output_rows = []
+    model = loaded.model
+    while hasattr(model, "module"):
+        model = model.module
+    if model.post_process:
+        model.output_layer.register_forward_hook(lambda module, inputs, output: output_rows.append(int(inputs[0].shape[0])))
     loaded.model.zero_grad(set_to_none=True)
     with recorded_aux_losses() as records:
         shared = logprob_pass(loaded, micro_batches, share=True, loss_weights=micro_batch_weights(micro_batches))
@@ -71,6 +79,12 @@ def main() -> None:
     grads = hf_named_gradients(loaded.bridge, loaded.model)
     with torch.no_grad():
         forward_only = logprob_pass(loaded, micro_batches, share=True)
+    from megatron.core import parallel_state
+
+    every_rank = [None] * torch.distributed.get_world_size()
+    mine = dict(tp=parallel_state.get_tensor_model_parallel_rank(), cp=parallel_state.get_context_parallel_rank(),
+                last_stage=bool(model.post_process), rows=output_rows)
+    torch.distributed.all_gather_object(every_rank, mine)
     if is_output_rank():  # (under --ep, data-parallel rank 0 of global rank 0 holds every row)
         torch.save(dict(logprobs=shared, forward_only=forward_only, grads=grads, aux=aux), args.out)
     leave_worker()

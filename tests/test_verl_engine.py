@@ -85,6 +85,8 @@ def engines(checkpoints):
             else:
                 built[key] = vt.build_engine(PrefixSharedMegatronEngine, path, use_remove_padding=rmpad,
                                              forward_only=forward_only)
+                if kind == "ours_prompt_values":  # every position computed (PS_BRIDGE_PROMPT_VALUES=1)
+                    built[key].prefix_sharing_config = PrefixSharingConfig(enabled=True, prompt_values=True)
         return built[key]
 
     return get
@@ -100,16 +102,24 @@ def infer(engine, td):
         return engine.infer_batch(td)["model_output"]
 
 
-def max_row_diff(a, b, labelled_only=False):
+def max_row_diff(a, b, labelled_only=False, prompt_lengths=None):
     """Largest difference over all samples' rows (same nested shapes required). With
     `labelled_only`, each row's last position is left out: it has no label, and the stock engine
     fills it with the log-prob of whatever token follows in its own packing (the next sample of its
-    micro-batch), which verl slices away and which differs whenever micro-batches differ."""
+    micro-batch), which verl slices away and which differs whenever micro-batches differ. With
+    `prompt_lengths` (per sample, input order) only row positions from `P - 1` on are compared, the
+    ones verl's losses read: by default our engine's output layer skips the other prompt positions
+    of a shared micro-batch (`PrefixSharingConfig.prompt_values`), which then hold 0 in `a`."""
     assert a.is_nested and b.is_nested
     ra, rb = a.unbind(), b.unbind()
     assert [x.shape for x in ra] == [x.shape for x in rb]
     cut = -1 if labelled_only else None
-    return max((x[:cut].float() - y[:cut].float()).abs().max().item() for x, y in zip(ra, rb))
+    starts = [0] * len(ra) if prompt_lengths is None else [P - 1 for P in prompt_lengths]
+    return max((x[p:cut].float() - y[p:cut].float()).abs().max().item() for x, y, p in zip(ra, rb, starts))
+
+
+def prompt_lengths(samples):
+    return [len(s.prompt) for s in samples]
 
 
 BATCHINGS = {
@@ -130,8 +140,9 @@ def test_infer_batch_matches_stock_engine(engines, checkpoints, family, fmt, bat
         ours = infer(engines(family, fmt, "ours"), vt.grpo_micro_batch(samples, **BATCHINGS[batching]))
     # static micro-batches are the same for both engines: rows must agree everywhere; dynamic ones
     # differ (ours keeps groups whole), which only moves the stock engine's unlabelled last position
-    lp = max_row_diff(ours["log_probs"], stock["log_probs"], labelled_only=batching == "dynamic")
-    ent = max_row_diff(ours["entropy"], stock["entropy"])
+    read = prompt_lengths(samples)
+    lp = max_row_diff(ours["log_probs"], stock["log_probs"], labelled_only=batching == "dynamic", prompt_lengths=read)
+    ent = max_row_diff(ours["entropy"], stock["entropy"], prompt_lengths=read)
     print(f"{family} {fmt} {batching}: log_probs max diff {lp:.2e}, entropy max diff {ent:.2e}")
     assert lp < TOL and ent < TOL
     assert "PATH 5" not in caplog.text
@@ -155,7 +166,8 @@ def test_split_group_is_still_exact(engines, checkpoints, caplog):
     with caplog.at_level(logging.INFO, logger="ps_bridge"):
         ours = infer(engines("qwen2.5", "thd", "ours"), tds[1])
     assert "groups=2, samples=6" in caplog.text  # [4 of p0, 2 of p1] then [2 of p1, 4 of p2]
-    diff = max(max_row_diff(ours[k], stock[k]) for k in ("log_probs", "entropy", "sum_pi_squared"))
+    diff = max(max_row_diff(ours[k], stock[k], prompt_lengths=prompt_lengths(samples))
+               for k in ("log_probs", "entropy", "sum_pi_squared"))
     print(f"split group: max diff {diff:.2e}")
     assert diff < TOL
 
@@ -174,8 +186,9 @@ def test_dynamic_budget_smaller_than_a_group_still_exact(engines, checkpoints, c
     with caplog.at_level(logging.INFO, logger="ps_bridge"):
         ours = infer(engines("qwen2.5", "thd", "ours"), vt.grpo_micro_batch(samples, max_token_len=budget))
     assert "more than the micro-batch budget" in caplog.text
-    assert max_row_diff(ours["log_probs"], stock["log_probs"], labelled_only=True) < TOL
-    assert max_row_diff(ours["entropy"], stock["entropy"]) < TOL
+    read = prompt_lengths(samples)
+    assert max_row_diff(ours["log_probs"], stock["log_probs"], labelled_only=True, prompt_lengths=read) < TOL
+    assert max_row_diff(ours["entropy"], stock["entropy"], prompt_lengths=read) < TOL
 
 
 def test_no_sharing_falls_back_to_unshared_packing(engines, checkpoints, caplog):
@@ -219,6 +232,57 @@ def test_response_logprobs_match_hugging_face(engines, checkpoints, family):
         ref = hf_sample_logprobs(hf, samples)
     diff = max((padded[i, : len(r)] - r).abs().max().item() for i, r in enumerate(ref))
     assert diff < TOL
+
+
+def output_rows_hook(engine, counts):
+    model = engine.module[0]
+    while hasattr(model, "module"):
+        model = model.module
+    return model.output_layer.register_forward_hook(lambda m, inputs, out: counts.append(int(inputs[0].shape[0])))
+
+
+@pytest.mark.parametrize("prompt_values", [False, True], ids=["default", "prompt_values"])
+def test_prompt_positions_by_option(engines, checkpoints, prompt_values):
+    """Default: the output layer runs on each response position and each prompt's last position;
+    the other prompt positions of the rows hold exactly 0 and the rest equals the stock engine.
+    `PrefixSharingConfig(prompt_values=True)`: every position computed, all of it equal to stock."""
+    _, hf = checkpoints("qwen2.5")
+    samples = grouped_samples(hf.config.vocab_size, num_prompts=2, n=4, seed=9)
+    td_args = dict(micro_batch_size=8, temperature=0.7)  # one micro-batch; scaled logits too
+    stock = infer(engines("qwen2.5", "thd", "stock"), vt.grpo_micro_batch(samples, **td_args))
+    engine = engines("qwen2.5", "thd", "ours_prompt_values" if prompt_values else "ours")
+    counts = []
+    handle = output_rows_hook(engine, counts)
+    try:
+        ours = infer(engine, vt.grpo_micro_batch(samples, **td_args))
+    finally:
+        handle.remove()
+    read = sum(len(s.response) for s in samples) + 2
+    packed = sum(len(p) for p in {tuple(s.prompt) for s in samples}) + sum(len(s.response) for s in samples)
+    assert counts == ([packed] if prompt_values else [read]), counts
+    for key in ("log_probs", "entropy"):
+        if prompt_values:
+            assert max_row_diff(ours[key], stock[key]) < TOL
+        else:
+            assert max_row_diff(ours[key], stock[key], prompt_lengths=prompt_lengths(samples)) < TOL
+            heads = [row[: len(s.prompt) - 1] for row, s in zip(ours[key].unbind(), samples)]
+            assert all(bool((h == 0).all()) for h in heads)
+            stock_heads = [row[: len(s.prompt) - 1] for row, s in zip(stock[key].unbind(), samples)]
+            assert any(bool((h != 0).any()) for h in stock_heads)  # stock computes them
+
+
+@pytest.mark.parametrize("prompt_values", [False, True], ids=["default", "prompt_values"])
+def test_policy_loss_gradients_by_option(engines, checkpoints, prompt_values):
+    _, hf = checkpoints("qwen2.5")
+    samples = grouped_samples(hf.config.vocab_size, num_prompts=4, n=4, seed=4)
+    g_stock = grads_after_backward(engines("qwen2.5", "thd", "stock", forward_only=False),
+                                   vt.grpo_micro_batch(samples, **BATCHINGS["static"]))
+    kind = "ours_prompt_values" if prompt_values else "ours"
+    g_ours = grads_after_backward(engines("qwen2.5", "thd", kind, forward_only=False),
+                                  vt.grpo_micro_batch(samples, **BATCHINGS["static"]))
+    worst = max(((g_ours[n] - g_stock[n]).abs().max() / g_stock[n].abs().max().clamp(min=1e-12)).item() for n in g_stock)
+    print(f"prompt_values={prompt_values}: worst relative grad diff {worst:.2e}")
+    assert worst < TOL
 
 
 # ---- training ----------------------------------------------------------------------------------

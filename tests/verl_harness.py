@@ -38,9 +38,11 @@ def engine_comparison(ckpt: str, tp: int = 2, sequence_parallel: bool = False) -
                 engine.optimizer_zero_grad()
                 engine.forward_backward_batch(grpo_micro_batch(samples, micro_batch_size=4), grad_loss, forward_only=False)
                 grads[name] = {n: p.main_grad.detach().clone() for n, p in engine.module[0].named_parameters()}
+        # from row position P - 1 on, what verl's losses read: by default our output layer skips the
+        # other prompt positions of a shared micro-batch (they hold 0; PrefixSharingConfig.prompt_values)
         for key in ("log_probs", "entropy"):
-            result[f"{fmt}_{key}"] = max((a - b).abs().max().item()
-                                         for a, b in zip(rows["ours"][key].unbind(), rows["stock"][key].unbind()))
+            result[f"{fmt}_{key}"] = max((a[len(s.prompt) - 1:] - b[len(s.prompt) - 1:]).abs().max().item()
+                                         for a, b, s in zip(rows["ours"][key].unbind(), rows["stock"][key].unbind(), samples))
         result[f"{fmt}_grad_rel"] = max(((grads["ours"][n] - g).abs().max() / g.abs().max().clamp(min=1e-12)).item()
                                         for n, g in grads["stock"].items())
     from megatron.core import parallel_state
@@ -80,7 +82,8 @@ def context_parallel_run(ckpt: str, cp: int, out: str) -> dict:
         grads = {n: p.main_grad.detach().clone() for n, p in engine.module[0].named_parameters()}
     rank = dist.get_rank()
     torch.save({"log_probs": [t.clone() for t in rows["log_probs"].unbind()],
-                "entropy": [t.clone() for t in rows["entropy"].unbind()], "grads": grads}, f"{out}.rank{rank}")
+                "entropy": [t.clone() for t in rows["entropy"].unbind()], "grads": grads,
+                "prompt_lengths": [len(s.prompt) for s in samples]}, f"{out}.rank{rank}")
     return {"rank": rank, "cp_size": parallel_state.get_context_parallel_world_size()}
 
 
@@ -130,7 +133,8 @@ def expert_parallel_run(ckpt: str, ep: int, out: str) -> dict:
     ep_size, ep_rank = parallel_state.get_expert_model_parallel_world_size(), parallel_state.get_expert_model_parallel_rank()
     torch.save({"log_probs": [t.clone() for t in rows["log_probs"].unbind()],
                 "entropy": [t.clone() for t in rows["entropy"].unbind()], "grads": grads,
-                "samples": parts[dp_rank], "ep_rank": ep_rank, "ep_size": ep_size, "dp_size": dp}, f"{out}.rank{rank}")
+                "samples": parts[dp_rank], "ep_rank": ep_rank, "ep_size": ep_size, "dp_size": dp,
+                "prompt_lengths": [len(s.prompt) for s in mine]}, f"{out}.rank{rank}")
     return {"rank": rank, "ep_size": ep_size, "dp_size": dp}
 
 

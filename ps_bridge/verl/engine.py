@@ -191,9 +191,9 @@ class PrefixSharingEngineMixin:
             )
         cfg = self._prefix_sharing()
         logger.info(
-            "[PS][prepare][%s] config.enable_prefix_sharing=%s backend=%s provider=%s engine=%s model=%s",
+            "[PS][prepare][%s] config.enable_prefix_sharing=%s backend=%s provider=%s engine=%s model=%s prompt_values=%s",
             rank_tag(), cfg.enabled, cfg.backend, cfg.provider, type(self).__name__,
-            type(self._unwrapped_model()).__name__,
+            type(self._unwrapped_model()).__name__, cfg.layout_prompt_values,
         )
 
     def _unwrapped_model(self):
@@ -241,7 +241,10 @@ class PrefixSharingEngineMixin:
         # the true vocabulary: a padded one's extra ids stay out of the log-probs (ps_bridge.rows)
         vocab = self.model_config.hf_config.get_text_config().vocab_size
         # under context parallelism the whole pack is padded to equal CP shards (`cp_total_multiple`)
-        pack = partial(build_layout, samples, pad_multiple=pad, vocab_size=vocab, total_multiple=cp_total_multiple())
+        # shared layouts list the read positions (the output layer skips the other prompt positions)
+        # unless cfg.prompt_values; unshared ones (the stock computation) compute every position
+        pack = partial(build_layout, samples, pad_multiple=pad, vocab_size=vocab, total_multiple=cp_total_multiple(),
+                       prompt_values=cfg.layout_prompt_values)
         layout = pack(share=cfg.enabled)
         if layout.shared and layout.has_sharing and not temperatures_agree_within_groups(layout, temperature):
             # a shared prompt position is scaled by one temperature; samples of one prompt with
@@ -278,10 +281,11 @@ class PrefixSharingEngineMixin:
         layout = rows.layout
         if not bool((temperature == 1).all()):
             # every row reading a packed position belongs to one group, whose samples share a
-            # temperature; under CP the positions of this rank's shard (rows.source is local there)
+            # temperature; the positions the model computed (this rank's shard under CP, the read
+            # positions by default: rows.source indexes them)
             row_temperature = temperature.repeat_interleave(layout.row_offsets.diff().to(logits.device))
             packed_temperature = torch.ones(rows.num_positions, dtype=torch.float32, device=logits.device)
-            packed_temperature[rows.source[rows.in_shard]] = row_temperature[rows.in_shard]
+            packed_temperature[rows.source[rows.computed]] = row_temperature[rows.computed]
             logits = logits / packed_temperature.unsqueeze(-1).to(logits.dtype)
         chunk = self.engine_config.entropy_from_logits_chunk_size
         out = {}
