@@ -86,7 +86,7 @@ def main() -> None:
                 last_stage=bool(model.post_process), rows=output_rows)
     torch.distributed.all_gather_object(every_rank, mine)
     if is_output_rank():  # (under --ep, data-parallel rank 0 of global rank 0 holds every row)
-        torch.save(dict(logprobs=shared, forward_only=forward_only, grads=grads, aux=aux), args.out)
+        torch.save(dict(logprobs=shared, forward_only=forward_only, grads=grads, aux=aux, output_rows=every_rank), args.out)
     leave_worker()
 
 
