@@ -81,13 +81,20 @@ def reduce_data_parallel_gradients(model: torch.nn.Module) -> None:
     """Sum every gradient over the ranks that hold the same parameter and ran other groups: the
     data-parallel group, for expert weights (`allreduce=False`) the expert data-parallel group.
     The gradient of the whole batch's summed loss (megatron's DDP averages instead; this run's loss
-    is a plain sum over samples, so the sum is the single-rank gradient)."""
+    is a plain sum over samples, so the sum is the single-rank gradient). Under context parallelism
+    `parallel.finish_gradients` has already reduced over the data-parallel ranks too, as megatron's
+    DDP does (the mean over them), so that mean is multiplied by their number: the expert-data-
+    parallel group then holds CP ranks as well, and summing over it again would count them twice."""
     from megatron.core import parallel_state
 
     dp = parallel_state.get_data_parallel_group()
     edp = parallel_state.get_expert_data_parallel_group()
+    reduced_with_cp = parallel_state.get_context_parallel_world_size() > 1
     for param in model.parameters():
         if param.grad is None:
+            continue
+        if reduced_with_cp:
+            param.grad *= dist.get_world_size(dp)
             continue
         group = dp if getattr(param, "allreduce", True) else edp
         if dist.get_world_size(group) > 1:

@@ -69,15 +69,20 @@ def test_cli_ep2_equals_hf(moe_checkpoint, tmp_path, share):
     assert worst <= 2e-5, worst
 
 
-EP_CASES = {"ep2": (2, ["--ep", "2"]), "ep2_tp2_sp": (4, ["--ep", "2", "--tp", "2", "--sp"])}
+# ep2_cp2: 4 ranks, data parallel size 2 with CP=2; megatron forms the expert-parallel groups out of the
+# data-parallel-with-CP ranks, so here the two CP ranks of a data-parallel rank hold different experts
+EP_CASES = {"ep2": (2, ["--ep", "2"]), "ep2_tp2_sp": (4, ["--ep", "2", "--tp", "2", "--sp"]),
+            "ep2_cp2": (4, ["--ep", "2", "--cp", "2"])}
 
 
-@pytest.mark.parametrize("case", [pytest.param("ep2", marks=pytest.mark.slow), pytest.param("ep2_tp2_sp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) for c in EP_CASES])
 def test_ep_logprobs_and_gradients_equal_single_rank_unshared(moe_checkpoint, tmp_path, case):
     """Log-probs and every HF-named gradient (aux loss included: the model trains) of the
     prefix-shared EP run, groups split across the data-parallel ranks and gradients summed over
     them (`data_parallel.reduce_data_parallel_gradients`: the loss is a plain sum over samples),
-    equal the single-rank unshared run on the whole batch."""
+    equal the single-rank unshared run on the whole batch. Under EP x CP the expert weights' gradients
+    are reduced over the expert-data-parallel group, not the data-parallel-with-CP one (whose CP ranks
+    hold other experts: `parallel.finish_gradients`)."""
     from parallel_cases import WORKER, ep_micro_batches, max_logprob_diff, micro_batch_weights, relative_grad_diffs
 
     from ps_bridge.config import PrefixSharingConfig
