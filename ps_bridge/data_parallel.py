@@ -92,14 +92,22 @@ def reduce_data_parallel_gradients(model: torch.nn.Module, mean: bool = False) -
     The gradient of the whole batch's summed loss (this run's loss is a plain sum over samples, so
     the sum is the single-rank gradient). `mean=True` divides every gradient by the data-parallel
     size afterwards, expert weights included, as megatron's DDP does (its losses are per-rank means:
-    the mean of the ranks' losses is the batch's)."""
+    the mean of the ranks' losses is the batch's). Under context parallelism
+    `parallel.finish_gradients` has already reduced over the data-parallel ranks too, as megatron's
+    DDP does (the mean over them), so that mean is multiplied by their number for the sum: the expert-
+    data-parallel group then holds CP ranks as well, and summing over it again would count them twice."""
     from megatron.core import parallel_state
 
     dp = parallel_state.get_data_parallel_group()
     edp = parallel_state.get_expert_data_parallel_group()
     size = dist.get_world_size(dp)
+    reduced_with_cp = parallel_state.get_context_parallel_world_size() > 1
     for param in model.parameters():
         if param.grad is None:
+            continue
+        if reduced_with_cp:
+            if not mean:
+                param.grad *= size
             continue
         group = dp if getattr(param, "allreduce", True) else edp
         if dist.get_world_size(group) > 1:

@@ -334,20 +334,26 @@ def finish_gradients(model: torch.nn.Module, config) -> None:
     TP sum for SP norms and q/k norms, mean across TP for `average_gradients_across_tp_domain`
     parameters, the tied word-embedding sum between the first and last pipeline stage, for MoE the
     routers' end of step (expert-bias update, token counts reset), and, under
-    context parallelism, the mean over the CP group of every gradient: megatron's schedule scales
-    each CP rank's loss (its own shard's rows) by the CP size and its DDP averages gradients over
-    the data-parallel group *with* context parallelism, so the mean of the CP ranks' gradients is
-    the gradient of the sum of every shard's loss. (Our runs have one data-parallel replica, so the
-    data-parallel-with-CP group is the CP group.)
+    context parallelism, megatron DDP's reduction: megatron's schedule scales each CP rank's loss
+    (its own shard's rows) by the CP size, and its DDP scales every gradient by 1 / (data-parallel-
+    with-CP size) and sums it over the ranks holding that parameter: the data-parallel-with-CP group,
+    for expert weights (`allreduce=False`) the expert-data-parallel group. Without data parallelism
+    that is the gradient of the sum of every shard's loss; with it (expert parallelism's data-parallel
+    ranks, `data_parallel.reduce_data_parallel_gradients` then sums over them) the mean over the
+    data-parallel ranks. Under EP x CP the expert-parallel ranks include CP ranks, which hold other
+    experts: a CP mean over the data-parallel-with-CP group would mix different experts' gradients.
     """
     from megatron.core import parallel_state
 
-    cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    if parallel_state.get_context_parallel_world_size() > 1 and dist.get_world_size(cp_group) > 1:
+    dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if parallel_state.get_context_parallel_world_size() > 1 and dist.get_world_size(dp_cp_group) > 1:
+        expert_dp_group = parallel_state.get_expert_data_parallel_group()
         for param in model.parameters():
             if param.grad is not None:
-                dist.all_reduce(param.grad, group=cp_group)
-                param.grad /= dist.get_world_size(cp_group)
+                group = dp_cp_group if getattr(param, "allreduce", True) else expert_dp_group
+                if dist.get_world_size(group) > 1:
+                    dist.all_reduce(param.grad, group=group)
+                param.grad /= dist.get_world_size(dp_cp_group)
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     if dist.get_world_size(tp_group) > 1:

@@ -76,6 +76,9 @@ EP_CASES = {
     # megatron's MoE recompute under 1F1B: stage 0 runs micro-batch 1's forward before micro-batch 0's
     # backward, where the MoE layer is recomputed with micro-batch 0's own token weights
     "ep2_pp2_moe_recompute": (4, ["--ep", "2", "--pp", "2", "--moe-recompute"]),
+    # 4 ranks, data parallel size 2 with CP=2; megatron forms the expert-parallel groups out of the
+    # data-parallel-with-CP ranks, so here the two CP ranks of a data-parallel rank hold different experts
+    "ep2_cp2": (4, ["--ep", "2", "--cp", "2"]),
 }
 
 
@@ -88,7 +91,9 @@ def test_ep_logprobs_and_gradients_equal_single_rank_unshared(moe_checkpoint, tm
     the sum, not megatron's DDP mean, is the whole batch's gradient; expert weights are summed over
     the expert data-parallel group), equal the single-rank unshared run on the whole batch. Under
     PP=2 every stage holds two of the four layers and its EP ranks exchange tokens among themselves.
-    The aux loss: each rank's value is its share, the shares of all ranks add up to the single-rank one."""
+    The aux loss: each rank's value is its share, the shares of all ranks add up to the single-rank one.
+    Under EP x CP the expert weights' gradients are reduced over the expert-data-parallel group, not
+    the data-parallel-with-CP one (whose CP ranks hold other experts: `parallel.finish_gradients`)."""
     from parallel_cases import (
         WORKER, aux_by_micro_batch, ep_micro_batches, max_logprob_diff, micro_batch_weights, recorded_aux_losses,
         relative_grad_diffs,

@@ -166,41 +166,105 @@ def test_tensor_parallel_two_ranks_match_stock_engine(qwen2_dir, sequence_parall
         assert all(v < 1e-5 for k, v in r.items() if k not in ("rank", "tp_size")), r
 
 
-def _harness_ranks(mode: str, ckpt: str, size: int, out: Path, size_key: str) -> list:
-    """`verl_harness.py MODE CKPT SIZE OUT` on `size` CPU processes; what every rank saved, by rank."""
+def _harness_ranks(args: list, nproc: int, out: Path) -> list:
+    """`verl_harness.py *ARGS` on `nproc` CPU processes (the harness saves to `OUT.rank<r>`, `out` is
+    its OUT): each rank's RESULT line and what every rank saved, by rank."""
     harness = str(Path(__file__).with_name("verl_harness.py"))
     inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={size}", harness,
-         mode, ckpt, str(size), str(out)],
-        env=inherited, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", harness,
+         *[str(a) for a in args]],
+        env=inherited, capture_output=True, text=True, timeout=600,
     )
     results = [json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", proc.stdout)]
-    assert proc.returncode == 0 and len(results) == size, proc.stderr[-3000:]
-    assert all(r[size_key] == size for r in results), results
-    return [torch.load(f"{out}.rank{r}") for r in range(size)]
+    assert proc.returncode == 0 and len(results) == nproc, proc.stderr[-3000:]
+    return sorted(results, key=lambda r: r["rank"]), [torch.load(f"{out}.rank{r}") for r in range(nproc)]
 
 
-def test_context_parallel_two_ranks_match_engine_at_cp1(qwen2_dir, tmp_path):
-    """Our engine at context_parallel_size=2 with prefix sharing (two CPU processes, gloo, fp32) against
-    our own engine at CP=1 unshared, same checkpoint and micro-batches: `infer_batch` log-probs and
-    entropy (temperature 0.7) and the policy-loss gradients (`grad_loss`; megatron's CP loss scaling
-    and the gradient mean over data-parallel-with-CP must give the CP=1 gradient, not CP times it).
-    verl's stock engine is not the reference here: it has no context parallelism without Transformer
-    Engine, which does not run on a CPU."""
-    out = {cp: _harness_ranks("context_parallel", qwen2_dir, cp, tmp_path / f"cp{cp}", "cp_size") for cp in (1, 2)}
-    ref = out[1][0]
-    for rank, got in enumerate(out[2]):  # every CP rank hands verl the full rows
-        for key in ("log_probs", "entropy"):
-            assert [len(t) for t in got[key]] == [len(t) for t in ref[key]]
-            # from row position P - 1 on (what verl's losses read; the shared run skips the other prompt positions)
-            diff = max((a[P - 1:] - b[P - 1:]).abs().max().item() for a, b, P in zip(got[key], ref[key], got["prompt_lengths"]))
-            assert diff <= 1e-5, (rank, key, diff)
-        assert got["grads"].keys() == ref["grads"].keys()
-        for name, g in ref["grads"].items():
-            assert g.abs().max() > 0, name
-            rel = ((got["grads"][name] - g).abs().max() / g.abs().max()).item()
-            assert rel <= 1e-5, (rank, name, rel)
+# ---- parallel layouts with context parallelism, against our engine at CP=1 unshared ------------------
+#
+# verl's stock engine is not the reference here: it has no context parallelism without Transformer
+# Engine, which does not run on a CPU. The reference is our own engine on one process (TP = PP = CP =
+# DP = 1), prefix sharing off: one sequence per sample, the unshared computation, on the same 16
+# samples, advantages and old / ref log-probs.
+
+# name: (processes, tp, pp, cp, sequence parallel, megatron's per-token-loss regime, default suite)
+LAYOUTS = {
+    "cp2": (2, 1, 1, 2, False, False, True),
+    "cp2_dp2_per_token": (4, 1, 1, 2, False, True, True),
+    "cp2_dp2": (4, 1, 1, 2, False, False, False),
+    "cp2_tp2_sp": (4, 2, 1, 2, True, False, False),
+    "cp2_pp2": (4, 1, 2, 2, False, False, False),
+}
+LAYOUT_TOL = 1e-5
+
+
+def _layout(ckpt: str, nproc: int, tp: int, pp: int, cp: int, sp: bool, per_token: bool, out: Path):
+    return _harness_ranks(["layout", ckpt, tp, pp, cp, int(sp), int(per_token), out], nproc, out)
+
+
+@pytest.fixture(scope="module")
+def engine_at_cp1_unshared(qwen2_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("layout_ref") / "ref"
+    _, (ref,) = _layout(qwen2_dir, 1, 1, 1, 1, False, False, out)
+    assert ref["rows"] is not None and ref["samples"] == list(range(16))
+    return ref
+
+
+def _relative_grad_diff(got: dict, ref: dict) -> float:
+    assert got.keys() == ref.keys()
+    for name, g in ref.items():
+        assert g.abs().max() > 0, name  # every parameter takes part
+    return max(((got[n] - g).abs().max() / g.abs().max()).item() for n, g in ref.items())
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if c[-1] else pytest.mark.slow) for n, c in LAYOUTS.items()])
+def test_parallel_layout_with_context_parallel_matches_engine_at_cp1(qwen2_dir, engine_at_cp1_unshared, tmp_path, name):
+    """Our engine with prefix sharing at a layout with CP=2 (CPU processes, gloo, fp32), each
+    data-parallel rank its own whole groups, against our engine at CP=1 unshared on one process:
+    `infer_batch` log-probs and entropy (temperature 0.7) of each rank's samples, and for verl's
+    `loss_agg_mode` token-mean and seq-mean-token-mean the HF-named gradient of every parameter of
+    verl's own `ppo_loss` after megatron's DDP reduction. The normalisation is verl's: the loss is
+    over the whole mini-batch (token-mean: `batch_num_tokens` summed over DP; seq-mean:
+    `global_batch_size` samples) times verl's `dp_size`, megatron's schedule scales it by the CP size
+    and its DDP averages over data-parallel-with-CP, so the gradient is the single-process one; in the
+    per-token regime (`calculate_per_token_loss`) verl returns (loss x tokens, tokens / CP) and
+    megatron sums, then divides by the tokens summed over data-parallel-with-CP (with verl's own
+    count of a CP rank's tokens, `n // cp`, this batch's gradients come out 339 / 338 too large:
+    `PrefixSharingEngineMixin.postprocess_micro_batch_func`). Negative control: without megatron's
+    gradient reduction (`finalize_model_grads`) the gradients differ."""
+    nproc, tp, pp, cp, sp, per_token, _ = LAYOUTS[name]
+    results, ranks = _layout(qwen2_dir, nproc, tp, pp, cp, sp, per_token, tmp_path / name)
+    dp = nproc // (tp * pp * cp)
+    assert all((r["tp_size"], r["pp_size"], r["cp_size"], r["dp_size"]) == (tp, pp, cp, dp) for r in results), results
+    ref = engine_at_cp1_unshared
+    seen, worst = set(), {"rows": 0.0, "grads": 0.0}
+    for rank, got in enumerate(ranks):
+        if dp > 1:  # each DP rank a part of the batch, whole groups
+            assert 0 < len(got["samples"]) < 16 and len({i // 4 for i in got["samples"]}) * 4 == len(got["samples"])
+        if got["rows"] is not None:  # the last pipeline stage: every TP / CP rank hands verl the full rows
+            seen.update(got["samples"])
+            for key in ("log_probs", "entropy"):
+                mine = [ref["rows"][key][i] for i in got["samples"]]
+                assert [len(t) for t in got["rows"][key]] == [len(t) for t in mine]
+                # a row's last log-prob has no label: verl's label roll over its own padded packing
+                # fills it, and at TP > 1 that packing pads to the TP size (the stock engine's value at
+                # that TP, not the TP=1 reference's); verl slices it away
+                cut = -1 if key == "log_probs" and tp > 1 else None
+                # from row position P - 1 on (what verl's losses read; the shared run skips the other
+                # prompt positions: they hold 0)
+                starts = [got["prompt_lengths"][i] - 1 for i in got["samples"]]
+                diff = max((a[p:cut] - b[p:cut]).abs().max().item() for a, b, p in zip(got["rows"][key], mine, starts))
+                worst["rows"] = max(worst["rows"], diff)
+                assert diff <= LAYOUT_TOL, (rank, key, diff)
+        for mode, grads in got["grads"].items():
+            rel = _relative_grad_diff(grads, ref["grads"][mode])
+            worst["grads"] = max(worst["grads"], rel)
+            assert rel <= LAYOUT_TOL, (rank, mode, rel)
+        assert _relative_grad_diff(got["unreduced"], ref["grads"]["token-mean"]) > 1e-2, rank  # the control fails
+    assert seen == set(range(16))
+    print(f"{name}: max |diff| rows {worst['rows']:.2e}, max relative gradient diff {worst['grads']:.2e}; "
+          f"rank 0 build {results[0]['build_s']} s, passes {results[0]['passes_s']} s")
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +283,10 @@ def test_expert_parallel_two_ranks_match_engine_at_ep1(qwen35_moe_dir, tmp_path)
     reduction (the mean over the two DP ranks of a loss scaled by verl's `dp_size`, as verl's losses
     are) equal the single-rank gradient of the global token mean: dense weights on both ranks, and the
     local experts of EP rank r against the reference's global experts r*2, r*2+1."""
-    out = {ep: _harness_ranks("expert_parallel", qwen35_moe_dir, ep, tmp_path / f"ep{ep}", "ep_size") for ep in (1, 2)}
+    out = {}
+    for ep in (1, 2):
+        results, out[ep] = _harness_ranks(["expert_parallel", qwen35_moe_dir, ep, tmp_path / f"ep{ep}"], ep, tmp_path / f"ep{ep}")
+        assert all(r["ep_size"] == ep for r in results), results
     assert [got["dp_size"] for got in out[2]] == [2, 2]
     ref = out[1][0]
     assert sorted(i for got in out[2] for i in got["samples"]) == ref["samples"]

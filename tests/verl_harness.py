@@ -1,7 +1,7 @@
 """verl engine comparisons, one process per rank, run by tests/test_verl_plugin.py under torch.distributed.run:
 `python tests/verl_harness.py CKPT [sequence_parallel]` (tensor parallelism, against the stock engine) and
-`python tests/verl_harness.py context_parallel CKPT CP OUT` (our engine at context_parallel_size CP: rows and
-gradients saved to OUT), `python tests/verl_harness.py expert_parallel CKPT EP OUT` (our engine at
+`python tests/verl_harness.py layout CKPT TP PP CP SP PER_TOKEN OUT` (our engine at that parallel layout, data
+parallel over the rest of the world: rows and verl-loss gradients saved to OUT), `python tests/verl_harness.py expert_parallel CKPT EP OUT` (our engine at
 expert_model_parallel_size EP, data parallel over the same ranks: each rank its own whole groups)."""
 
 from __future__ import annotations
@@ -52,13 +52,25 @@ def engine_comparison(ckpt: str, tp: int = 2, sequence_parallel: bool = False) -
     return result
 
 
-# ---- context parallelism: our engine's rows and gradients at a CP size -------------------------------
+# ---- a parallel layout: our engine's rows and verl-loss gradients, every DP rank its own groups ------------
+
+# verl's loss aggregation modes the layout runs check (`actor.loss_agg_mode`)
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
 
 
-def context_parallel_run(ckpt: str, cp: int, out: str) -> dict:
-    """Our engine at `context_parallel_size=cp` (prefix sharing on at cp > 1, off at cp == 1: the
-    unshared reference), THD: `infer_batch` rows and the policy-loss gradients (`grad_loss`), saved
-    by every rank to `OUT.rank<r>`."""
+def layout_run(ckpt: str, tp: int, pp: int, cp: int, sp: bool, per_token: bool, out: str) -> dict:
+    """Our engine at TP `tp` x PP `pp` x CP `cp` (+ SP `sp`) on this world (data parallel over the rest),
+    THD, prefix sharing on, or off on a world of one (the unshared reference). The same 16 samples
+    (4 groups of 4, drawn alike on every rank) with per-sample advantages / old and ref log-probs; each
+    data-parallel rank takes the whole groups `group_dp_partitions` gives it, as verl's driver splits
+    a batch. Saved by every rank to `OUT.rank<r>`: its `infer_batch` log-probs / entropy (temperature
+    0.7; last pipeline stage) with its sample indices, and for each of `LOSS_AGG_MODES` the HF-named
+    gradients of verl's own `ppo_loss` (clip, entropy bonus, low-var KL; temperature 0.7) after
+    megatron's DDP reduction (`calculate_per_token_loss=True` with `per_token`: megatron's per-token
+    regime, gradients divided by the tokens summed over data-parallel-with-CP); `unreduced`: the
+    token-mean gradients with megatron's `finalize_model_grads` left out (each rank's own part only)."""
+    from functools import partial
+
     import torch
     import torch.distributed as dist
 
@@ -66,25 +78,83 @@ def context_parallel_run(ckpt: str, cp: int, out: str) -> dict:
 
     prepare_side_by_side()
     from megatron.core import parallel_state
+    from megatron.core.utils import get_model_config
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss
 
     from ps_bridge.config import PrefixSharingConfig
+    from ps_bridge.parallel import hf_named_gradients
     from ps_bridge.tiny_checkpoints import grpo_like_samples
-    from ps_bridge.verl.engine import PrefixSharedMegatronEngine
+    from ps_bridge.verl import check
+    from ps_bridge.verl.engine import PrefixSharedMegatronEngine, group_dp_partitions
 
-    samples = grpo_like_samples(256, num_prompts=3, n=4, seed=7, shuffle=False)
-    engine = build_engine(PrefixSharedMegatronEngine, ckpt, use_remove_padding=True, forward_only=False, cp=cp)
-    engine.prefix_sharing_config = PrefixSharingConfig(enabled=cp > 1)
-    with engine_call_on_cpu(), engine.eval_mode():  # a temperature != 1: each shard's positions rescaled
-        rows = engine.infer_batch(grpo_micro_batch(samples, micro_batch_size=4, temperature=0.7))["model_output"]
-    with engine_call_on_cpu(), engine.train_mode():
-        engine.optimizer_zero_grad()
-        engine.forward_backward_batch(grpo_micro_batch(samples, micro_batch_size=4), grad_loss, forward_only=False)
-        grads = {n: p.main_grad.detach().clone() for n, p in engine.module[0].named_parameters()}
+    import time
+
+    started = time.perf_counter()
+    samples = grpo_like_samples(256, num_prompts=4, n=4, seed=7, shuffle=False)
+    overrides = dict(calculate_per_token_loss=True) if per_token else None
+    engine = build_engine(PrefixSharedMegatronEngine, ckpt, use_remove_padding=True, forward_only=False,
+                          tp=tp, pp=pp, cp=cp, sequence_parallel=sp, overrides=overrides)
+    engine.prefix_sharing_config = PrefixSharingConfig(enabled=dist.get_world_size() > 1)
+    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    parts = group_dp_partitions([s.uid for s in samples], [len(s.prompt) for s in samples],
+                                [len(s.prompt) + len(s.response) for s in samples], dp)
+    mine = parts[dp_rank]
+    whole = grpo_micro_batch(samples)  # every sample's own advantages and old log-probs
+
+    def batch():
+        td = grpo_micro_batch([samples[i] for i in mine], micro_batch_size=4, temperature=0.7)
+        for key in ("advantages", "old_log_probs"):
+            td[key] = whole[key][mine, : td[key].shape[1]].clone()
+        td["ref_log_prob"] = td["old_log_probs"] - 0.05 * td["old_log_probs"].abs()  # a KL term that is not 0
+        tu.assign_non_tensor(td, global_batch_size=len(samples))  # the mini-batch over all DP ranks, as verl's
+        return td
+
+    params = dict(engine.module[0].named_parameters())
+
+    def gradients(mode: str) -> dict:
+        """megatron's main_grad of every parameter after verl's loss in `mode` (reduced by its DDP)."""
+        settings = check.CheckSettings(model=ckpt, n=4, overrides=[
+            f"actor_rollout_ref.actor.loss_agg_mode={mode}", "actor_rollout_ref.actor.entropy_coeff=0.01"])
+        actor_cfg, _, _ = check.role_configs(check.trainer_config(settings))
+        with engine_call_on_cpu(), engine.train_mode():
+            engine.optimizer_zero_grad()
+            engine.forward_backward_batch(batch(), partial(ppo_loss, config=actor_cfg), forward_only=False)
+            grads = {n: p.main_grad.detach().clone() for n, p in params.items()}
+            engine.optimizer_zero_grad()
+        return grads
+
+    def hf_named(grads: dict) -> dict:
+        """Under HF names, whole (the export gathers over TP and PP); after every backward pass: the
+        export swaps the parameters' data (a backward pass after an export left main_grad at 0)."""
+        for n, p in params.items():
+            p.grad = grads[n]
+        out = hf_named_gradients(engine.bridge, engine.module[0])
+        for p in params.values():
+            p.grad = None
+        return out
+
+    built = time.perf_counter()
+    with engine_call_on_cpu(), engine.eval_mode():
+        rows = engine.infer_batch(batch())
+    rows = rows.get("model_output") if rows else None
+    result = {"samples": mine, "dp_size": dp, "cp_size": parallel_state.get_context_parallel_world_size(),
+              "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
+              "pp_size": parallel_state.get_pipeline_model_parallel_world_size(), "rows": None,
+              "prompt_lengths": [len(s.prompt) for s in samples]}
+    if rows is not None:
+        result["rows"] = {k: [t.clone() for t in rows[k].unbind()] for k in ("log_probs", "entropy")}
+    grads = {mode: gradients(mode) for mode in LOSS_AGG_MODES}
+    config = get_model_config(engine.module[0])
+    finalize, config.finalize_model_grads_func = config.finalize_model_grads_func, None
+    unreduced = gradients("token-mean")  # negative control
+    config.finalize_model_grads_func = finalize
+    result["grads"] = {mode: hf_named(g) for mode, g in grads.items()}
+    result["unreduced"] = hf_named(unreduced)
     rank = dist.get_rank()
-    torch.save({"log_probs": [t.clone() for t in rows["log_probs"].unbind()],
-                "entropy": [t.clone() for t in rows["entropy"].unbind()], "grads": grads,
-                "prompt_lengths": [len(s.prompt) for s in samples]}, f"{out}.rank{rank}")
-    return {"rank": rank, "cp_size": parallel_state.get_context_parallel_world_size()}
+    torch.save(result, f"{out}.rank{rank}")
+    seconds = {"build_s": round(built - started, 1), "passes_s": round(time.perf_counter() - built, 1)}
+    return {"rank": rank, **seconds, **{k: result[k] for k in ("dp_size", "cp_size", "tp_size", "pp_size")}}
 
 
 # ---- expert parallelism: our engine at an EP size, each data-parallel rank its own whole groups -------
@@ -157,8 +227,10 @@ def grad_loss(model_output, data, dp_group=None):
 if __name__ == "__main__":
     import json
 
-    if sys.argv[1] == "context_parallel":
-        print("RESULT " + json.dumps(context_parallel_run(sys.argv[2], int(sys.argv[3]), sys.argv[4])), flush=True)
+    if sys.argv[1] == "layout":  # layout CKPT TP PP CP SP(0/1) PER_TOKEN(0/1) OUT
+        tp, pp, cp, sp, per_token = (int(a) for a in sys.argv[3:8])
+        print("RESULT " + json.dumps(layout_run(sys.argv[2], tp, pp, cp, bool(sp), bool(per_token), sys.argv[8])),
+              flush=True)
     elif sys.argv[1] == "expert_parallel":
         print("RESULT " + json.dumps(expert_parallel_run(sys.argv[2], int(sys.argv[3]), sys.argv[4])), flush=True)
     else:

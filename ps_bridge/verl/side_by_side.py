@@ -167,11 +167,11 @@ def build_engine(engine_cls, ckpt: str, *, use_remove_padding: bool = True, forw
                  overrides: Optional[dict] = None, use_fused_kernels: bool = False,
                  external_lib: Optional[str] = None, vanilla_mbridge: bool = False, tp: int = 1,
                  sequence_parallel: bool = False, engine_config=None, optimizer_config=None,
-                 dtype: str = "float32", cp: int = 1, ep: int = 1):
+                 dtype: str = "float32", cp: int = 1, ep: int = 1, pp: int = 1):
     """verl's own constructor and `initialize()` for `engine_cls`, on the CPU (one process per
-    tensor-parallel / context-parallel / expert-parallel rank under torchrun, gloo) or the GPU. `engine_config` / `optimizer_config`: verl's
+    tensor / pipeline / context / expert-parallel rank under torchrun, gloo) or the GPU. `engine_config` / `optimizer_config`: verl's
     `McoreEngineConfig` / `McoreOptimizerConfig` from a trainer config (`ps-bridge verl-check`), else
-    the tests' (fp32, TP `tp`, CP `cp`, EP `ep`, plain Adam). Either way the fusions and dropout are off
+    the tests' (fp32, TP `tp`, PP `pp`, CP `cp`, EP `ep`, plain Adam). Either way the fusions and dropout are off
     (`stock_overrides`): both engines of a comparison compute the same thing."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
@@ -183,6 +183,7 @@ def build_engine(engine_cls, ckpt: str, *, use_remove_padding: bool = True, forw
         engine_config = McoreEngineConfig(
             forward_only=forward_only,
             tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
             context_parallel_size=cp,
             expert_model_parallel_size=ep,
             sequence_parallel=sequence_parallel,
@@ -195,9 +196,10 @@ def build_engine(engine_cls, ckpt: str, *, use_remove_padding: bool = True, forw
         object.__setattr__(engine_config, "override_transformer_config", dict(user, **stock_overrides(), **(overrides or {})))
         object.__setattr__(engine_config, "forward_only", forward_only)
         tp = engine_config.tensor_model_parallel_size
+        pp = engine_config.pipeline_model_parallel_size
         cp = engine_config.context_parallel_size
         ep = engine_config.expert_model_parallel_size
-    init_parallel(tp=tp, cp=cp, ep=ep)
+    init_parallel(tp=tp, pp=pp, cp=cp, ep=ep)
     # McoreEngineConfig accepts only bf16/fp16 at construction; fp32 makes the comparison exact.
     object.__setattr__(engine_config, "dtype", dtype)
     object.__setattr__(engine_config, "use_remove_padding", use_remove_padding)
