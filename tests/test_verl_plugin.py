@@ -191,7 +191,8 @@ def _harness_ranks(args: list, nproc: int, out: Path) -> list:
 # name: (processes, tp, pp, cp, sequence parallel, megatron's per-token-loss regime, default suite)
 LAYOUTS = {
     "cp2": (2, 1, 1, 2, False, False, True),
-    "cp2_dp2_per_token": (4, 1, 1, 2, False, True, True),
+    "cp2_per_token": (2, 1, 1, 2, False, True, True),
+    "cp2_dp2_per_token": (4, 1, 1, 2, False, True, False),
     "cp2_dp2": (4, 1, 1, 2, False, False, False),
     "cp2_tp2_sp": (4, 2, 1, 2, True, False, False),
     "cp2_pp2": (4, 1, 2, 2, False, False, False),
