@@ -63,11 +63,6 @@ def stacked(weights: Sequence[torch.Tensor], first: int, end: int) -> torch.Tens
     return w0.as_strided((end - first, *w0.shape), (step, w0.shape[1], 1))
 
 
-def weight_runs(weights: Sequence[torch.Tensor]) -> List[Tuple[int, int, torch.Tensor]]:
-    """`(first, end, stacked view)` for every span of `weight_spans`."""
-    return [(a, b, stacked(weights, a, b)) for a, b in weight_spans(weights)]
-
-
 def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (
         a.is_contiguous() and b.is_contiguous() and a.shape == b.shape and a.dtype == b.dtype
@@ -76,49 +71,45 @@ def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _offsets(tokens_per_expert: Sequence[int], device) -> torch.Tensor:
-    return torch.tensor(tokens_per_expert, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
-
-
 class _GroupedLinear(torch.autograd.Function):
     """y[rows of e] = x[rows of e] @ W_e^T with one grouped_mm call per run of experts stored back to
-    back (one run for the layer as built); the stacked views are rebuilt in backward rather than kept."""
+    back (one run for the layer as built). Each run's token rows and int32 offsets are made once in
+    forward and kept for backward; the stacked weight views are rebuilt there rather than kept."""
 
     @staticmethod
     def forward(ctx, x, tokens_per_expert, spans, *weights):
+        plan = _run_plan(tokens_per_expert, spans, x.device)
         ctx.save_for_backward(x, *weights)
-        ctx.tokens_per_expert, ctx.spans = tokens_per_expert, spans
-        outs = []
-        for first, end, w, rows in _run_rows(weights, tokens_per_expert, spans):
-            outs.append(_grouped_mm()(x[rows], w.transpose(-2, -1), offs=_offsets(tokens_per_expert[first:end], x.device)))
+        ctx.plan = plan
+        outs = [_grouped_mm()(x[rows], stacked(weights, first, end).transpose(-2, -1), offs=offs)
+                for first, end, rows, offs in plan]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, *weights = ctx.saved_tensors
-        counts = ctx.tokens_per_expert
         grad_out = grad_out.contiguous()
         grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         grads_w = [None] * len(weights)
-        want_w = any(ctx.needs_input_grad[2:])
-        for first, end, w, rows in _run_rows(weights, counts, ctx.spans):
-            offs = _offsets(counts[first:end], x.device)
+        want_w = any(ctx.needs_input_grad[3:])
+        for first, end, rows, offs in ctx.plan:
             g = grad_out[rows]
             if grad_x is not None:
-                grad_x[rows] = _grouped_mm()(g, w, offs=offs)
+                grad_x[rows] = _grouped_mm()(g, stacked(weights, first, end), offs=offs)
             if want_w:
                 # [E, out, in]: per expert grad_out_e^T @ x_e, grouped along the token dimension
                 grads_w[first:end] = _grouped_mm()(g.t(), x[rows], offs=offs).unbind(0)
         return (grad_x, None, None, *grads_w)
 
 
-def _run_rows(weights, tokens_per_expert, spans):
-    """Each span's stacked view with the slice of token rows its experts hold."""
+def _run_plan(tokens_per_expert: List[int], spans, device):
+    """For each span `(first, end)`: its experts' slice of token rows and their int32 cumulative
+    row ends (grouped_mm's `offs`)."""
     starts = [0]
     for c in tokens_per_expert:
         starts.append(starts[-1] + c)
-    for first, end in spans:
-        yield first, end, stacked(weights, first, end), slice(starts[first], starts[end])
+    ends = torch.tensor(starts[1:], dtype=torch.int32).to(device)  # one host-to-device copy
+    return [(first, end, slice(starts[first], starts[end]), ends[first:end] - starts[first]) for first, end in spans]
 
 
 def _counts(tokens_per_expert) -> List[int]:

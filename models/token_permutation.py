@@ -38,7 +38,6 @@ class TokenBags:
     rows: torch.Tensor  # [routed rows] int64, routed row indices sorted by token (stable)
     offsets: torch.Tensor  # [num_tokens] int64, where each token's bag starts
     sorted_indices: torch.Tensor  # [routed rows] megatron's permutation: routed row -> token
-    num_tokens: int
 
 
 def token_bags(sorted_indices: torch.Tensor, num_tokens: int) -> TokenBags:
@@ -46,7 +45,7 @@ def token_bags(sorted_indices: torch.Tensor, num_tokens: int) -> TokenBags:
     rows = torch.argsort(idx, stable=True)
     counts = torch.bincount(idx, minlength=num_tokens)
     offsets = torch.cumsum(counts, 0) - counts
-    return TokenBags(rows=rows, offsets=offsets, sorted_indices=idx, num_tokens=num_tokens)
+    return TokenBags(rows=rows, offsets=offsets, sorted_indices=idx)
 
 
 def bag_sum(values: torch.Tensor, bags: TokenBags) -> torch.Tensor:
@@ -142,10 +141,14 @@ class GatherSumAlltoAllTokenDispatcher(GatherSumPermutation, MoEAlltoAllTokenDis
         return self._permute(super().dispatch_preprocess, hidden_states, routing_map, probs)
 
     def _chunk_sort_is_identity(self) -> bool:
-        if self.tp_size * self.ep_size != 1 or self.drop_and_pad or not self._gather_sum_applies():
-            return False
-        order = self.sort_input_by_local_experts
-        return torch.equal(order.cpu(), torch.arange(order.numel()))
+        """Fixed by the dispatcher's settings: decided on the first call and kept."""
+        known = self.__dict__.get("_identity_chunk_sort")
+        if known is None:
+            order = self.sort_input_by_local_experts
+            known = (self.tp_size * self.ep_size == 1 and not self.drop_and_pad and self._gather_sum_applies()
+                     and torch.equal(order.cpu(), torch.arange(order.numel())))
+            self._identity_chunk_sort = known
+        return known
 
     def dispatch_postprocess(self, global_input_tokens, global_probs):
         if not self._chunk_sort_is_identity():
@@ -179,3 +182,10 @@ def use_gather_sum_permutation(dispatcher) -> None:
     cls = GATHER_SUM_DISPATCHERS.get(type(dispatcher))
     if cls is not None:
         dispatcher.__class__ = cls
+
+
+def use_megatron_permutation(dispatcher) -> None:
+    """The inverse: back to megatron's own dispatcher class (to compare with or time it)."""
+    stock = {ours: theirs for theirs, ours in GATHER_SUM_DISPATCHERS.items()}.get(type(dispatcher))
+    if stock is not None:
+        dispatcher.__class__ = stock

@@ -62,21 +62,21 @@ class PackedRows:
         self.offsets = layout.row_offsets.tolist()
         if cp_shard is None:
             local, start = layout.num_tokens, 0
-            self.in_shard = torch.ones_like(source, dtype=torch.bool)
+            in_shard = torch.ones_like(source, dtype=torch.bool)
         else:  # positions of this rank's shard, local offsets; the other rows are masked
             local, start = cp_shard.stop - cp_shard.start, cp_shard.start
-            self.in_shard = (source >= cp_shard.start) & (source < cp_shard.stop)
-        local_source = torch.where(self.in_shard, source - start, 0)
+            in_shard = (source >= cp_shard.start) & (source < cp_shard.stop)
+        local_source = torch.where(in_shard, source - start, 0)
         selected = layout.local_output_positions(cp_shard)
         if selected is None:  # the model computed every position of this rank's tokens
             self.num_positions = local
-            self.computed = self.in_shard
+            self.computed = in_shard
             self.source = local_source
         else:  # the model computed `selected` only (`layout.output_positions`): index into those
             self.num_positions = int(selected.numel())
             index = torch.full((local,), -1, dtype=torch.long, device=device)
             index[selected] = torch.arange(self.num_positions, device=device)
-            self.computed = self.in_shard & layout.output_mask()[source]
+            self.computed = in_shard & layout.output_mask()[source]
             self.source = torch.where(self.computed, index[local_source], 0)
         self.has_label = (self.labels >= 0) & self.computed
         self.safe_labels = self.labels.clamp(min=0)

@@ -5,7 +5,7 @@ model is built with megatron's TEGroupedMLP in the grouped parameter layout."""
 import pytest
 import torch
 
-from ps_bridge.models.experts import grouped_linear, uses_grouped_mm, weight_runs
+from ps_bridge.models.experts import grouped_linear, stacked, uses_grouped_mm, weight_spans
 
 
 def _case(dtype, contiguous_weights, seed=0):
@@ -44,9 +44,9 @@ def _rel(a, b):
 def test_grouped_mm_bf16_equals_per_expert_loop(contiguous_weights):
     x, weights, tokens, grad_out = _case(torch.bfloat16, contiguous_weights)
     assert uses_grouped_mm(x)
-    runs = weight_runs(weights)
-    assert [(a, b) for a, b, _ in runs] == {True: [(0, 6)], "runs": [(0, 2), (2, 6)], False: [(i, i + 1) for i in range(6)]}[contiguous_weights]
-    assert all(w.data_ptr() == weights[a].data_ptr() for a, _, w in runs)  # views, no copy
+    spans = weight_spans(weights)
+    assert spans == {True: [(0, 6)], "runs": [(0, 2), (2, 6)], False: [(i, i + 1) for i in range(6)]}[contiguous_weights]
+    assert all(stacked(weights, a, b).data_ptr() == weights[a].data_ptr() for a, b in spans)  # views, no copy
     y = grouped_linear(x, weights, tokens)
     y.backward(grad_out)
     y_ref, gx_ref, gw_ref = _loop_float32(x, weights, tokens, grad_out)
@@ -87,7 +87,7 @@ def test_qwen35_moe_builds_grouped_experts(tmp_path_factory):
     # the experts lie in one buffer (after loading the checkpoint too): grouped_mm reads one view
     for e in experts:
         for linear in (e.linear_fc1, e.linear_fc2):
-            assert [(a, b) for a, b, _ in weight_runs(linear.weights())] == [(0, E)]
+            assert weight_spans(linear.weights()) == [(0, E)]
     assert not any("local_experts" in n for n in names)
 
 
@@ -136,4 +136,4 @@ def test_experts_stay_one_run_in_megatrons_ddp_buffer(tmp_path_factory):
     for linear in linears:
         weights = linear.weights()
         assert weights[0].untyped_storage().data_ptr() in buffers  # re-laid by DDP
-        assert [(a, b) for a, b, _ in weight_runs(weights)] == [(0, len(weights))]
+        assert weight_spans(weights) == [(0, len(weights))]

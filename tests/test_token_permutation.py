@@ -101,7 +101,7 @@ def test_gpu_alltoall_layer_equals_megatrons_permutation():
 
     from ps_bridge.bench.catalog import FAMILIES, MODEL_SHAPES
     from ps_bridge.config import PrefixSharingConfig
-    from ps_bridge.models.token_permutation import GatherSumAlltoAllTokenDispatcher
+    from ps_bridge.models.token_permutation import GatherSumAlltoAllTokenDispatcher, use_megatron_permutation
     from ps_bridge.runtime import load_model_from_hf_config
 
     shape = MODEL_SHAPES["tiny-qwen3.5-moe"]
@@ -115,7 +115,8 @@ def test_gpu_alltoall_layer_equals_megatrons_permutation():
     x = torch.randn(300, 1, hidden, generator=gen, device=loaded.device)
     grad = torch.randn(300, 1, hidden, generator=gen, device=loaded.device)
     ours = _layer_step(layer, x, grad)
-    layer.token_dispatcher.__class__ = MoEAlltoAllTokenDispatcher
+    use_megatron_permutation(layer.token_dispatcher)
+    assert type(layer.token_dispatcher) is MoEAlltoAllTokenDispatcher
     theirs = _layer_step(layer, x, grad)
 
     def rel(a, b):

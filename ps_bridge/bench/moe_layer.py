@@ -23,7 +23,7 @@ import time
 import torch
 
 from ps_bridge.bench.catalog import FAMILIES, MODEL_SHAPES
-from ps_bridge.models.token_permutation import GATHER_SUM_DISPATCHERS
+from ps_bridge.models.token_permutation import use_gather_sum_permutation, use_megatron_permutation
 
 
 def _sequential_twin(loaded, grouped):
@@ -116,11 +116,10 @@ def run(model: str, P: int, R: int, n: int, groups: int, warmup: int, repeats: i
     grouped_ms = _time(grouped, x, grad, warmup, repeats)
     sequential_ms = _time(sequential, x, grad, warmup, repeats)
     # the same grouped layer with megatron's own permutation (index_select / scatter_add_)
-    ours = type(grouped.token_dispatcher)
-    grouped.token_dispatcher.__class__ = {v: k for k, v in GATHER_SUM_DISPATCHERS.items()}.get(ours, ours)
+    use_megatron_permutation(grouped.token_dispatcher)
     out_m, gx_m = _step(grouped, x, grad)
     stock_permutation_ms = _time(grouped, x, grad, warmup, repeats)
-    grouped.token_dispatcher.__class__ = ours
+    use_gather_sum_permutation(grouped.token_dispatcher)
     if profile:
         profile_table(grouped, x, grad, profile)
     p = loaded.provider

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import sys
+from functools import partial
 from typing import List, Tuple
 
 import torch
@@ -142,10 +143,10 @@ def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, refer
 
     batch = make_samples(P, R, n, args.groups, loaded.vocab_size, args.seed)
     samples = _data_parallel_share(batch)  # under EP this rank's whole groups; the row counts the whole batch
-    whole = build_layout(batch, share=True, vocab_size=loaded.vocab_size, total_multiple=cp_total_multiple(),
-                         prompt_values=loaded.config.layout_prompt_values)
-    shared_layout = build_layout(samples, share=True, vocab_size=loaded.vocab_size, total_multiple=cp_total_multiple(),
-                                 prompt_values=loaded.config.layout_prompt_values)
+    pack = partial(build_layout, share=True, vocab_size=loaded.vocab_size, total_multiple=cp_total_multiple(),
+                   prompt_values=loaded.config.layout_prompt_values)
+    shared_layout = pack(samples)
+    whole = shared_layout if len(samples) == len(batch) else pack(batch)  # the whole batch's token counts
     common = dict(warmup=args.warmup, repeats=args.repeats, chunk=args.logprob_chunk, progress=progress,
                   max_tokens=args.max_tokens_per_gpu)
     if args.shared_only:
