@@ -18,7 +18,10 @@ and `GroupedMMRowLinear` (fc2) follow those protocols on torch's grouped matrix 
 - no communication, as TE's expert linears under megatron's explicit expert communication: the
   token dispatcher does the expert TP / EP exchange; the shapes are this rank's expert-TP shard.
 
-Where real TE is installed `grouped_expert_linears()` returns megatron's own TE grouped linears.
+`GroupedMMExperts` is megatron's `TEGroupedMLP` built on them; in the common SwiGLU case its forward
+keeps the token counts on the device (no host sync per layer) and runs the probability-weighted
+SwiGLU as one fused kernel on CUDA (`ps_bridge/kernels/weighted_swiglu.py`). Where real TE is installed `grouped_experts_spec()` returns
+megatron's own `TEGroupedMLP` with TE's grouped linears.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+from ps_bridge.kernels.weighted_swiglu import weighted_swiglu
 
 
 def _grouped_mm():
@@ -89,27 +95,58 @@ class _GroupedLinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, *weights = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        whole = len(ctx.plan) == 1 and ctx.plan[0][2] == _ALL_ROWS
+        grad_x = None
+        if ctx.needs_input_grad[0] and not whole:
+            grad_x = torch.empty_like(x)
         grads_w = [None] * len(weights)
         want_w = any(ctx.needs_input_grad[3:])
         for first, end, rows, offs in ctx.plan:
             g = grad_out[rows]
-            if grad_x is not None:
-                grad_x[rows] = _grouped_mm()(g, stacked(weights, first, end), offs=offs)
+            if ctx.needs_input_grad[0]:
+                gx = _grouped_mm()(g, stacked(weights, first, end), offs=offs)
+                if whole:
+                    grad_x = gx  # one run over every row: no copy into a second buffer
+                else:
+                    grad_x[rows] = gx
             if want_w:
                 # [E, out, in]: per expert grad_out_e^T @ x_e, grouped along the token dimension
                 grads_w[first:end] = _grouped_mm()(g.t(), x[rows], offs=offs).unbind(0)
         return (grad_x, None, None, *grads_w)
 
 
-def _run_plan(tokens_per_expert: List[int], spans, device):
+_ALL_ROWS = slice(None)
+
+
+def _run_plan(tokens_per_expert, spans, device):
     """For each span `(first, end)`: its experts' slice of token rows and their int32 cumulative
-    row ends (grouped_mm's `offs`)."""
+    row ends (grouped_mm's `offs`).
+
+    `tokens_per_expert` is a list, or a tensor on the host or on `device`. With one span (the layer
+    as built) the offsets are a cumulative sum where the counts are, so counts on the device need no
+    host sync (megatron's dispatcher hands them over that way, `models/token_permutation.py`);
+    several spans need the counts on the host to slice the rows."""
+    if len(spans) == 1 and torch.is_tensor(tokens_per_expert):
+        first, end = spans[0]
+        return [(first, end, _ALL_ROWS, _on(device, torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)))]
+    counts = _counts(tokens_per_expert)
     starts = [0]
-    for c in tokens_per_expert:
+    for c in counts:
         starts.append(starts[-1] + c)
-    ends = torch.tensor(starts[1:], dtype=torch.int32).to(device)  # one host-to-device copy
+    ends = _on(device, torch.tensor(starts[1:], dtype=torch.int32))  # one host-to-device copy
+    if len(spans) == 1:
+        first, end = spans[0]
+        return [(first, end, _ALL_ROWS, ends)]
     return [(first, end, slice(starts[first], starts[end]), ends[first:end] - starts[first]) for first, end in spans]
+
+
+def _on(device, t: torch.Tensor) -> torch.Tensor:
+    """`t` on `device`; a host tensor goes to a GPU from pinned memory, which does not wait for the stream."""
+    if t.device == device:
+        return t
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def _counts(tokens_per_expert) -> List[int]:
@@ -120,13 +157,15 @@ def _counts(tokens_per_expert) -> List[int]:
 
 def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], tokens_per_expert,
                    spans: Optional[List[Tuple[int, int]]] = None) -> torch.Tensor:
-    """`x [T, in]` sorted by expert (`tokens_per_expert[e]` rows each) times each expert's `[out, in]`;
-    `spans`: `weight_spans(weights)` where the caller keeps it."""
-    counts = _counts(tokens_per_expert)
+    """`x [T, in]` sorted by expert (`tokens_per_expert[e]` rows each, a list or a tensor; on the
+    device it stays there in the grouped path) times each expert's `[out, in]`; `spans`:
+    `weight_spans(weights)` where the caller keeps it."""
     if uses_grouped_mm(x):
         spans = weight_spans(weights) if spans is None else spans
-        return _GroupedLinear.apply(x.contiguous(), counts, spans, *weights)
-    chunks = torch.split(x, counts)
+        if not torch.is_tensor(tokens_per_expert):
+            tokens_per_expert = _counts(tokens_per_expert)
+        return _GroupedLinear.apply(x.contiguous(), tokens_per_expert, spans, *weights)
+    chunks = torch.split(x, _counts(tokens_per_expert))
     return torch.cat([chunk @ w.t() for chunk, w in zip(chunks, weights)])
 
 
@@ -211,11 +250,38 @@ class GroupedMMRowLinear(_GroupedMMLinear):
     partition_dim = 1
 
 
+class GroupedMMExperts(TEGroupedMLP):
+    """megatron's `TEGroupedMLP` on our grouped linears. In its plain case (SwiGLU; no quantization,
+    no activation offloading or recompute, no GLU interleaving or clamping) the forward is
+    fc1 -> `weighted_swiglu` -> fc2, with the token counts left where the dispatcher put them:
+    grouped_mm takes device offsets, so counts on the device need no host sync, where
+    `TEGroupedMLP.forward` first moves them to the host (`.tolist()`, TE's GEMMs need host
+    splits). Every other case is megatron's forward."""
+
+    def _plain(self) -> bool:
+        c = self.config
+        return (
+            c.gated_linear_unit and self.activation_func is torch.nn.functional.silu
+            and not (c.fp8 or c.fp4 or c.moe_apply_probs_on_input or c.use_te_activation_func)
+            and c.moe_mlp_glu_interleave_size is None and c.activation_func_clamp_value is None
+            and not c.glu_linear_offset
+            and not (self.activation_recompute or self.offload_expert_fc1 or self.offload_moe_act
+                     or self.offload_fused_group_mlp or self._with_fused_impl)
+        )
+
+    def forward(self, hidden, tokens_per_expert, permuted_probs, output_buffer=None, grad_input_buffer=None):
+        if output_buffer is not None or grad_input_buffer is not None or not self._plain():
+            return super().forward(hidden, tokens_per_expert, permuted_probs, output_buffer, grad_input_buffer)
+        h, _ = self.linear_fc1(hidden, tokens_per_expert)
+        out, _ = self.linear_fc2(weighted_swiglu(h, permuted_probs), tokens_per_expert)
+        return out, None
+
+
 def grouped_experts_spec():
     """megatron's `TEGroupedMLP` with TE's grouped linears where TE is installed, else ours."""
     from functools import partial
 
-    from megatron.core.transformer.moe.experts import HAVE_TE, GroupedMLPSubmodules, TEGroupedMLP
+    from megatron.core.transformer.moe.experts import HAVE_TE, GroupedMLPSubmodules
 
     if HAVE_TE:  # megatron-core found real TE (not our import placeholder); not run here: no TE on our machines
         from megatron.core.extensions.transformer_engine import (
@@ -223,7 +289,7 @@ def grouped_experts_spec():
             TERowParallelGroupedLinear,
         )
 
-        fc1, fc2 = TEColumnParallelGroupedLinear, TERowParallelGroupedLinear
-    else:
-        fc1, fc2 = GroupedMMColumnLinear, GroupedMMRowLinear
-    return partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(linear_fc1=fc1, linear_fc2=fc2))
+        return partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(
+            linear_fc1=TEColumnParallelGroupedLinear, linear_fc2=TERowParallelGroupedLinear))
+    return partial(GroupedMMExperts, submodules=GroupedMLPSubmodules(
+        linear_fc1=GroupedMMColumnLinear, linear_fc2=GroupedMMRowLinear))

@@ -41,10 +41,12 @@ class TokenBags:
 
 
 def token_bags(sorted_indices: torch.Tensor, num_tokens: int) -> TokenBags:
+    """No host sync (a GPU `bincount` would wait for its maximum): each bag starts where its token
+    first appears among the rows sorted by token."""
     idx = sorted_indices.long()
     rows = torch.argsort(idx, stable=True)
-    counts = torch.bincount(idx, minlength=num_tokens)
-    offsets = torch.cumsum(counts, 0) - counts
+    tokens = torch.arange(num_tokens, device=idx.device, dtype=idx.dtype)
+    offsets = torch.searchsorted(idx[rows], tokens)
     return TokenBags(rows=rows, offsets=offsets, sorted_indices=idx)
 
 
@@ -135,7 +137,16 @@ class GatherSumAlltoAllTokenDispatcher(GatherSumPermutation, MoEAlltoAllTokenDis
     """megatron's alltoall dispatcher (used on the GPU) with gather-sum permutation. With one
     source rank (EP = TP = 1) its second permutation, the sort of token chunks by local expert, is
     the identity (a split into 256 chunks and a copy of every routed row, forward and backward):
-    skipped, with megatron's host-sync points kept."""
+    skipped. Then nothing needs the token counts on the host (no communication splits, no chunk
+    sizes), so they go to the experts as the device tensor megatron computed, without megatron's
+    wait for their host copy: experts that need host counts (`SequentialMLP`, TE's grouped
+    linears) move them there themselves; ours (`models/experts.py`) do not, so the layer runs
+    without a host sync."""
+
+    def preprocess(self, routing_map):
+        counts = super().preprocess(routing_map)
+        self._device_tokens_per_expert = counts  # before megatron replaces it with its host copy
+        return counts
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
         return self._permute(super().dispatch_preprocess, hidden_states, routing_map, probs)
@@ -151,10 +162,9 @@ class GatherSumAlltoAllTokenDispatcher(GatherSumPermutation, MoEAlltoAllTokenDis
         return known
 
     def dispatch_postprocess(self, global_input_tokens, global_probs):
+        tokens_per_expert, self._device_tokens_per_expert = self._device_tokens_per_expert, None
         if not self._chunk_sort_is_identity():
             return super().dispatch_postprocess(global_input_tokens, global_probs)
-        self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_2", self.tokens_per_expert)
-        tokens_per_expert = self._maybe_dtoh_and_synchronize("before_finish", self.tokens_per_expert)
         self.tokens_per_expert = None
         return global_input_tokens, tokens_per_expert, global_probs
 

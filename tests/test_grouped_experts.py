@@ -137,3 +137,117 @@ def test_experts_stay_one_run_in_megatrons_ddp_buffer(tmp_path_factory):
         weights = linear.weights()
         assert weights[0].untyped_storage().data_ptr() in buffers  # re-laid by DDP
         assert weight_spans(weights) == [(0, len(weights))]
+
+
+@pytest.mark.parametrize("contiguous_weights", [True, "runs"])
+def test_counts_as_a_tensor_equal_counts_as_a_list(contiguous_weights):
+    """megatron's alltoall dispatcher hands the experts their token counts as the device tensor (no
+    host sync, `GatherSumAlltoAllTokenDispatcher`): the grouped path takes it as it is (one run) or
+    reads it on the host (several runs); values and every gradient equal the list's."""
+    x, weights, tokens, grad_out = _case(torch.bfloat16, contiguous_weights)
+    results = []
+    for counts in (tokens, torch.tensor(tokens)):
+        xi = x.detach().clone().requires_grad_()
+        wi = [w.detach().clone().requires_grad_() for w in weights]
+        y = grouped_linear(xi, wi, counts)
+        y.backward(grad_out)
+        results.append([y, xi.grad] + [w.grad for w in wi])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def _experts_layer(dtype):
+    """The grouped experts of a tiny Qwen3.5 MoE model, with routed-looking inputs sorted by expert."""
+    from ps_bridge.bench.catalog import FAMILIES, MODEL_SHAPES
+    from ps_bridge.config import PrefixSharingConfig
+    from ps_bridge.models.experts import GroupedMMExperts
+    from ps_bridge.runtime import load_model_from_hf_config
+
+    shape = MODEL_SHAPES["tiny-qwen3.5-moe"]
+    loaded = load_model_from_hf_config(FAMILIES[shape.family](shape.dims, 1), PrefixSharingConfig(enabled=True),
+                                       dtype=dtype)
+    experts = loaded.model.decoder.layers[0].mlp.experts
+    assert type(experts) is GroupedMMExperts and experts._plain()
+    E, hidden = experts.num_local_experts, int(loaded.provider.hidden_size)
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 9, (E,), generator=gen)
+    tokens[1] = 0  # an expert without tokens
+    rows = int(tokens.sum())
+    x = torch.randn(rows, hidden, generator=gen).to(dtype)
+    probs = torch.rand(rows, generator=gen)  # megatron's router gives float32 probabilities
+    grad = torch.randn(rows, hidden, generator=gen).to(dtype)
+    return experts, x, tokens, probs, grad
+
+
+def _experts_step(forward, experts, x, tokens, probs, grad):
+    experts.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    probs = probs.detach().requires_grad_()
+    out, bias = forward(experts, x, tokens, probs)
+    assert bias is None
+    out.backward(grad)
+    return [out.detach(), x.grad, probs.grad] + [p.grad for p in experts.parameters()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_forward_equals_megatrons(dtype):
+    """`GroupedMMExperts`' own forward (device counts kept, `weighted_swiglu`) equals megatron's
+    `TEGroupedMLP.forward` on the same layer: exactly in float32 (the per-expert loop, the same
+    SwiGLU expression), and in bf16 up to the rounding of the SwiGLU product's one intermediate."""
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    experts, x, tokens, probs, grad = _experts_layer(dtype)
+    ours = _experts_step(lambda m, *a: m(*a), experts, x, tokens, probs, grad)
+    theirs = _experts_step(lambda m, *a: TEGroupedMLP.forward(m, *a), experts, x, tokens, probs, grad)
+    assert len(ours) == len(theirs) > 4
+    for a, b in zip(ours, theirs):
+        if dtype == torch.float32:
+            assert torch.equal(a, b)
+        else:
+            assert _rel(a, b) < 1e-2
+    # and the probabilities are applied: unit probabilities give another output
+    other = _experts_step(lambda m, *a: m(*a), experts, x, tokens, torch.ones_like(probs), grad)
+    assert _rel(other[0], ours[0]) > 0.1
+
+
+def test_weighted_swiglu_fused_formula_equals_naive_on_the_cpu():
+    """The fused kernel's forward and hand-written backward (compiled on CUDA only) against the
+    naive expression's autograd, float64 on the CPU, uncompiled: values and both gradients."""
+    from ps_bridge.kernels import weighted_swiglu as ws
+
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(50, 2 * 12, generator=gen, dtype=torch.float64, requires_grad=True)
+    p = torch.rand(50, generator=gen, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(50, 12, generator=gen, dtype=torch.float64)
+    y = ws.naive(h, p)
+    y.backward(g)
+    dh, dp = ws._backward(g, h.detach(), p.detach())
+    assert torch.allclose(ws._forward(h.detach(), p.detach()), y.detach(), rtol=1e-12, atol=1e-12)
+    assert torch.allclose(dh, h.grad, rtol=1e-12, atol=1e-12) and torch.allclose(dp, p.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.gpu
+def test_weighted_swiglu_on_the_gpu_is_compiled_and_equals_naive():
+    """On CUDA `weighted_swiglu` is the compiled fused kernel (also where TORCHDYNAMO_DISABLE=1, as
+    in this suite): float32 values and gradients equal the naive expression; bf16 is no further from
+    float32 than the naive bf16."""
+    from ps_bridge.kernels import weighted_swiglu as ws
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(1000, 2 * 96, generator=gen, device="cuda")
+    p = torch.rand(1000, generator=gen, device="cuda")
+    g = torch.randn(1000, 96, generator=gen, device="cuda")
+
+    def run(fn, h, p):
+        h, p = h.detach().requires_grad_(), p.detach().requires_grad_()
+        y = fn(h, p)
+        y.backward(g.to(y.dtype))
+        return y.detach().float(), h.grad.float(), p.grad.float()
+
+    fused32, naive32 = run(ws.weighted_swiglu, h, p), run(ws.naive, h, p)
+    assert all(hasattr(f, "_torchdynamo_orig_callable") for f in ws._compiled())
+    for a, b in zip(fused32, naive32):
+        assert _rel(a, b) < 1e-6
+    fused16, naive16 = run(ws.weighted_swiglu, h.bfloat16(), p), run(ws.naive, h.bfloat16(), p)
+    for f, q, ref in zip(fused16, naive16, naive32):
+        assert _rel(f, ref) <= 1.05 * _rel(q, ref) + 1e-6

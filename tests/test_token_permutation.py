@@ -126,3 +126,30 @@ def test_gpu_alltoall_layer_equals_megatrons_permutation():
     assert ours[2].keys() == theirs[2].keys() and len(ours[2]) > 3
     for name in ours[2]:
         assert rel(ours[2][name], theirs[2][name]) < 1e-5, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the alltoall dispatcher needs CUDA")
+def test_gpu_moe_layer_runs_without_a_host_sync():
+    """bf16 on the GPU at EP = TP = 1 (grouped experts, alltoall dispatcher, chunk sort skipped): a
+    forward + backward of the MoE layer never makes the host wait for the GPU. megatron's own
+    dispatcher waits for the token counts' host copy and its TEGroupedMLP moves them to the host;
+    ours keeps them on the device (and its bags need no bincount)."""
+    from ps_bridge.bench.catalog import FAMILIES, MODEL_SHAPES
+    from ps_bridge.bench.moe_layer import host_syncs, host_waits
+    from ps_bridge.config import PrefixSharingConfig
+    from ps_bridge.models.token_permutation import use_megatron_permutation
+    from ps_bridge.runtime import load_model_from_hf_config
+
+    shape = MODEL_SHAPES["tiny-qwen3.5-moe"]
+    loaded = load_model_from_hf_config(FAMILIES[shape.family](shape.dims, 1), PrefixSharingConfig(enabled=True),
+                                       dtype=torch.bfloat16)
+    layer = loaded.model.decoder.layers[0].mlp
+    layer.train()
+    hidden = int(loaded.provider.hidden_size)
+    x = torch.randn(300, 1, hidden, device=loaded.device, dtype=torch.bfloat16)
+    grad = torch.randn_like(x)
+    _layer_step(layer, x, grad)  # first call: compiles, decides the chunk sort, caches the spans
+    assert host_syncs(layer, x, grad) == [] and not host_waits(layer, x, grad)
+    use_megatron_permutation(layer.token_dispatcher)  # the check can fail: megatron's dispatcher waits
+    assert host_waits(layer, x, grad)

@@ -70,6 +70,47 @@ def _time(layer, x, grad, warmup, repeats):
     return statistics.median(times)
 
 
+def host_syncs(layer, x, grad) -> list:
+    """Where one forward + backward of `layer` makes the host wait for the GPU (torch's sync debug
+    mode, one `file:line` per synchronising call; a backward's are reported at the `backward` call).
+    Each one drains the GPU's queue of launched work, exposing the host's launch time after it."""
+    import warnings
+
+    if not x.is_cuda:
+        return []
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            _step(layer, x, grad)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{w.filename.split('site-packages/')[-1]}:{w.lineno}" for w in caught
+            if "synchroniz" in str(w.message)]
+
+
+def host_waits(layer, x, grad) -> bool:
+    """Whether one forward + backward of `layer` makes the host wait for the GPU at all: the step is
+    launched behind about a second of queued GPU work (`torch.cuda._sleep`); without a wait the host
+    is done launching long before that work ends. Catches every kind of wait (event and stream
+    synchronisation, blocking copies), where the sync debug mode of `host_syncs` misses some."""
+    if not x.is_cuda:
+        return False
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    torch.cuda._sleep(10**7)
+    torch.cuda.synchronize()
+    ahead = 1.0  # seconds of GPU work queued ahead of the step
+    cycles = int(ahead * 10**7 / (time.perf_counter() - t))
+    start = time.perf_counter()
+    torch.cuda._sleep(cycles)
+    _step(layer, x, grad)
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return host > ahead / 2
+
+
 def profile_table(layer, x, grad, path: str, rows: int = 40) -> None:
     """torch.profiler's operator table of one forward + backward of `layer` (after the timed runs),
     sorted by device time, written to `path`: where the grouped layer's time goes."""
@@ -120,6 +161,8 @@ def run(model: str, P: int, R: int, n: int, groups: int, warmup: int, repeats: i
     out_m, gx_m = _step(grouped, x, grad)
     stock_permutation_ms = _time(grouped, x, grad, warmup, repeats)
     use_gather_sum_permutation(grouped.token_dispatcher)
+    syncs = host_syncs(grouped, x, grad)
+    waits = host_waits(grouped, x, grad)
     if profile:
         profile_table(grouped, x, grad, profile)
     p = loaded.provider
@@ -136,6 +179,7 @@ def run(model: str, P: int, R: int, n: int, groups: int, warmup: int, repeats: i
         grouped_megatron_permutation_ms=stock_permutation_ms,
         output_rel_diff=_rel(out_g, out_s), input_grad_rel_diff=_rel(gx_g, gx_s),
         permutation_output_rel_diff=_rel(out_g, out_m), permutation_input_grad_rel_diff=_rel(gx_g, gx_m),
+        grouped_host_syncs=syncs, grouped_host_waits=waits,
         warmup=warmup, repeats=repeats,
         note="forward + backward of the whole MoE layer (router, dispatch, routed experts, shared expert), "
         "median ms; both layers have the same weights",
@@ -172,7 +216,9 @@ def main(argv=None) -> int:
           f"{result['speedup']:.1f}x; grouped vs sequential output rel. diff {result['output_rel_diff']:.2e}, "
           f"input grad {result['input_grad_rel_diff']:.2e}; grouped with megatron's permutation "
           f"{result['grouped_megatron_permutation_ms']:.2f} ms (vs ours: output {result['permutation_output_rel_diff']:.2e}, "
-          f"input grad {result['permutation_input_grad_rel_diff']:.2e})", flush=True)
+          f"input grad {result['permutation_input_grad_rel_diff']:.2e}); host syncs in a grouped step: "
+          f"{len(result['grouped_host_syncs'])} {result['grouped_host_syncs'] or ''}, host waits for the GPU: "
+          f"{'yes' if result['grouped_host_waits'] else 'no'}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             f.write(json.dumps(result, indent=2) + "\n")

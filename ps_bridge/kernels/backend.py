@@ -7,12 +7,28 @@ function that turns a name (`auto` included) into the concrete backend for the i
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
 from typing import Mapping, Optional, Tuple, TypeVar
 
 import torch
 
 AUTO = "auto"
+
+
+@contextlib.contextmanager
+def compile_allowed():
+    """Fused kernels built with `torch.compile` (FlexAttention, the weighted SwiGLU) are only fused
+    when compiled. `TORCHDYNAMO_DISABLE=1` (set by the CLI and the test suite to avoid compiling
+    elsewhere) makes `torch.compile` return the function uncompiled. The variable is read when
+    `torch.compile` wraps a function, so it is lifted only around those wrappings."""
+    saved = os.environ.pop("TORCHDYNAMO_DISABLE", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["TORCHDYNAMO_DISABLE"] = saved
 
 
 @dataclass(frozen=True)

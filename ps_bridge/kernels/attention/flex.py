@@ -14,13 +14,12 @@ compiling once per length. Bucket padding tokens see nothing and are seen by not
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
+from ps_bridge.kernels.backend import compile_allowed
 from ps_bridge.layout import PackedPrefixLayout
 
 MIN_BUCKET = 256
@@ -38,25 +37,11 @@ def bucket_length(n: int) -> int:
     raise AssertionError("unreachable")
 
 
-@contextlib.contextmanager
-def _compile_allowed():
-    """FlexAttention is only a fused kernel when compiled. `TORCHDYNAMO_DISABLE=1` (set by the CLI
-    and the test suite to avoid compiling elsewhere) makes `torch.compile` return the function
-    uncompiled, which here would mean an unfused kernel and a dense [T, T] mask. The variable is
-    read when `torch.compile` wraps a function, so it is lifted only around those wrappings."""
-    saved = os.environ.pop("TORCHDYNAMO_DISABLE", None)
-    try:
-        yield
-    finally:
-        if saved is not None:
-            os.environ["TORCHDYNAMO_DISABLE"] = saved
-
-
 @functools.lru_cache(maxsize=None)
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    with _compile_allowed():
+    with compile_allowed():
         return torch.compile(flex_attention, dynamic=False)
 
 
@@ -109,7 +94,7 @@ def _build_flex_plan(layout: PackedPrefixLayout, device: torch.device) -> FlexPl
         return same_group & valid[kv_idx] & (own_causal | prompt_for_response)
 
     # compiled mask construction never materialises the [length, length] mask
-    with _compile_allowed():
+    with compile_allowed():
         block_mask = create_block_mask(
             prefix_shared_mask, None, None, length, length, device=device, _compile=device.type == "cuda"
         )
