@@ -25,6 +25,7 @@ unpermute, or a shared expert overlapped with the dispatch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -38,20 +39,31 @@ class TokenBags:
     rows: torch.Tensor  # [routed rows] int64, routed row indices sorted by token (stable)
     offsets: torch.Tensor  # [num_tokens] int64, where each token's bag starts
     sorted_indices: torch.Tensor  # [routed rows] megatron's permutation: routed row -> token
+    size: Optional[int] = None  # every bag holds exactly this many rows, or None
 
 
-def token_bags(sorted_indices: torch.Tensor, num_tokens: int) -> TokenBags:
+def token_bags(sorted_indices: torch.Tensor, num_tokens: int, size: Optional[int] = None) -> TokenBags:
     """No host sync (a GPU `bincount` would wait for its maximum): each bag starts where its token
-    first appears among the rows sorted by token."""
+    first appears among the rows sorted by token. `size`: every token has exactly that many rows (a
+    top-k router's permutation over all experts: k each); checked on the device, without a host
+    sync (a wrong size stops the run with a device-side assertion, never a wrong sum)."""
     idx = sorted_indices.long()
     rows = torch.argsort(idx, stable=True)
     tokens = torch.arange(num_tokens, device=idx.device, dtype=idx.dtype)
     offsets = torch.searchsorted(idx[rows], tokens)
-    return TokenBags(rows=rows, offsets=offsets, sorted_indices=idx)
+    if size is not None:
+        if idx.numel() != num_tokens * size:
+            raise ValueError(f"{idx.numel()} routed rows are not {size} per token for {num_tokens} tokens")
+        torch._assert_async((offsets == tokens * size).all(), f"MoE token bags are not {size} rows each")
+    return TokenBags(rows=rows, offsets=offsets, sorted_indices=idx, size=size)
 
 
 def bag_sum(values: torch.Tensor, bags: TokenBags) -> torch.Tensor:
-    """`[num_tokens, H]`: each token's routed rows of `values [routed rows, H]` summed."""
+    """`[num_tokens, H]`: each token's routed rows of `values [routed rows, H]` summed, in row order,
+    accumulated in float32 for bf16. Bags of one size: a gather and a sum over the bag (on an H200 at
+    196K rows x 2048 a third faster than `embedding_bag`); else `embedding_bag`."""
+    if bags.size is not None:
+        return values.index_select(0, bags.rows).view(-1, bags.size, values.shape[-1]).sum(1)
     return F.embedding_bag(bags.rows, values, bags.offsets, mode="sum")
 
 
@@ -105,6 +117,14 @@ class GatherSumPermutation:
             or getattr(self, "shared_experts", None) is not None
         )
 
+    def _bag_size(self) -> Optional[int]:
+        """Rows per token in this dispatcher's permutation, where every token has the same number:
+        top-k routing permuted over all experts (the alltoall dispatcher always; the allgather one,
+        which permutes to the local experts only, when they are all of them)."""
+        if isinstance(self, MoEAlltoAllTokenDispatcher) or self.num_local_experts == self.config.num_moe_experts:
+            return self.config.moe_router_topk
+        return None
+
     def _permute(self, super_call, hidden_states, *args):
         """megatron's permuting method `super_call` on detached tokens, our backward attached."""
         if not self._gather_sum_applies():
@@ -112,7 +132,7 @@ class GatherSumPermutation:
             return super_call(hidden_states, *args)
         out = super_call(hidden_states.detach(), *args)
         tokens = hidden_states.view(-1, hidden_states.shape[-1])
-        self._bags = token_bags(self.reversed_local_input_permutation_mapping, tokens.shape[0])
+        self._bags = token_bags(self.reversed_local_input_permutation_mapping, tokens.shape[0], self._bag_size())
         return (permute_with_bags(tokens, out[0], self._bags),) + tuple(out[1:])
 
     def _unpermute(self, routed: torch.Tensor) -> torch.Tensor:

