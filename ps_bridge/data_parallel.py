@@ -86,40 +86,11 @@ def data_parallel_size() -> int:
     return parallel_state.get_data_parallel_world_size()
 
 
-def reduce_data_parallel_gradients(model: torch.nn.Module, mean: bool = False) -> None:
-    """Sum every gradient over the ranks that hold the same parameter and ran other groups: the
-    data-parallel group, for expert weights (`allreduce=False`) the expert data-parallel group.
-    The gradient of the whole batch's summed loss (this run's loss is a plain sum over samples, so
-    the sum is the single-rank gradient). `mean=True` divides every gradient by the data-parallel
-    size afterwards, expert weights included, as megatron's DDP does (its losses are per-rank means:
-    the mean of the ranks' losses is the batch's). Under context parallelism
-    `parallel.finish_gradients` has already reduced over the data-parallel ranks too, as megatron's
-    DDP does (the mean over them), so that mean is multiplied by their number for the sum: the expert-
-    data-parallel group then holds CP ranks as well, and summing over it again would count them twice."""
-    from megatron.core import parallel_state
-
-    dp = parallel_state.get_data_parallel_group()
-    edp = parallel_state.get_expert_data_parallel_group()
-    size = dist.get_world_size(dp)
-    reduced_with_cp = parallel_state.get_context_parallel_world_size() > 1
-    for param in model.parameters():
-        if param.grad is None:
-            continue
-        if reduced_with_cp:
-            if not mean:
-                param.grad *= size
-            continue
-        group = dp if getattr(param, "allreduce", True) else edp
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(param.grad, group=group)
-        if mean and size > 1:
-            param.grad /= size
-
-
 def dp_logprob_pass(loaded, micro_batches, share=None, loss_weights=None):
     """`schedule.logprob_pass` with each micro-batch's whole groups split across the data-parallel
-    ranks (every rank runs every micro-batch, each its share), the gradients summed over them, and
-    every sample's rows in input order on data-parallel rank 0 (None elsewhere)."""
+    ranks (every rank runs every micro-batch, each its share), the gradients summed over them
+    (`parallel.finish_gradients`, at the end of the pass), and every sample's rows in input order on
+    data-parallel rank 0 (None elsewhere)."""
     from ps_bridge.schedule import logprob_pass
 
     parts = [dp_share(mb) for mb in micro_batches]
@@ -127,7 +98,5 @@ def dp_logprob_pass(loaded, micro_batches, share=None, loss_weights=None):
     if loss_weights is not None:
         weights = [[loss_weights[k][i] for i in idx] for k, (idx, _) in enumerate(parts)]
     rows = logprob_pass(loaded, [mine for _, mine in parts], share=share, loss_weights=weights)
-    if loss_weights is not None:
-        reduce_data_parallel_gradients(loaded.model)
     gathered = [gather_rows(idx, r, len(mb)) for (idx, _), r, mb in zip(parts, rows, micro_batches)]
     return None if gathered[0] is None else gathered

@@ -326,34 +326,38 @@ def _needs_tp_sum(name: str, param: torch.nn.Parameter, config) -> bool:
     return bool(getattr(config, "qk_layernorm", False)) and ("q_layernorm" in name or "k_layernorm" in name)
 
 
-def finish_gradients(model: torch.nn.Module, config) -> None:
+def finish_gradients(model: torch.nn.Module, config, data_parallel_mean: bool = False) -> None:
     """Reduce the partial gradients of replicated parameters after a backward pass.
 
     megatron's `finalize_model_grads` does this inside its DDP wrapper; verl training uses that.
-    Our runs (CLI, demo, tests) call the model without DDP, so they finish gradients here:
-    TP sum for SP norms and q/k norms, mean across TP for `average_gradients_across_tp_domain`
-    parameters, the tied word-embedding sum between the first and last pipeline stage, for MoE the
-    routers' end of step (expert-bias update, token counts reset), and, under
-    context parallelism, megatron DDP's reduction: megatron's schedule scales each CP rank's loss
-    (its own shard's rows) by the CP size, and its DDP scales every gradient by 1 / (data-parallel-
-    with-CP size) and sums it over the ranks holding that parameter: the data-parallel-with-CP group,
-    for expert weights (`allreduce=False`) the expert-data-parallel group. Without data parallelism
-    that is the gradient of the sum of every shard's loss; with it (expert parallelism's data-parallel
-    ranks, `data_parallel.reduce_data_parallel_gradients` then sums over them) the mean over the
-    data-parallel ranks. Under EP x CP the expert-parallel ranks include CP ranks, which hold other
-    experts: a CP mean over the data-parallel-with-CP group would mix different experts' gradients.
+    Our runs (CLI, demo, bench, tests) call the model without DDP, so they finish gradients here,
+    the one place that does:
+    - the replicas' sum: every gradient summed over the ranks that hold the same parameter and ran
+      other tokens, the data-parallel-with-CP group, for expert weights (`allreduce=False`) the
+      expert-data-parallel group (under EP x CP the data-parallel-with-CP group's CP ranks hold
+      other experts). Megatron's schedule scales each CP rank's loss (its own shard's rows) by the
+      CP size; that is divided out, so the gradient is that of the sum of every rank's loss (our
+      losses are plain sums over samples: the whole batch's gradient). `data_parallel_mean` then
+      divides by the data-parallel size, as megatron's DDP averages per-rank mean losses;
+    - TP sum for SP norms and q/k norms, mean across TP for `average_gradients_across_tp_domain`
+      parameters, the tied word-embedding sum between the first and last pipeline stage;
+    - for MoE the routers' end of step (expert-bias update, token counts reset).
     """
     from megatron.core import parallel_state
 
     dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    if parallel_state.get_context_parallel_world_size() > 1 and dist.get_world_size(dp_cp_group) > 1:
+    if dist.get_world_size(dp_cp_group) > 1:
         expert_dp_group = parallel_state.get_expert_data_parallel_group()
+        scale = parallel_state.get_context_parallel_world_size()
+        if data_parallel_mean:
+            scale *= parallel_state.get_data_parallel_world_size()
         for param in model.parameters():
             if param.grad is not None:
                 group = dp_cp_group if getattr(param, "allreduce", True) else expert_dp_group
                 if dist.get_world_size(group) > 1:
                     dist.all_reduce(param.grad, group=group)
-                param.grad /= dist.get_world_size(dp_cp_group)
+                if scale > 1:
+                    param.grad /= scale
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     if dist.get_world_size(tp_group) > 1:

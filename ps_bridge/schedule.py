@@ -9,7 +9,8 @@ the layout of the activations it receives. Micro-batches pack to different lengt
 logits into log-probs (vocabulary-parallel at TP > 1) and, for a backward pass, the loss
 `sum_i sum_j w_ij * logp_ij` over every micro-batch. Under context parallelism each CP rank runs
 its shard of every micro-batch; its loss covers the rows of its shard, the gradients are completed
-over the CP group (`finish_gradients`), and the reported log-probs are the rows summed over it.
+over the CP group (`finish_gradients`, which also sums them over data-parallel ranks), and the
+reported log-probs are the rows summed over it.
 """
 
 from __future__ import annotations
@@ -80,8 +81,8 @@ def _logprob_loss(rows: PackedRows, weights, num_microbatches: int, vocab_parall
     else:
         loss = sum((w.to(lp.device) * lp).sum() for w, lp in zip(weights, per_sample))
     # megatron divides a (loss, data) loss by the number of micro-batches; undo it so the
-    # gradients are those of the plain sum over micro-batches (its CP scaling is undone by the
-    # CP mean in `finish_gradients`, as its DDP does)
+    # gradients are those of the plain sum over micro-batches (its CP scaling is divided out in
+    # `finish_gradients`)
     full = rows.responses(rows.complete(own))
     return loss * num_microbatches, {"logprobs": [lp.detach().float().cpu() for lp in full]}
 

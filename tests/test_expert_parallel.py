@@ -87,7 +87,7 @@ EP_CASES = {
 def test_ep_logprobs_and_gradients_equal_single_rank_unshared(moe_checkpoint, tmp_path, case):
     """Log-probs, every HF-named gradient and the load-balancing loss (the model trains) of the
     prefix-shared EP run, groups split across the data-parallel ranks and gradients summed over
-    them (`data_parallel.reduce_data_parallel_gradients`: the loss is a plain sum over samples, so
+    them (`parallel.finish_gradients`: the loss is a plain sum over samples, so
     the sum, not megatron's DDP mean, is the whole batch's gradient; expert weights are summed over
     the expert data-parallel group), equal the single-rank unshared run on the whole batch. Under
     PP=2 every stage holds two of the four layers and its EP ranks exchange tokens among themselves.

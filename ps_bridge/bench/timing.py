@@ -62,18 +62,15 @@ def run_actor_step(loaded, layouts, masks, count: float, chunk: int) -> None:
     reduction over the CP group (a trainer's DDP does it once per step), as megatron scales it.
     Under expert parallelism each data-parallel rank runs its own groups and the step ends with the
     data-parallel reduction (expert weights over the expert data-parallel group), averaged as
-    megatron's DDP averages the ranks' per-rank mean losses."""
-    from ps_bridge.data_parallel import reduce_data_parallel_gradients
+    megatron's DDP averages the ranks' per-rank mean losses (`finish_gradients`)."""
     from ps_bridge.parallel import finish_gradients
     from ps_bridge.runtime import row_logprobs
 
     for layout, mask in zip(layouts, masks):
         rows = row_logprobs(loaded, layout, chunk_rows=chunk)  # gradient to this CP rank's own rows
         (-(rows * mask).sum() / count * loaded.cp).backward()
-    if loaded.cp > 1:
-        finish_gradients(loaded.model, loaded.provider)
-    if loaded.ep > 1:
-        reduce_data_parallel_gradients(loaded.model, mean=True)
+    if loaded.cp > 1 or loaded.ep > 1:
+        finish_gradients(loaded.model, loaded.provider, data_parallel_mean=True)
 
 
 def run_mode(
