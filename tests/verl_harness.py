@@ -1,8 +1,9 @@
 """verl engine comparisons, one process per rank, run by tests/test_verl_plugin.py under torch.distributed.run:
 `python tests/verl_harness.py CKPT [sequence_parallel]` (tensor parallelism, against the stock engine) and
 `python tests/verl_harness.py layout CKPT TP PP CP SP PER_TOKEN OUT` (our engine at that parallel layout, data
-parallel over the rest of the world: rows and verl-loss gradients saved to OUT), `python tests/verl_harness.py expert_parallel CKPT EP OUT` (our engine at
-expert_model_parallel_size EP, data parallel over the same ranks: each rank its own whole groups)."""
+parallel over the rest of the world: rows and verl-loss gradients saved to OUT), `python tests/verl_harness.py expert_parallel CKPT EP OUT [CP]` (our engine at
+expert_model_parallel_size EP and context_parallel_size CP on EP x CP ranks, data parallel size EP:
+each data-parallel rank its own whole groups)."""
 
 from __future__ import annotations
 
@@ -160,12 +161,15 @@ def layout_run(ckpt: str, tp: int, pp: int, cp: int, sp: bool, per_token: bool, 
 # ---- expert parallelism: our engine at an EP size, each data-parallel rank its own whole groups -------
 
 
-def expert_parallel_run(ckpt: str, ep: int, out: str) -> dict:
-    """Our engine at `expert_model_parallel_size=ep` on `ep` ranks (data parallel size ep; prefix
-    sharing on at ep > 1, off at ep == 1: the unshared reference over the whole batch). Each rank takes
-    the whole groups `group_dp_partitions` gives it, as verl's trainer hands each DP rank its part;
-    `infer_batch` rows and the policy-loss gradients (`grad_loss`, after megatron's DDP reduction) are
-    saved by every rank to `OUT.rank<r>`, with the rank's sample indices and its global expert ids."""
+def expert_parallel_run(ckpt: str, ep: int, out: str, cp: int = 1) -> dict:
+    """Our engine at `expert_model_parallel_size=ep` and `context_parallel_size=cp` on `ep * cp` ranks
+    (data parallel size ep: megatron carves the EP ranks out of the data-parallel-with-CP ranks, so
+    under CP the CP ranks of a data-parallel rank hold different experts; prefix sharing on on more
+    than one rank, off on one: the unshared reference over the whole batch). Each data-parallel rank
+    takes the whole groups `group_dp_partitions` gives it, as verl's trainer hands each DP rank its
+    part (its CP ranks the same ones); `infer_batch` rows (every CP rank hands verl the full rows) and
+    the policy-loss gradients (`grad_loss`, after megatron's DDP reduction) are saved by every rank to
+    `OUT.rank<r>`, with the rank's sample indices and its EP rank (its local experts' global ids)."""
     import torch
     import torch.distributed as dist
 
@@ -182,9 +186,9 @@ def expert_parallel_run(ckpt: str, ep: int, out: str) -> dict:
     # megatron's allgather dispatcher, as on a CPU elsewhere: verl's default alltoall one needs CUDA streams
     # and an all-to-all that gloo lacks. megatron refuses allgather with `variable_seq_lengths`, which only
     # its pipeline schedule reads (pp = 1 here), so that flag is turned off.
-    engine = build_engine(PrefixSharedMegatronEngine, ckpt, use_remove_padding=True, forward_only=False, ep=ep,
+    engine = build_engine(PrefixSharedMegatronEngine, ckpt, use_remove_padding=True, forward_only=False, ep=ep, cp=cp,
                           overrides=dict(moe_token_dispatcher_type="allgather", variable_seq_lengths=False))
-    engine.prefix_sharing_config = PrefixSharingConfig(enabled=ep > 1)
+    engine.prefix_sharing_config = PrefixSharingConfig(enabled=dist.get_world_size() > 1)
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     parts = group_dp_partitions([s.uid for s in samples], [len(s.prompt) for s in samples],
                                 [len(s.prompt) + len(s.response) for s in samples], dp)
@@ -204,8 +208,10 @@ def expert_parallel_run(ckpt: str, ep: int, out: str) -> dict:
     torch.save({"log_probs": [t.clone() for t in rows["log_probs"].unbind()],
                 "entropy": [t.clone() for t in rows["entropy"].unbind()], "grads": grads,
                 "samples": parts[dp_rank], "ep_rank": ep_rank, "ep_size": ep_size, "dp_size": dp,
+                "cp_size": parallel_state.get_context_parallel_world_size(),
+                "cp_rank": parallel_state.get_context_parallel_rank(),
                 "prompt_lengths": [len(s.prompt) for s in mine]}, f"{out}.rank{rank}")
-    return {"rank": rank, "ep_size": ep_size, "dp_size": dp}
+    return {"rank": rank, "ep_size": ep_size, "dp_size": dp, "cp_size": parallel_state.get_context_parallel_world_size()}
 
 
 def grad_loss(model_output, data, dp_group=None):
@@ -231,8 +237,9 @@ if __name__ == "__main__":
         tp, pp, cp, sp, per_token = (int(a) for a in sys.argv[3:8])
         print("RESULT " + json.dumps(layout_run(sys.argv[2], tp, pp, cp, bool(sp), bool(per_token), sys.argv[8])),
               flush=True)
-    elif sys.argv[1] == "expert_parallel":
-        print("RESULT " + json.dumps(expert_parallel_run(sys.argv[2], int(sys.argv[3]), sys.argv[4])), flush=True)
+    elif sys.argv[1] == "expert_parallel":  # expert_parallel CKPT EP OUT [CP]
+        cp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+        print("RESULT " + json.dumps(expert_parallel_run(sys.argv[2], int(sys.argv[3]), sys.argv[4], cp=cp)), flush=True)
     else:
         sp = len(sys.argv) > 2 and sys.argv[2] == "sequence_parallel"
         print("RESULT " + json.dumps(engine_comparison(sys.argv[1], sequence_parallel=sp)), flush=True)
