@@ -37,7 +37,11 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+# TP=2 + SP alone is behind the slow marker: the default tp2_sp_pp2 case (4 ranks) runs TP + SP on each stage
+SLOW_CONFIGS = {"tp2_sp"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CONFIGS else n for n in CONFIGS])
 def test_parallel_run_equals_single_rank_unshared(name, tmp_path, request):
     nproc, flags, tp, pp, tied = CONFIGS[name]
     if tied:

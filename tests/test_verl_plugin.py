@@ -142,7 +142,7 @@ def _spine_has_sequence_parallel_norms() -> bool:
 
 
 @pytest.mark.parametrize("sequence_parallel", [
-    False,
+    pytest.param(False, marks=pytest.mark.slow),  # TP without SP: slow; the default SP case runs TP=2 too
     pytest.param(True, marks=pytest.mark.skipif(
         not _spine_has_sequence_parallel_norms(),
         reason="the prefix-aware layer spec on this branch has no sequence-parallel norms (main has them)")),
