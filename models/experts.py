@@ -20,8 +20,8 @@ and `GroupedMMRowLinear` (fc2) follow those protocols on torch's grouped matrix 
 
 `GroupedMMExperts` is megatron's `TEGroupedMLP` built on them; in the common SwiGLU case its forward
 keeps the token counts on the device (no host sync per layer) and runs the probability-weighted
-SwiGLU as one fused kernel on CUDA (`ps_bridge/kernels/weighted_swiglu.py`). Where real TE is installed `grouped_experts_spec()` returns
-megatron's own `TEGroupedMLP` with TE's grouped linears.
+SwiGLU as one fused kernel on CUDA (`ps_bridge/kernels/weighted_swiglu.py`). Where real TE is
+installed `grouped_experts_spec()` returns megatron's own `TEGroupedMLP` with TE's grouped linears.
 """
 
 from __future__ import annotations
@@ -126,17 +126,14 @@ def _run_plan(tokens_per_expert, spans, device):
     as built) the offsets are a cumulative sum where the counts are, so counts on the device need no
     host sync (megatron's dispatcher hands them over that way, `models/token_permutation.py`);
     several spans need the counts on the host to slice the rows."""
-    if len(spans) == 1 and torch.is_tensor(tokens_per_expert):
+    if len(spans) == 1:
+        counts = tokens_per_expert if torch.is_tensor(tokens_per_expert) else torch.tensor(tokens_per_expert)
         first, end = spans[0]
-        return [(first, end, _ALL_ROWS, _on(device, torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)))]
-    counts = _counts(tokens_per_expert)
+        return [(first, end, _ALL_ROWS, _on(device, torch.cumsum(counts, 0, dtype=torch.int32)))]
     starts = [0]
-    for c in counts:
+    for c in _counts(tokens_per_expert):
         starts.append(starts[-1] + c)
     ends = _on(device, torch.tensor(starts[1:], dtype=torch.int32))  # one host-to-device copy
-    if len(spans) == 1:
-        first, end = spans[0]
-        return [(first, end, _ALL_ROWS, ends)]
     return [(first, end, slice(starts[first], starts[end]), ends[first:end] - starts[first]) for first, end in spans]
 
 

@@ -11,8 +11,9 @@ Here the same two maps are written as a gather and its adjoint, a segmented sum.
 - permute   `y = x[sorted_indices]`                      backward `dx[t] = sum over t's bag of dy`
 - unpermute `x[t] = sum over t's bag of y`  (combine)    backward `dy = dx[sorted_indices]`
 The segmented sum is `torch.nn.functional.embedding_bag(mode="sum")` over the bags (one bag per
-token, empty bags give 0), which accumulates in float32 for bf16 and sums each token's rows in row
-order: deterministic and no less exact than the atomic adds it replaces.
+token, empty bags give 0), or, where every bag holds the same number of rows (top-k routing
+permuted over all experts), a gather and a sum over the bag; both accumulate in float32 for bf16 in
+a fixed order: deterministic and no less exact than the atomic adds they replace.
 
 `GatherSumPermutation` plugs this into megatron's allgather and alltoall dispatchers (their own
 permutation metadata, routing and communication are kept): the permutation is still megatron's
@@ -59,8 +60,8 @@ def token_bags(sorted_indices: torch.Tensor, num_tokens: int, size: Optional[int
 
 
 def bag_sum(values: torch.Tensor, bags: TokenBags) -> torch.Tensor:
-    """`[num_tokens, H]`: each token's routed rows of `values [routed rows, H]` summed, in row order,
-    accumulated in float32 for bf16. Bags of one size: a gather and a sum over the bag (on an H200 at
+    """`[num_tokens, H]`: each token's routed rows of `values [routed rows, H]` summed in a fixed
+    order (no atomics), accumulated in float32 for bf16. Bags of one size: a gather and a sum over the bag (on an H200 at
     196K rows x 2048 a third faster than `embedding_bag`); else `embedding_bag`."""
     if bags.size is not None:
         return values.index_select(0, bags.rows).view(-1, bags.size, values.shape[-1]).sum(1)

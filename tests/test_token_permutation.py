@@ -79,12 +79,14 @@ def test_qwen35_moe_layers_use_it(tmp_path_factory):
     assert layers and all(isinstance(m.token_dispatcher, GatherSumPermutation) for m in layers)
 
 
-def test_bf16_combine_no_less_exact_than_scatter_add():
-    """In bf16 the segmented sum accumulates in float32 and rounds once; megatron's scatter_add_
-    rounds after every add. Against the float64 sum ours is no farther off."""
+@pytest.mark.parametrize("fixed_size", [False, True])
+def test_bf16_combine_no_less_exact_than_scatter_add(fixed_size):
+    """In bf16 the segmented sum (embedding_bag, or the sum over bags of one size) accumulates in
+    float32 and rounds once; megatron's scatter_add_ rounds after every add. Against the float64 sum
+    ours is no farther off."""
     sorted_indices = _routing(num_tokens=64, num_experts=16, topk=8, seed=5)
     H = 256
-    bags = token_bags(sorted_indices, 64)
+    bags = token_bags(sorted_indices, 64, 8 if fixed_size else None)
     routed = torch.randn(sorted_indices.numel(), H, dtype=torch.float64)
     exact = torch.zeros(64, H, dtype=torch.float64).index_add_(0, sorted_indices, routed)
     r16 = routed.to(torch.bfloat16)
