@@ -1,11 +1,13 @@
 """`ps-bridge`: check prefix sharing on a checkpoint (`logprobs`), run the main job (`demo`),
-measure the speed-up on a GPU (`bench`).
+measure the speed-up on a GPU (`bench`), check the environment (`doctor`).
 
 Errors a user can fix (missing file, bad JSON, bad token ids, unsupported architecture, unknown
 backend) exit with status 2 and one line `ps-bridge: error: ...` on stderr. Third-party import
 notices are silenced unless `-v` is given (`ps_bridge.compat.quiet`).
 
-One module per command (`logprobs`, `demo`, `bench`), each with `add_parser(subparsers)`.
+One module per command (`logprobs`, `demo`, `bench`, `verl_check`, `doctor`), each with
+`add_parser(subparsers)`. `ps-bridge doctor` builds a parser with only its own command: the others'
+arguments import torch and the Megatron stack, whose absence or breakage doctor is there to report.
 """
 
 from __future__ import annotations
@@ -25,16 +27,21 @@ __all__ = ["UsageError", "build_parser", "main"]
 VERBOSE_FLAGS = ("-v", "--verbose")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from ps_bridge.cli import bench, demo, logprobs, verl_check
+def build_parser(only_doctor: bool = False) -> argparse.ArgumentParser:
+    from ps_bridge.cli import bench, demo, doctor, logprobs, verl_check
 
     parser = argparse.ArgumentParser(prog="ps-bridge", description=__doc__.split("\n\n")[0])
     parser.add_argument(*VERBOSE_FLAGS, action="store_true",
                         help="show the [PS] log lines and third-party notices")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (logprobs, demo, bench, verl_check):
+    for command in (doctor,) if only_doctor else (logprobs, demo, bench, verl_check, doctor):
         command.add_parser(sub)
     return parser
+
+
+def command_name(argv: Sequence[str]) -> str | None:
+    """The command: the first argument that is not an option (the top-level options take no value)."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
 
 
 def verbose_requested(argv: Sequence[str]) -> bool:
@@ -59,7 +66,7 @@ def main(argv: List[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     quiet_third_party(verbose_requested(argv))
-    args = build_parser().parse_args(argv)
+    args = build_parser(only_doctor=command_name(argv) == "doctor").parse_args(argv)
     setup_logging(args.verbose)
     try:
         return int(args.func(args) or 0)
