@@ -1,0 +1,144 @@
+"""pyproject.toml's metadata: ps-bridge installs into an environment that already holds a stack
+without changing anything else, and our own code is not what refuses an older Python.
+
+The stack (torch, megatron-core, Megatron-Bridge, transformers, fla-core, verl, Transformer Engine)
+is not declared (pyproject.toml says why); `ps-bridge doctor` checks it (tests/test_doctor.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tomllib
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parent.parent
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+SOURCE_DIRS = ("ps_bridge", "providers", "models")
+# what pip must never replace in a user's environment, nor pull through another package's metadata
+STACK = {"torch", "megatron-core", "megatron-bridge", "transformers", "fla-core", "flash-linear-attention", "verl",
+         "transformer-engine", "flash-attn", "triton", "vllm", "tilelang"}
+
+
+def requirements(extras: bool = True):
+    reqs = [Requirement(r) for r in PROJECT["dependencies"]]
+    if extras:
+        reqs += [Requirement(r) for group in PROJECT.get("optional-dependencies", {}).values() for r in group]
+    return reqs
+
+
+def test_dependencies_leave_the_stack_alone_and_never_cap_or_pin():
+    """No stack package is declared; every requirement (extras too) is a floor, so pip can never
+    downgrade or replace a package that meets it."""
+    for req in requirements():
+        assert canonicalize_name(req.name) not in STACK, f"{req} is part of the stack: doctor checks it, pip must not"
+        for spec in req.specifier:
+            assert spec.operator in (">=", ">", "!="), f"{req}: only floors, no '{spec.operator}'"
+
+
+def test_dependencies_are_met_in_this_environment():
+    """Fast stand-in for the resolver test below: what the wheel requires is already installed here,
+    so installing it changes nothing else."""
+    unmet = []
+    for req in requirements(extras=False):
+        try:
+            version = metadata.version(req.name)
+        except metadata.PackageNotFoundError:
+            unmet.append(f"{req} (absent)")
+            continue
+        if not req.specifier.contains(version, prereleases=True):
+            unmet.append(f"{req} (installed {version})")
+    assert not unmet, unmet
+
+
+def _minors_allowed():
+    spec = SpecifierSet(PROJECT["requires-python"])
+    return [f"3.{m}" for m in range(8, 14) if spec.contains(f"3.{m}.0")]
+
+
+def test_requires_python_admits_3_11():
+    assert "3.11" in _minors_allowed() and "3.12" in _minors_allowed()
+
+
+def _interpreter(minor: str):
+    """A working python`minor` (pyenv's shims exist for versions that are not selected: run it to know)."""
+    for candidate in (*sorted(Path.home().glob(f".pyenv/versions/{minor}.*/bin/python{minor}")), shutil.which(f"python{minor}")):
+        if candidate and subprocess.run([str(candidate), "-c", "pass"], capture_output=True, timeout=60).returncode == 0:
+            return str(candidate)
+    return None
+
+
+COMPILE_ALL = """
+import sys
+from pathlib import Path
+bad = []
+for folder in sys.argv[1:]:
+    for path in sorted(Path(folder).rglob("*.py")):
+        try:
+            compile(path.read_text(), str(path), "exec")
+        except SyntaxError as e:
+            bad.append(f"{path}:{e.lineno}: {e.msg}")
+print("\\n".join(bad))
+sys.exit(1 if bad else 0)
+"""
+
+
+@pytest.mark.parametrize("minor", [m for m in _minors_allowed() if Version(m) < Version("3.12")])
+def test_our_code_compiles_on_every_older_python_the_metadata_admits(minor):
+    """Every module of the package parses on the oldest Pythons requires-python admits (no pyc written)."""
+    python = _interpreter(minor)
+    if python is None:
+        pytest.skip(f"no python{minor} on this machine")
+    proc = subprocess.run([python, "-c", COMPILE_ALL, *(str(ROOT / d) for d in SOURCE_DIRS)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{python}: {proc.stdout}{proc.stderr}"
+
+
+# ---- the wheel, through pip's resolver -------------------------------------------------------------
+
+
+def _venvs():
+    """This test run's environment and the checkout's stack venvs (`make venv`, `make venv STACK=oldest`)."""
+    seen, out = set(), []
+    for prefix in (Path(sys.prefix), ROOT / ".venv", ROOT / ".venv-oldest"):
+        python = prefix / "bin" / "python"
+        if python.exists() and python.resolve() not in seen:
+            seen.add(python.resolve())
+            out.append(python)
+    return out
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    """The wheel, built from a copy of the sources (a stale build/ in the checkout cannot leak in)."""
+    src = tmp_path_factory.mktemp("src") / "ps-bridge"
+    skip = shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".whl", ".hypothesis",
+                                  ".pytest_cache", "out", "tests")
+    shutil.copytree(ROOT, src, ignore=skip, symlinks=True)
+    out = tmp_path_factory.mktemp("wheel")
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(src), "-w", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [whl] = out.glob("ps_bridge-*.whl")
+    return whl
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("python", _venvs(), ids=lambda p: p.parent.parent.name)
+def test_installing_the_wheel_changes_no_other_package(python, wheel):
+    """pip's resolver, asked what installing the wheel into a venv holding a stack would do (offline:
+    a requirement the venv does not already meet fails the resolve), installs ps-bridge alone."""
+    proc = subprocess.run([str(python), "-m", "pip", "install", "--dry-run", "--no-index", "--quiet", "--report", "-", str(wheel)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    installs = [(i["metadata"]["name"], i["metadata"]["version"]) for i in report["install"]]
+    assert installs == [("ps-bridge", PROJECT["version"])], installs
