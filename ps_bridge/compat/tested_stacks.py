@@ -1,7 +1,7 @@
 """The stacks ps-bridge is tested on, and the versions below which it is known not to work.
 
 The ONE place that names the newest and the oldest tested version of each package: `ps-bridge
-doctor` compares the installed versions against it, docs/doctor.md and docs/stacks.md describe it.
+doctor` compares the installed versions against it, docs/doctor.md describes it.
 A tested range is `[min, max]` of a package's pins over `TESTED_STACKS`:
 - a version equal to one of the pins is tested;
 - a version between the endpoints is expected to work, not tested (a warning);
@@ -32,7 +32,7 @@ TESTED_STACKS: Dict[str, Dict[str, Optional[str]]] = {
         "numpy": "2.5.5",
         "triton": "3.8.0",
     },
-    # `make venv STACK=oldest` (docs/stacks.md): CI's core subset
+    # `make venv STACK=oldest`: CI's core subset
     "oldest": {
         "python": "3.12",
         "torch": "2.9.1",
@@ -98,7 +98,7 @@ PACKAGES: Tuple[Package, ...] = (
         "megatron-core", "megatron.core", "the model layers", "required",
         floor=Limit("0.17.0", "Megatron-Bridge 0.5.0 (the oldest with the Qwen3.5 text bridge) imports "
                     "`megatron.core._rank_utils.safe_get_world_size`, which megatron-core 0.16 lacks",
-                    "pip install --no-deps 'megatron-core>=0.17,<0.20' (docs/stacks.md has the tested pins)"),
+                    "pip install --no-deps 'megatron-core>=0.17,<0.20' (`ps-bridge doctor` shows the tested range)"),
     ),
     Package(
         "megatron-bridge", "megatron.bridge", "the HF <-> Megatron conversion our providers extend", "required",
