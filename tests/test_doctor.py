@@ -230,6 +230,15 @@ def test_doctor_in_a_fresh_process_is_quiet():
     assert proc.stdout.rstrip().splitlines()[-1].startswith("result: OK")
 
 
+def test_doctor_runs_where_torch_does_not_import():
+    """The parser of `ps-bridge doctor` imports nothing heavy: a broken torch is a finding, not a crash."""
+    code = "import sys; sys.modules['torch'] = None; from ps_bridge.cli import main; sys.exit(main(['doctor', '--no-self-test']))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "error: torch does not work here: ModuleNotFoundError" in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
 @pytest.mark.slow
 def test_doctor_self_test_in_a_fresh_process():
     """The whole doctor, self-test included, on this machine's device: exit 0, the self-test passed."""

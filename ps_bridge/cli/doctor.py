@@ -282,14 +282,19 @@ def build_report(hf_path: Optional[str] = None, run_self_test: bool = True, verb
     doc: Dict[str, object] = {}
     try:
         device = detect_device()
-    except Exception as e:  # no (working) torch: its own row says why
-        device = dict(type="unknown", error=_one_line(e))
+    except Exception as e:  # no (working) torch
+        if verbose:
+            traceback.print_exc()
+        device = dict(type="unknown", error=f"torch does not work here: {_one_line(e)}")
+        findings.append(Finding(ERROR, "device", device["error"]))
     doc["device"] = device
     rows, more = check_versions(device["type"])
     doc["packages"] = rows
     findings.extend(more)
     by_name = {r["package"]: r for r in rows}
-    stack_ok = all(by_name[p.name]["status"] not in ("missing", "refused") for p in PACKAGES if p.needed == "required")
+    stack_ok = device["type"] != "unknown" and all(
+        by_name[p.name]["status"] not in ("missing", "refused") for p in PACKAGES if p.needed == "required"
+    )
     te = by_name["transformer-engine"]["installed"]
     doc["transformer_engine"] = transformer_engine_line(te)
     if device["type"] != "unknown":
@@ -340,7 +345,7 @@ def format_report(doc: dict) -> str:
         else:
             text = f"{c['path']}: " + (c.get("skipped") or c.get("error") or "no provider (see the errors)")
         info.append(("checkpoint", text))
-    info.append(("verl settings", "; ".join(doc["verl_settings"])))
+    info += [("verl settings" if i == 0 else "", setting) for i, setting in enumerate(doc["verl_settings"])]
     st = doc["self_test"]
     if "passed" in st:
         text = (f"{st['model']}, backend auto: max |logp| shared vs unshared {st['max_logprob_diff_shared_vs_unshared']:.1e}, "
