@@ -44,6 +44,37 @@ def test_dependencies_leave_the_stack_alone_and_never_cap_or_pin():
             assert spec.operator in (">=", ">", "!="), f"{req}: only floors, no '{spec.operator}'"
 
 
+# every third-party module the package imports, and who provides it
+IMPORTED = {
+    "numpy": "declared", "packaging": "declared", "tqdm": "declared", "matplotlib": "the [plot] extra",
+    "torch": "stack", "megatron": "stack (megatron-core, Megatron-Bridge)", "transformers": "stack",
+    "tokenizers": "stack (transformers)", "fla": "stack (fla-core)", "triton": "stack (torch, CUDA)",
+    "flash_attn": "optional (flash-attn)", "torch_npu": "optional (NPU)",
+    "verl": "stack (verl)", "tensordict": "stack (verl)", "omegaconf": "stack (verl, Megatron-Bridge)",
+}
+
+
+def test_every_third_party_import_is_declared_or_part_of_the_stack():
+    """A new third-party import must be declared in pyproject.toml, or be part of the stack that
+    `ps-bridge doctor` checks (then add it to IMPORTED above and to doctor's table if it matters)."""
+    import ast
+
+    found = set()
+    for folder in SOURCE_DIRS:
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    found |= {alias.name.split(".")[0] for alias in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    found.add(node.module.split(".")[0])
+    third_party = found - set(sys.stdlib_module_names) - {"ps_bridge", "__future__"}
+    assert third_party <= set(IMPORTED), f"undeclared imports: {sorted(third_party - set(IMPORTED))}"
+    declared = {canonicalize_name(r.name) for r in requirements()}
+    for module, provider in IMPORTED.items():
+        if provider == "declared" or provider.startswith("the ["):
+            assert canonicalize_name(module) in declared, f"{module} is said to be declared, but pyproject.toml lacks it"
+
+
 def test_dependencies_are_met_in_this_environment():
     """Fast stand-in for the resolver test below: what the wheel requires is already installed here,
     so installing it changes nothing else."""
