@@ -91,7 +91,8 @@ def test_tested_stack_exits_0_and_reports_every_package(capsys):
 @pytest.mark.parametrize(
     "package, version, words",
     [
-        ("megatron-core", "0.16.1", ["megatron-core 0.16.1", "below 0.17.0", "safe_get_world_size", "Fix:"]),
+        ("megatron-core", "0.16.1", ["megatron-core 0.16.1", "below 0.18.0", "safe_get_world_size", "Fix:"]),
+        ("megatron-core", "0.17.1", ["megatron-core 0.17.1", "below 0.18.0"]),
         ("python", "3.11.7", ["python 3.11.7", "below 3.12", "Megatron-Bridge", "Python 3.12"]),
         ("python", "3.13.1", ["python 3.13.1", "not below 3.13", "Megatron-Bridge"]),
         ("megatron-bridge", "0.4.2", ["megatron-bridge 0.4.2", "below 0.5.0", "qwen35_bridge"]),
@@ -125,7 +126,7 @@ def test_missing_required_package_skips_the_self_test(monkeypatch, capsys):
 @pytest.mark.parametrize(
     "package, version, phrase",
     [
-        ("megatron-core", "0.18.0", "between the tested endpoints"),
+        ("megatron-core", "0.19.0", "between the tested endpoints"),
         ("torch", "2.99.0", "newer than tested"),
         ("torch", "2.9.0a0+40658a4", "older than tested"),  # an NGC build: a pre-release with a local tag
         ("transformers", "5.9.0", "expected, not tested"),

@@ -36,7 +36,7 @@ TESTED_STACKS: Dict[str, Dict[str, Optional[str]]] = {
     "oldest": {
         "python": "3.12",
         "torch": "2.9.1",
-        "megatron-core": "0.17.0",
+        "megatron-core": "0.18.0",
         "megatron-bridge": "0.5.0",
         "transformers": "5.8.1",
         "fla-core": "0.6.0",
@@ -96,9 +96,9 @@ PACKAGES: Tuple[Package, ...] = (
     Package("torch", "torch", "tensors, autograd, the flash-attention kernels", "required"),
     Package(
         "megatron-core", "megatron.core", "the model layers", "required",
-        floor=Limit("0.17.0", "Megatron-Bridge 0.5.0 (the oldest with the Qwen3.5 text bridge) imports "
-                    "`megatron.core._rank_utils.safe_get_world_size`, which megatron-core 0.16 lacks",
-                    "pip install --no-deps 'megatron-core>=0.17,<0.20' (`ps-bridge doctor` shows the tested range)"),
+        floor=Limit("0.18.0", "Megatron-Bridge 0.5.0 (the oldest with the Qwen3.5 text bridge) imports "
+                    "`megatron.core._rank_utils.safe_get_world_size`, which megatron-core 0.17.1 and older lack",
+                    "pip install --no-deps 'megatron-core>=0.18,<0.20' (`ps-bridge doctor` shows the tested range)"),
     ),
     Package(
         "megatron-bridge", "megatron.bridge", "the HF <-> Megatron conversion our providers extend", "required",
