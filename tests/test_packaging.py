@@ -140,9 +140,9 @@ def _venvs():
     """This test run's environment and the checkout's stack venvs (`make venv`, `make venv STACK=oldest`)."""
     seen, out = set(), []
     for prefix in (Path(sys.prefix), ROOT / ".venv", ROOT / ".venv-oldest"):
-        python = prefix / "bin" / "python"
-        if python.exists() and python.resolve() not in seen:
-            seen.add(python.resolve())
+        python = prefix / "bin" / "python"  # a link to the base interpreter: tell venvs apart by folder
+        if python.exists() and prefix.resolve() not in seen:
+            seen.add(prefix.resolve())
             out.append(python)
     return out
 
