@@ -97,7 +97,6 @@ def test_tested_stack_exits_0_and_reports_every_package(capsys):
         ("python", "3.13.1", ["python 3.13.1", "not below 3.13", "Megatron-Bridge"]),
         ("megatron-bridge", "0.4.2", ["megatron-bridge 0.4.2", "below 0.5.0", "qwen35_bridge"]),
         ("verl", "0.7.1", ["verl 0.7.1", "below 0.8.0"]),
-        ("fla-core", "0.4.1", ["fla-core 0.4.1", "below 0.6.0", "wrong gradients"]),
         ("megatron-bridge", None, ["megatron-bridge is not installed"]),
         ("torch", None, ["torch is not installed"]),
     ],
@@ -113,6 +112,26 @@ def test_a_version_known_not_to_work_exits_1_naming_package_version_and_range(mo
         assert word in errors[0], errors[0]
     assert "result: 1 error(s)" in out
     assert "Traceback" not in out
+
+
+@pytest.mark.parametrize("device_type, level", [("cuda", "error"), ("cpu", "warning")])
+def test_a_gpu_kernel_package_below_its_floor_is_an_error_only_on_cuda(device_type, level):
+    [fla] = [p for p in PACKAGES if p.name == "fla-core"]
+    status, finding = doctor.check_package(fla, "0.4.1", device_type)
+    assert status == "refused" and finding.level == level
+    assert "fla-core 0.4.1 is below 0.4.2" in finding.message and "cu_seqlens_cpu" in finding.message
+
+
+@pytest.mark.parametrize("bridge, errors", [("0.5.0", 1), ("0.6.2", 0)])
+def test_megatron_bridge_0_5_needs_modelopt(monkeypatch, capsys, bridge, errors):
+    fake_versions(monkeypatch, megatron_bridge=bridge, nvidia_modelopt=None)
+    present = doctor._module_present
+    monkeypatch.setattr(doctor, "_module_present", lambda module: module != "modelopt" and present(module))
+    rc, doc = run_doctor_json(capsys)
+    assert doc["errors"] == errors and rc == (1 if errors else 0)
+    if errors:
+        [error] = messages(doc, "error")
+        assert error.startswith("nvidia-modelopt is not installed, and megatron-bridge 0.5.0 needs it") and "Fix:" in error
 
 
 def test_missing_required_package_skips_the_self_test(monkeypatch, capsys):

@@ -102,10 +102,12 @@ def check_package(package, version: Optional[str], device_type: str) -> tuple:
     if v is None:
         return "unknown", Finding(WARNING, name, f"{name} {version}: not a version doctor can compare; not tested")
     floor, ceiling = package.floor, package.ceiling
+    # a package only the GPU kernels use cannot break a run on a machine without CUDA
+    level, where = (ERROR, "") if package.needed != "gpu" or device_type == "cuda" else (WARNING, " (on a CUDA machine)")
     if floor is not None and v < _comparable(name, floor.version):
-        return "refused", Finding(ERROR, name, f"{name} {version} is below {floor.version}: {floor.reason}. Fix: {floor.fix}")
+        return "refused", Finding(level, name, f"{name} {version} is below {floor.version}{where}: {floor.reason}. Fix: {floor.fix}")
     if ceiling is not None and v >= _comparable(name, ceiling.version):
-        return "refused", Finding(ERROR, name, f"{name} {version} is not below {ceiling.version}: {ceiling.reason}. Fix: {ceiling.fix}")
+        return "refused", Finding(level, name, f"{name} {version} is not below {ceiling.version}{where}: {ceiling.reason}. Fix: {ceiling.fix}")
     rng = version_range(name)
     if rng is None:
         return "installed", None
@@ -138,7 +140,27 @@ def check_versions(device_type: str) -> tuple:
         rows.append(dict(package=package.name, installed=version, tested=list(rng) if rng else None, status=status))
         if finding:
             findings.append(finding)
-    return rows, findings
+    refused = {r["package"] for r in rows if r["status"] == "refused"}
+    return rows, findings + check_companions(skip=refused)
+
+
+def check_companions(skip=()) -> List[Finding]:
+    """Packages a stack package imports without declaring them (`tested_stacks.COMPANIONS`); not for
+    the packages in `skip` (refused already)."""
+    from packaging.specifiers import SpecifierSet
+
+    from ps_bridge.compat.tested_stacks import COMPANIONS
+
+    findings = []
+    for c in COMPANIONS:
+        version = installed_version(c.when)
+        if c.when in skip or version is None or _comparable(c.when, version) is None:
+            continue
+        if _comparable(c.when, version) in SpecifierSet(c.versions) and installed_version(c.package) is None \
+                and not _module_present(c.module):
+            findings.append(Finding(ERROR, c.package, f"{c.package} is not installed, and {c.when} {version} needs it: "
+                                    f"{c.reason}. Fix: {c.fix}"))
+    return findings
 
 
 # ---- device and backends ---------------------------------------------------------------------------

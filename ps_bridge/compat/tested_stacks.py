@@ -7,7 +7,8 @@ A tested range is `[min, max]` of a package's pins over `TESTED_STACKS`:
 - a version between the endpoints is expected to work, not tested (a warning);
 - a version newer than the newest is not tested (a warning);
 - a version older than the oldest is not tested (a warning), unless the package has a `Limit` here,
-  a version below which ps-bridge is known not to work (an error, with the reason and the fix).
+  a version below which ps-bridge is known not to work (an error, with the reason and the fix; for a
+  package only the GPU kernels use, a warning on a machine without CUDA).
 
 The stacks are Python 3.12 (every Megatron-Bridge release with the Qwen3.5 bridges requires it).
 """
@@ -39,7 +40,7 @@ TESTED_STACKS: Dict[str, Dict[str, Optional[str]]] = {
         "megatron-core": "0.18.0",
         "megatron-bridge": "0.5.0",
         "transformers": "5.8.1",
-        "fla-core": "0.6.0",
+        "fla-core": "0.4.2",
         "verl": "0.8.0",
         "numpy": "1.26.4",
     },
@@ -117,9 +118,8 @@ PACKAGES: Tuple[Package, ...] = (
     ),
     Package(
         "fla-core", "fla", "the Gated DeltaNet kernels (Qwen3.5) on CUDA", "gpu",
-        floor=Limit("0.6.0", "older fla-core releases run the gated chunk_bwd_dqkwg kernel on Hopper with "
-                    "Triton 3.4-3.7.0 without refusing, and compute wrong gradients silently",
-                    "pip install --no-deps fla-core==0.6.0"),
+        floor=Limit("0.4.2", "ps-bridge passes `cu_seqlens_cpu` to fla's chunk_gated_delta_rule, which "
+                    "fla-core takes from 0.4.2 on", "pip install --no-deps fla-core==0.6.0"),
         absent="not installed: Qwen3.5 on CUDA needs it for the `fla` Gated DeltaNet backend "
                "(pip install --no-deps fla-core==0.6.0); CPU runs use the torch_ref backend",
     ),
@@ -137,6 +137,28 @@ PACKAGES: Tuple[Package, ...] = (
         "transformer-engine", "transformer_engine", "not used by the prefix-shared path", "optional",
         absent="not installed: fine (Megatron-Bridge is imported with a placeholder; the prefix-shared "
                "path builds megatron's local layer spec)",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Companion:
+    """`package` (import name `module`) must be installed wherever `when` is installed at a version in
+    `versions` (a specifier set); `reason` says why, `fix` what to install."""
+
+    when: str
+    versions: str
+    package: str
+    module: str
+    reason: str
+    fix: str
+
+
+COMPANIONS: Tuple[Companion, ...] = (
+    Companion(
+        "megatron-bridge", "<0.6", "nvidia-modelopt", "modelopt",
+        "Megatron-Bridge 0.5.x imports modelopt when it is imported (megatron.bridge.models.conversion.auto_bridge; "
+        "0.6 imports it lazily)", "pip install --no-deps nvidia-modelopt==0.43.0",
     ),
 )
 
