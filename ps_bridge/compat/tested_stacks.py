@@ -43,6 +43,7 @@ TESTED_STACKS: Dict[str, Dict[str, Optional[str]]] = {
         "fla-core": "0.4.2",
         "verl": "0.8.0",
         "numpy": "1.26.4",
+        "triton": "3.5.1",
     },
     # the H200 machine's image (DESIGN.md section 7) with the newest stack's megatron packages:
     # the GPU tests and the bench ran there (BENCHMARKS.md)
