@@ -17,6 +17,8 @@ import pytest
 from ps_bridge.cli import doctor, main
 from ps_bridge.compat.tested_stacks import PACKAGES, TESTED_STACKS, version_range
 
+pytestmark = pytest.mark.core  # also run on the oldest tested stack
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
