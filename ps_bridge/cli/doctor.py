@@ -116,7 +116,7 @@ def check_package(package, version: Optional[str], device_type: str) -> tuple:
         return "tested", None
     span = f"tested: {rng[0]}" + (f" to {rng[1]}" if rng[0] != rng[1] else "")
     if v > newest:
-        return "newer", Finding(WARNING, name, f"{name} {version} is newer than tested ({span}): expected to work, not tested")
+        return "newer", Finding(WARNING, name, f"{name} {version} is newer than tested ({span}): not tested")
     if v < oldest:
         return "older", Finding(WARNING, name, f"{name} {version} is older than tested ({span}): not tested")
     return "expected", Finding(WARNING, name, f"{name} {version} lies between the tested endpoints ({span}): expected, not tested")
