@@ -52,3 +52,12 @@ def README_LAYOUT_ROWS():
     text = (ROOT / "README.md").read_text()
     section = text.split("## Layout of the repository", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"^\| `([^`]+)` \|", section, flags=re.M)
+
+
+README_MAX_LINES = 150
+
+
+def test_readme_reads_in_five_minutes():
+    """The README stays a newcomer's page (issue 18 item 7): at most 150 lines; details go to docs/."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines, at most {README_MAX_LINES}: move details to docs/"
