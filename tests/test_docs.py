@@ -52,3 +52,29 @@ def README_LAYOUT_ROWS():
     text = (ROOT / "README.md").read_text()
     section = text.split("## Layout of the repository", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"^\| `([^`]+)` \|", section, flags=re.M)
+
+
+README_MAX_LINES = 150
+
+
+def test_readme_reads_in_five_minutes():
+    """The README stays a newcomer's page (issue 18 item 7): at most 150 lines; details go to docs/."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines, at most {README_MAX_LINES}: move details to docs/"
+
+
+def test_status_page_names_tests_that_exist():
+    """docs/status.md backs each support-matrix cell with tests: every test function and test file it
+    names (and every `tests/<file>.py::<name>` in any doc) exists, so a renamed test cannot leave a
+    cell pointing at nothing."""
+    sources = {p.name: p.read_text() for p in (ROOT / "tests").glob("*.py")}
+    defined = {name for text in sources.values() for name in re.findall(r"^\s*def (test_\w+)", text, flags=re.M)}
+    missing = []
+    for name, py in re.findall(r"\b(test_\w+)(\.py)?", (ROOT / "docs" / "status.md").read_text()):
+        if (py and f"{name}.py" not in sources) or (not py and name not in defined):
+            missing.append(f"docs/status.md -> {name}{py}")
+    for doc in DOCS:
+        for file, name in re.findall(r"tests/(test_\w+\.py)::(test_\w+)", doc.read_text()):
+            if not re.search(rf"^\s*def {name}\b", sources.get(file, ""), flags=re.M):
+                missing.append(f"{doc.relative_to(ROOT)} -> tests/{file}::{name}")
+    assert not missing, missing
