@@ -6,15 +6,17 @@
 #          issue's settings) that calibrate the sharing rule (ps_bridge/launch_rule.py);
 #   prof   scripts/profile_bench_row.py on Qwen3.5-0.8B (128, 32, 8), 24 layers (host vs GPU time);
 #   verl   `ps-bridge verl-check` at the issue's settings (8 prompts x n = 8, 3 steps, mini-batch of 4
-#          prompts) for the models and (P, R) given in VERL_RUNS ("model:P:R ...").
-# Usage (repository root): STEPS="base small prof verl" VERL_RUNS="qwen3.5-0.8b:128:32" scripts/gpu_small_shapes.sh
+#          prompts) for the runs given in VERL_RUNS ("model:P:R:mode ...", mode = PS_BRIDGE_SHARING of
+#          the prefix-shared engine: auto, on or off; the stock engine is unaffected).
+# Usage (repository root): STEPS="base small prof verl" VERL_RUNS="qwen3.5-0.8b:128:32:auto" scripts/gpu_small_shapes.sh
 # Everything runs within BUDGET_S seconds (default 560): each step gets what is left.
-# Results in $OUT: small.log (every step's output), results.tar.gz (bench / verl-check JSON, profile
-# tables), triton-autotune.tar.gz (kernel caches for the next call: copy to .whl/).
+# Results in $OUT: small-$TAG.log (every step's output), results.tar.gz (bench / verl-check JSON,
+# profile tables, under $TAG/), triton-autotune.tar.gz (kernel caches for the next call: copy to .whl/).
 set -uo pipefail
 OUT=${OUT:-/tmp/ps-bridge-out}
 mkdir -p "$OUT"
-RES=/tmp/ps-bridge-res
+TAG=${TAG:-run}  # names this tree's log and results (several trees may run in one call)
+RES=/tmp/ps-bridge-res/$TAG
 mkdir -p "$RES"
 [ -d /tmp/gpusite ] || tar -C /tmp -xJf .whl/gpusite.tar.xz || exit 1
 source scripts/gpu_env.sh
@@ -22,11 +24,11 @@ python3 -m pip install -q --no-deps --no-build-isolation --disable-pip-version-c
   || { cat /tmp/ps-bridge-install.log; exit 1; }
 mkdir -p "$TRITON_CACHE_DIR"
 [ -f .whl/triton-autotune.tar.gz ] && tar -C "$TRITON_CACHE_DIR" -xzf .whl/triton-autotune.tar.gz
-save_all() { save_autotune; tar -C "$RES" -czf "$OUT/.res.tmp" . 2>/dev/null && mv "$OUT/.res.tmp" "$OUT/results.tar.gz"; }
+save_all() { save_autotune; tar -C /tmp/ps-bridge-res -czf "$OUT/.res.tmp" . 2>/dev/null && mv "$OUT/.res.tmp" "$OUT/results.tar.gz"; }
 ( while sleep 20; do save_all; done ) &
 saver=$!
 trap 'kill $saver 2>/dev/null; save_all' EXIT
-LOG="$OUT/small.log"
+LOG="$OUT/small-$TAG.log"
 BUDGET_S=${BUDGET_S:-560}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$LOG"
 step() {  # NAME LIMIT CMD...: run CMD within min(LIMIT, what is left of the budget)
@@ -51,11 +53,12 @@ for s in ${STEPS:-base small prof verl}; do
       mkdir -p "$RES/prof"
       step profile 90 python3 scripts/profile_bench_row.py --model qwen3.5-0.8b --layers 24 --row 128,32,8 --out "$RES/prof" ;;
     verl)
-      for run in ${VERL_RUNS:-qwen3.5-0.8b:128:32}; do
-        IFS=: read -r model P R <<<"$run"
-        step "verl-check $model P=$P R=$R" 200 python3 -m ps_bridge.cli verl-check --model "$model" --layers 24 --no-progress \
-          --workdir /tmp/verl-check --prompts 8 --n 8 --prompt-len "$P" --response-len "$R" --steps 3 --dtype bfloat16 \
-          --json "$RES/verl-check-$model-P$P-R$R.json" actor_rollout_ref.actor.ppo_mini_batch_size=4
+      for run in ${VERL_RUNS:-qwen3.5-0.8b:128:32:auto}; do
+        IFS=: read -r model P R mode <<<"$run"
+        step "verl-check $model P=$P R=$R sharing=$mode" 200 env PS_BRIDGE_SHARING="$mode" python3 -m ps_bridge.cli verl-check \
+          --model "$model" --layers 24 --no-progress --workdir /tmp/verl-check --prompts 8 --n 8 --prompt-len "$P" \
+          --response-len "$R" --steps 3 --dtype bfloat16 --json "$RES/verl-check-$model-P$P-R$R-$mode.json" \
+          actor_rollout_ref.actor.ppo_mini_batch_size=4
       done ;;
   esac
 done
