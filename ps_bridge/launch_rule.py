@@ -1,29 +1,34 @@
 """The one rule that decides, per micro-batch, whether prefix sharing pays (issue 21).
 
-Sharing stores each group's prompt once: it saves the work of `T_unshared - T_shared` tokens in every
-decoder layer, and the output layer skips the prompt positions nobody reads (`T_unshared - O_shared`
-rows of the vocabulary projection). It costs kernel launches: per Gated DeltaNet layer a second
-delta-rule call (prompts, then responses from the prompts' states) with its state fork, per
-softmax-attention layer a second flash call (responses against their prompt) and the log-sum-exp
-merge, forward and backward. At small shapes (a 0.8B model, 8 prompts of 128 tokens, responses of
-32) the step is launch-bound and those extra launches cost more than the saved work: sharing loses.
+Sharing stores each group's prompt once: the GPU does the work of `T_shared` tokens instead of
+`T_unshared`, and the output layer skips the prompt positions nobody reads. It costs kernel launches:
+per Gated DeltaNet layer a second delta-rule call (prompts, then responses from the prompts' states)
+with its state fork, per softmax-attention layer a second flash call (responses against their prompt)
+and the log-sum-exp merge. A step takes about the larger of its host time (Python, launches, syncs)
+and its GPU time. At small shapes (a 0.8B model, 4 prompts of 128 tokens with 8 responses of 32 per
+micro-batch) even the unshared step is host-bound, and the shared path's extra launches make it
+slower (measured 0.70x on an H200). Sharing pays once the unshared micro-batch's GPU work exceeds
+what the shared path costs on the host:
 
-    share  iff  saved_ns > extra_ns
-    saved_ns = 6 * (T_unshared - T_shared) * layer_weights / (1000 * TFLOPS)
-             + 6 * (T_unshared - O_shared) * hidden * vocab  / (1000 * TFLOPS)
-    extra_ns = gdn_layers * EXTRA_NS[gdn backend] + attention_layers * EXTRA_NS[attention backend]
+    share  iff  gpu_unshared_ns > host_shared_ns
+    gpu_unshared_ns = F * (T_unshared * (layer_weights + hidden * vocab)) / (1000 * TFLOPS[kind, backward])
+    host_shared_ns  = sum over layers of HOST_NS[layer kind, backend, device, backward]
 
-`layer_weights` is the matmul weights a token passes through in the decoder layers (all of them,
-`ModelCost.from_hf_config`), 6 = forward + backward as 3 x the forward's 2 FLOPs per weight. The
-constants (`TFLOPS`, `EXTRA_NS`) were measured on one H200 with `ps-bridge bench` rows of the
-small shapes (docs/never-slower.md gives the rows and the fit). A (backend, device) pair without a
-measured cost always shares (the reason says so): the reference backends on a CPU are there for
-exactness, not speed, and must run the shared path they test.
+F = 6 with the backward (forward + backward as 3 x the forward's 2 FLOPs per weight), 2 without.
+`layer_weights` are the matmul weights a token passes through in all decoder layers (the active
+experts of an MoE layer, `ModelCost.from_hf_config`), `hidden * vocab` the output layer, which the
+unshared step runs at every position. The constants were fitted on one H200 to `ps-bridge bench`
+rows of the small shapes (docs/never-slower.md gives the rows and the fit): `TFLOPS` is the
+throughput the unshared step reaches there, by the model's mixer kind (`gdn` for a model with any
+Gated DeltaNet layer); `HOST_NS` the shared step's time per layer where it is host-bound. A
+(backend, device) pair without a measured cost always shares (the reason says so): the reference
+backends and any backend on a CPU are there for exactness, not speed, and must run the shared path
+they test.
 
-The decision uses host-side integers only (token counts of the micro-batch from its samples, the
-model's config, the configured backend names and the device type) and integer arithmetic, so every
-rank that sees the same micro-batch (TP, CP and PP ranks of one data-parallel rank) takes the same
-path, whatever its own layers or shard.
+The decision uses host-side integers and flags only (token counts of the micro-batch from its
+samples, the model's config, the configured backend names, the device type, whether gradients are
+enabled) and integer arithmetic, so every rank that sees the same micro-batch (the TP, CP and PP
+ranks of one data-parallel rank) takes the same path, whatever its own layers or shard.
 
 `PrefixSharingConfig.sharing` (`PS_BRIDGE_SHARING`) forces it: `on` shares whenever a prompt has two
 or more responses, `off` never shares, `auto` (default) applies the rule.
@@ -34,13 +39,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Tuple
 
-# Effective bf16 matmul throughput at these sizes, TFLOP/s (= 1000 FLOP per nanosecond).
-TFLOPS = 250
-# Extra host + GPU time of the shared path per layer and micro-batch (forward + backward), nanoseconds,
-# by (layer kind, concrete backend, device type).
-EXTRA_NS: Mapping[Tuple[str, str, str], int] = {
-    ("gdn", "fla", "cuda"): 2_000_000,
-    ("attention", "flash_atten_gpu", "cuda"): 300_000,
+# Effective throughput (TFLOP/s) of the unshared step's GPU work on an H200 at the small shapes, by
+# the model's mixer kind and whether the step runs the backward (docs/never-slower.md).
+TFLOPS: Mapping[Tuple[str, bool], int] = {
+    ("attention", True): 230, ("attention", False): 160,
+    ("gdn", True): 160, ("gdn", False): 137,
+}
+# Host time of the shared step per decoder layer where it is host-bound (nanoseconds), by (layer kind,
+# concrete backend, device type, backward): the measured step time over the layer count, an
+# attention layer's share taken from the attention-only Qwen2.5 rows (docs/never-slower.md).
+HOST_NS: Mapping[Tuple[str, str, str, bool], int] = {
+    ("attention", "flash_atten_gpu", "cuda", True): 5_400_000,
+    ("attention", "flash_atten_gpu", "cuda", False): 3_000_000,
+    ("gdn", "fla", "cuda", True): 16_500_000,
+    ("gdn", "fla", "cuda", False): 9_100_000,
 }
 MODES = ("auto", "on", "off")
 
@@ -113,8 +125,8 @@ class MicroBatchCounts:
 class SharingDecision:
     share: bool
     reason: str
-    saved_ns: Optional[int] = None
-    extra_ns: Optional[int] = None
+    gpu_unshared_ns: Optional[int] = None
+    host_shared_ns: Optional[int] = None
 
     def describe(self) -> str:
         return f"{'shared' if self.share else 'unshared'}: {self.reason}"
@@ -133,7 +145,7 @@ def concrete_backends(attention: str, gdn: str, device_type: str, dtype_name: st
 
 def decide_sharing(counts: MicroBatchCounts, model: Optional[ModelCost], *, mode: str = "auto",
                    attention_backend: str = "auto", gdn_backend: str = "auto", device_type: str = "cuda",
-                   dtype_name: str = "bfloat16") -> SharingDecision:
+                   dtype_name: str = "bfloat16", backward: bool = True) -> SharingDecision:
     """Whether this micro-batch runs shared; see the module docstring. Integers in, the same answer on
     every rank."""
     if mode not in MODES:
@@ -147,33 +159,37 @@ def decide_sharing(counts: MicroBatchCounts, model: Optional[ModelCost], *, mode
     if model is None:
         return SharingDecision(True, "no model cost known (rule not applied)")
     attention, gdn = concrete_backends(attention_backend, gdn_backend, device_type, dtype_name, model.head_dim)
-    kinds = [("attention", attention, model.attention_layers), ("gdn", gdn, model.gdn_layers)]
-    extra = 0
-    for kind, backend, layers in kinds:
+    host = 0
+    for kind, backend, layers in (("attention", attention, model.attention_layers), ("gdn", gdn, model.gdn_layers)):
         if layers == 0:
             continue
-        cost = EXTRA_NS.get((kind, backend, device_type))
+        cost = HOST_NS.get((kind, backend, device_type, backward))
         if cost is None:
             return SharingDecision(True, f"no launch cost measured for {kind} backend {backend} on {device_type} "
                                          "(rule not applied)")
-        extra += layers * cost
-    flops = 6 * ((counts.tokens_unshared - counts.tokens_shared) * model.layer_weights
-                 + (counts.tokens_unshared - counts.outputs_shared) * model.hidden * model.vocab)
-    saved = flops // (1000 * TFLOPS)
-    tokens = f"tokens {counts.tokens_unshared} -> {counts.tokens_shared}"
-    if saved > extra:
-        return SharingDecision(True, f"pays: {tokens} saves ~{saved / 1e6:.2f} ms > {extra / 1e6:.2f} ms of extra "
-                                     f"launches ({attention}/{gdn})", saved, extra)
-    return SharingDecision(False, f"does not pay: {tokens} saves ~{saved / 1e6:.2f} ms <= {extra / 1e6:.2f} ms "
-                                  f"of extra launches ({attention}/{gdn})", saved, extra)
+        host += layers * cost
+    flops = (6 if backward else 2) * counts.tokens_unshared * (model.layer_weights + model.hidden * model.vocab)
+    gpu = flops // (1000 * TFLOPS[("gdn" if model.gdn_layers else "attention", backward)])
+    what = (f"{'forward+backward' if backward else 'forward'}, tokens {counts.tokens_unshared} -> "
+            f"{counts.tokens_shared}: unshared GPU work ~{gpu / 1e6:.0f} ms")
+    if gpu > host:
+        return SharingDecision(True, f"pays ({what} > ~{host / 1e6:.0f} ms shared host time, {attention}/{gdn})",
+                               gpu, host)
+    return SharingDecision(False, f"does not pay ({what} <= ~{host / 1e6:.0f} ms shared host time, {attention}/{gdn})",
+                           gpu, host)
 
 
 def sharing_for(samples: Sequence, config, model: Optional[ModelCost], device_type: str,
-                dtype_name: str) -> SharingDecision:
+                dtype_name: str, backward: Optional[bool] = None) -> SharingDecision:
     """The decision for `samples` under a `PrefixSharingConfig`: what the verl engine and
-    `runtime.make_layout` (`ps-bridge logprobs`, the schedule) call."""
+    `runtime.make_layout` (`ps-bridge logprobs`, the schedule) call. `backward` defaults to whether
+    gradients are enabled (verl's log-prob passes and `ps-bridge logprobs` run under `no_grad`)."""
+    import torch
+
+    backward = torch.is_grad_enabled() if backward is None else backward
     if not config.enabled:
         return SharingDecision(False, "prefix sharing disabled")
     counts = MicroBatchCounts.of(samples, prompt_values=config.prompt_values)
     return decide_sharing(counts, model, mode=config.sharing, attention_backend=config.backend,
-                          gdn_backend=config.gdn_backend, device_type=device_type, dtype_name=dtype_name)
+                          gdn_backend=config.gdn_backend, device_type=device_type, dtype_name=dtype_name,
+                          backward=backward)

@@ -9,7 +9,8 @@
 #          prompts) for the runs given in VERL_RUNS ("model:P:R:mode ...", mode = PS_BRIDGE_SHARING of
 #          the prefix-shared engine: auto, on or off; the stock engine is unaffected).
 # Usage (repository root): STEPS="base small prof verl" VERL_RUNS="qwen3.5-0.8b:128:32:auto" scripts/gpu_small_shapes.sh
-# Everything runs within BUDGET_S seconds (default 560): each step gets what is left.
+# Everything runs within BUDGET_S seconds (default 560): each step gets what is left. SMALL_MODELS,
+# SMALL_GRID and VERL_LIMIT (seconds per verl-check run, default 200) narrow the steps.
 # Results in $OUT: small-$TAG.log (every step's output), results.tar.gz (bench / verl-check JSON,
 # profile tables, under $TAG/), triton-autotune.tar.gz (kernel caches for the next call: copy to .whl/).
 set -uo pipefail
@@ -47,15 +48,15 @@ for s in ${STEPS:-base small prof verl}; do
       step base-qwen2.5-7b 120 "${BENCH[@]}" --models qwen2.5-7b --layers 4 --grid 2048,512,8 --json "$RES/bench-base-qwen2.5-7b.json"
       step base-qwen3.5-0.8b 180 "${BENCH[@]}" --models qwen3.5-0.8b --grid 2048,512,8 --groups 4 --json "$RES/bench-base-qwen3.5-0.8b.json" ;;
     small)
-      step small-bench 180 "${BENCH[@]}" --models qwen3.5-0.8b,qwen2.5-0.5b --layers 24 --groups 4 \
-        --grid "128,32,8;512,32,8;128,256,8;512,256,8" --json "$RES/bench-small.json" ;;
+      step small-bench 180 "${BENCH[@]}" --models "${SMALL_MODELS:-qwen3.5-0.8b,qwen2.5-0.5b}" --layers 24 --groups 4 \
+        --grid "${SMALL_GRID:-128,32,8;512,32,8;128,256,8;512,256,8}" --json "$RES/bench-small.json" ;;
     prof)
       mkdir -p "$RES/prof"
       step profile 90 python3 scripts/profile_bench_row.py --model qwen3.5-0.8b --layers 24 --row 128,32,8 --out "$RES/prof" ;;
     verl)
       for run in ${VERL_RUNS:-qwen3.5-0.8b:128:32:auto}; do
         IFS=: read -r model P R mode <<<"$run"
-        step "verl-check $model P=$P R=$R sharing=$mode" 200 env PS_BRIDGE_SHARING="$mode" python3 -m ps_bridge.cli verl-check \
+        step "verl-check $model P=$P R=$R sharing=$mode" "${VERL_LIMIT:-200}" env PS_BRIDGE_SHARING="$mode" python3 -m ps_bridge.cli verl-check \
           --model "$model" --layers 24 --no-progress --workdir /tmp/verl-check --prompts 8 --n 8 --prompt-len "$P" \
           --response-len "$R" --steps 3 --dtype bfloat16 --json "$RES/verl-check-$model-P$P-R$R-$mode.json" \
           actor_rollout_ref.actor.ppo_mini_batch_size=4
