@@ -261,7 +261,7 @@ class PrefixSharingEngineMixin:
         if layout.shared and layout.has_sharing and not temperatures_agree_within_groups(layout, temperature):
             # a shared prompt position is scaled by one temperature; samples of one prompt with
             # different temperatures cannot share it
-            decision = SharingDecision(False, "samples of one prompt carry different temperatures")
+            decision = SharingDecision(False, "samples of one prompt carry different temperatures: not shared")
             layout = pack(share=False)
         elif layout.shared and not layout.has_sharing:
             # nothing to share: one THD sequence per sample, the stock engine's computation
