@@ -36,8 +36,11 @@ or more responses, `off` never shares, `auto` (default) applies the rule.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Tuple
+
+logger = logging.getLogger("ps_bridge")
 
 # Effective throughput (TFLOP/s) of the unshared step's GPU work on an H200 at the small shapes, by
 # the model's mixer kind and whether the step runs the backward (docs/never-slower.md).
@@ -67,6 +70,17 @@ class ModelCost:
     hidden: int
     vocab: int
     head_dim: int
+
+    @classmethod
+    def try_from_hf_config(cls, config) -> Optional["ModelCost"]:
+        """`from_hf_config`, or None (said once in the log) for a config without the fields it reads:
+        the rule is then not applied and every micro-batch with a shared prompt shares."""
+        try:
+            return cls.from_hf_config(config)
+        except (KeyError, TypeError, ValueError) as e:
+            logger.warning("[PS][prepare] the sharing rule cannot read the model config (%s: %s); "
+                           "every micro-batch with a shared prompt shares", type(e).__name__, e)
+            return None
 
     @classmethod
     def from_hf_config(cls, config) -> "ModelCost":

@@ -90,7 +90,7 @@ def load_model(
 
     bridge = AutoBridge.from_hf_pretrained(hf_path, torch_dtype=dtype)
     loaded = _provide_model(bridge, entry.name, config, dtype, settings, load_weights=True)
-    loaded.model_cost = ModelCost.from_hf_config(hf_dict)
+    loaded.model_cost = ModelCost.try_from_hf_config(hf_dict)
     return loaded
 
 
@@ -114,7 +114,7 @@ def load_model_from_hf_config(
 
     bridge = AutoBridge.from_hf_config(hf_config)
     loaded = _provide_model(bridge, entry.name, config, dtype, settings, load_weights=False)
-    loaded.model_cost = ModelCost.from_hf_config(hf_dict)
+    loaded.model_cost = ModelCost.try_from_hf_config(hf_dict)
     return loaded
 
 

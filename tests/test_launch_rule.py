@@ -43,6 +43,10 @@ def test_model_cost_counts_layer_kinds_and_weights():
     s = MODEL_SHAPES["qwen3.5-0.8b"]
     d = FAMILIES[s.family](s.dims, s.full_layers).to_dict()
     assert ModelCost.from_hf_config({"text_config": d}) == ModelCost.from_hf_config(d) == q35
+    # a config the rule cannot read: no cost, and the rule is not applied
+    assert ModelCost.try_from_hf_config({"hidden_size": 8}) is None
+    counts = MicroBatchCounts.of(make_samples(128, 32, 8, 4, 1000, 0))
+    assert decide_sharing(counts, None).share
 
 
 @pytest.mark.parametrize("prompt_values", [False, True])

@@ -197,12 +197,12 @@ class PrefixSharingEngineMixin:
             type(self._unwrapped_model()).__name__, cfg.layout_prompt_values,
         )
 
-    def _model_cost(self) -> ModelCost:
-        """What the sharing rule needs of the model (its HF config), read once."""
-        cost = getattr(self, "_ps_model_cost", None)
-        if cost is None:
-            cost = self._ps_model_cost = ModelCost.from_hf_config(self.model_config.hf_config)
-        return cost
+    def _model_cost(self) -> Optional[ModelCost]:
+        """What the sharing rule needs of the model (its HF config), read once; None (the rule then
+        always shares) for a config it cannot read."""
+        if not hasattr(self, "_ps_model_cost"):
+            self._ps_model_cost = ModelCost.try_from_hf_config(self.model_config.hf_config)
+        return self._ps_model_cost
 
     def _unwrapped_model(self):
         from verl.utils.megatron_utils import unwrap_model
@@ -253,8 +253,8 @@ class PrefixSharingEngineMixin:
         # unless cfg.prompt_values; unshared ones (the stock computation) compute every position
         pack = partial(build_layout, samples, pad_multiple=pad, vocab_size=vocab, total_multiple=cp_total_multiple(),
                        prompt_values=cfg.layout_prompt_values)
-        # the sharing rule (`ps_bridge.launch_rule`): shared only where the tokens saved outweigh the
-        # shared path's extra launches; host integers only, so every TP/CP/PP rank decides alike
+        # the sharing rule (`ps_bridge.launch_rule`): shared only where the unshared GPU work outweighs
+        # the shared path's host time; host integers only, so every TP/CP/PP rank decides alike
         decision = sharing_for(samples, cfg, self._model_cost(), device.type,
                                str(unwrap_model(model).config.params_dtype).replace("torch.", ""))
         layout = pack(share=decision.share)
