@@ -2,7 +2,7 @@
 
 `PrefixSharingConfig` is the one object the rest of the code reads. It is built explicitly, or
 from the environment (`ENABLE_PREFIX_SHARING=1`, `PS_BRIDGE_BACKEND`, `PS_BRIDGE_PROVIDER`,
-`PS_BRIDGE_GDN_BACKEND`, `PS_BRIDGE_PROMPT_VALUES`), and validates names at construction so that a typo fails here, with the
+`PS_BRIDGE_GDN_BACKEND`, `PS_BRIDGE_PROMPT_VALUES`, `PS_BRIDGE_SHARING`), and validates names at construction so that a typo fails here, with the
 valid choices, rather than deep inside a forward pass. `PS_BRIDGE_LOG_LEVEL` (the `[PS]` lines under
 verl) is read here too. torchrun's own variables are read where the process group is set up
 (`ps_bridge.parallel`).
@@ -20,6 +20,7 @@ ENV_PROVIDER = "PS_BRIDGE_PROVIDER"
 ENV_GDN_BACKEND = "PS_BRIDGE_GDN_BACKEND"
 ENV_LOG_LEVEL = "PS_BRIDGE_LOG_LEVEL"
 ENV_PROMPT_VALUES = "PS_BRIDGE_PROMPT_VALUES"
+ENV_SHARING = "PS_BRIDGE_SHARING"
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -55,6 +56,12 @@ class PrefixSharingConfig:
                   an SFT loss whose `loss_mask` covers prompt tokens). Under verl set it with
                   `PS_BRIDGE_PROMPT_VALUES=1`. With `enabled=False` (the unshared computation, the
                   stock engine's) every position is computed whatever this says.
+    sharing:      with `enabled`, which micro-batches run shared: `auto` (default) where the rule of
+                  `ps_bridge.launch_rule` finds that the tokens saved outweigh the shared path's extra
+                  kernel launches (small models with short prompts run unshared: sharing would be
+                  slower), `on` every micro-batch that has a prompt with two or more responses, `off`
+                  none (the unshared computation, with sharing's micro-batching). Under verl
+                  `PS_BRIDGE_SHARING=auto|on|off`.
     """
 
     enabled: bool = True
@@ -63,6 +70,7 @@ class PrefixSharingConfig:
     pad_multiple: Optional[int] = None
     gdn_backend: str = "auto"
     prompt_values: bool = False
+    sharing: str = "auto"
 
     def __post_init__(self):
         from ps_bridge.kernels.attention import BACKENDS
@@ -87,6 +95,12 @@ class PrefixSharingConfig:
                 f"unknown Gated DeltaNet backend {self.gdn_backend!r}; "
                 f"valid backends: {', '.join(sorted(GDN_BACKENDS))}"
             )
+        from ps_bridge.launch_rule import MODES
+
+        if self.sharing not in MODES:
+            raise ValueError(
+                f"unknown prefix-sharing mode {self.sharing!r} ({ENV_SHARING}); valid modes: {', '.join(MODES)}"
+            )
         if self.pad_multiple is not None and self.pad_multiple < 1:
             raise ValueError(f"pad_multiple must be >= 1, got {self.pad_multiple}")
 
@@ -99,13 +113,14 @@ class PrefixSharingConfig:
     @classmethod
     def from_env(cls, **overrides) -> "PrefixSharingConfig":
         """Read `ENABLE_PREFIX_SHARING`, `PS_BRIDGE_BACKEND`, `PS_BRIDGE_PROVIDER`,
-        `PS_BRIDGE_GDN_BACKEND`, `PS_BRIDGE_PROMPT_VALUES`; overrides win."""
+        `PS_BRIDGE_GDN_BACKEND`, `PS_BRIDGE_PROMPT_VALUES`, `PS_BRIDGE_SHARING`; overrides win."""
         values = dict(
             enabled=_env_flag(ENV_ENABLE),
             prompt_values=_env_flag(ENV_PROMPT_VALUES),
             backend=os.environ.get(ENV_BACKEND) or "torch_ref",
             provider=os.environ.get(ENV_PROVIDER) or None,
             gdn_backend=os.environ.get(ENV_GDN_BACKEND) or "auto",
+            sharing=(os.environ.get(ENV_SHARING) or "auto").strip().lower(),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

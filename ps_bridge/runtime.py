@@ -17,6 +17,7 @@ import torch
 
 from ps_bridge.config import PrefixSharingConfig
 from ps_bridge.forward import cp_total_multiple, local_shard, run_packed, shard_tag
+from ps_bridge.launch_rule import ModelCost, sharing_for
 from ps_bridge.layout import PackedPrefixLayout, build_layout, log_layout
 from ps_bridge.parallel_info import rank_tag
 from ps_bridge.rows import PackedRows
@@ -62,6 +63,8 @@ class LoadedModel:
     # the vocabulary megatron's embedding and output layer have: `vocab_size` padded up when TP
     # does not divide it (the logits of the padded ids are kept out of the log-probs)
     padded_vocab_size: Optional[int] = None
+    # what the sharing rule (`ps_bridge.launch_rule`) needs of the model, from its HF config
+    model_cost: Optional[ModelCost] = None
 
 
 def load_model(
@@ -81,11 +84,14 @@ def load_model(
     """
     config = config or PrefixSharingConfig()
     settings = _settings(tp, pp, sequence_parallel, cp, ep)
-    entry = _prepare_bridge(config, read_hf_config(hf_path), settings)
+    hf_dict = read_hf_config(hf_path)
+    entry = _prepare_bridge(config, hf_dict, settings)
     from megatron.bridge import AutoBridge
 
     bridge = AutoBridge.from_hf_pretrained(hf_path, torch_dtype=dtype)
-    return _provide_model(bridge, entry.name, config, dtype, settings, load_weights=True)
+    loaded = _provide_model(bridge, entry.name, config, dtype, settings, load_weights=True)
+    loaded.model_cost = ModelCost.try_from_hf_config(hf_dict)
+    return loaded
 
 
 def load_model_from_hf_config(
@@ -102,11 +108,14 @@ def load_model_from_hf_config(
     weights (megatron's own initialisation, on the GPU when there is one). For benchmarks."""
     config = config or PrefixSharingConfig()
     settings = _settings(tp, pp, sequence_parallel, cp, ep)
-    entry = _prepare_bridge(config, hf_config.to_dict(), settings)
+    hf_dict = hf_config.to_dict()
+    entry = _prepare_bridge(config, hf_dict, settings)
     from megatron.bridge import AutoBridge
 
     bridge = AutoBridge.from_hf_config(hf_config)
-    return _provide_model(bridge, entry.name, config, dtype, settings, load_weights=False)
+    loaded = _provide_model(bridge, entry.name, config, dtype, settings, load_weights=False)
+    loaded.model_cost = ModelCost.try_from_hf_config(hf_dict)
+    return loaded
 
 
 def _settings(tp: int, pp: int, sequence_parallel: bool, cp: int, ep: int = 1):
@@ -221,8 +230,14 @@ def float32_reference_model(loaded: LoadedModel, hf_config) -> LoadedModel:
 def make_layout(samples, loaded: LoadedModel, share: Optional[bool] = None) -> PackedPrefixLayout:
     """The packed layout of `samples` for this model: segments padded to the TP size (sequence
     parallelism scatters the pack evenly), the whole pack to `cp_total_multiple()` under CP; a shared
-    layout lists the read positions unless `loaded.config.prompt_values` (`PrefixSharingConfig`)."""
-    share = loaded.config.enabled if share is None else share
+    layout lists the read positions unless `loaded.config.prompt_values` (`PrefixSharingConfig`).
+    `share=None`: the sharing rule decides (`launch_rule.sharing_for`, as the verl engine);
+    True / False: that packing."""
+    if share is None:
+        decision = sharing_for(samples, loaded.config, loaded.model_cost, loaded.device.type,
+                               str(loaded.dtype).replace("torch.", ""))
+        logger.info("[PS][prepare][%s] sharing: %s", rank_tag(), decision.describe())
+        share = decision.share
     pad = loaded.config.pad_multiple or int(getattr(loaded.provider, "tensor_model_parallel_size", 1))
     layout = build_layout(
         samples, share=share, pad_multiple=pad, vocab_size=loaded.vocab_size, total_multiple=cp_total_multiple(),

@@ -396,3 +396,24 @@ def test_packed_budget_fewer_micro_batches_same_verl_loss_and_gradients(engines,
     assert abs(l_o - l_s) <= TOL * abs(l_s)
     worst = max(((g_o[n] - g_s[n]).abs().max() / g_s[n].abs().max().clamp(min=1e-12)).item() for n in g_s)
     assert worst < TOL
+
+
+def test_sharing_knob_forces_the_unshared_path(engines, checkpoints, caplog):
+    """`PrefixSharingConfig.sharing="off"` (`PS_BRIDGE_SHARING=off`): a micro-batch with groups runs
+    unshared, says so on the `[PS][prepare]` line, and equals the stock engine."""
+    import dataclasses
+
+    _, hf = checkpoints("qwen2.5")
+    samples = grouped_samples(hf.config.vocab_size, num_prompts=2, n=4, seed=8)
+    stock = infer(engines("qwen2.5", "thd", "stock"), vt.grpo_micro_batch(samples, micro_batch_size=8))
+    ours = engines("qwen2.5", "thd", "ours")
+    saved = ours.prefix_sharing_config
+    ours.prefix_sharing_config = dataclasses.replace(saved, sharing="off")
+    try:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="ps_bridge"):
+            out = infer(ours, vt.grpo_micro_batch(samples, micro_batch_size=8))
+    finally:
+        ours.prefix_sharing_config = saved
+    assert "sharing: unshared: forced off (PS_BRIDGE_SHARING=off)" in caplog.text and "PATH 5" in caplog.text
+    assert max(max_row_diff(out[k], stock[k]) for k in ("log_probs", "entropy")) < TOL

@@ -75,6 +75,14 @@ MODEL_SHAPES: Dict[str, ModelShape] = {
         full_layers=28,
         bench_layers=8,
     ),
+    # Qwen2.5-0.5B: the small model of a user's first run (issue 21; config.json values)
+    "qwen2.5-0.5b": ModelShape(
+        "qwen2.5",
+        dict(_QWEN25_COMMON, vocab_size=151936, hidden_size=896, intermediate_size=4864,
+             num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
+        full_layers=24,
+        bench_layers=24,
+    ),
     "qwen2.5-7b": ModelShape(
         "qwen2.5",
         dict(_QWEN25_COMMON, vocab_size=152064, hidden_size=3584, intermediate_size=18944,

@@ -17,6 +17,9 @@ def add_parser(sub) -> None:
     lp.add_argument("--batch", required=True, help='JSON {"samples": [{"prompt": [ids], "response": [ids]}, ...]}')
     lp.add_argument("--out", required=True, help="output JSON path")
     lp.add_argument("--no-prefix-sharing", action="store_true", help="run every sample unshared")
+    lp.add_argument("--sharing", default="auto", choices=["auto", "on", "off"],
+                    help="auto (default): share where the rule of ps_bridge.launch_rule finds it pays "
+                         "(docs/never-slower.md); on: always share; off: never")
     lp.add_argument("--backend", default="torch_ref", help=f"attention backend ({', '.join(sorted(BACKENDS))})")
     lp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     lp.add_argument("--provider", default=None, help="provider name (default: detected from the checkpoint)")
@@ -62,6 +65,7 @@ def run_logprobs(args) -> int:
 
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.data_parallel import dp_logprob_pass
+    from ps_bridge.launch_rule import sharing_for
     from ps_bridge.layout import build_layout
     from ps_bridge.parallel import is_output_rank, settings_from_args
     from ps_bridge.providers.registry import resolve_provider
@@ -73,7 +77,8 @@ def run_logprobs(args) -> int:
         hf_config = read_hf_config(args.hf_path)
         parallel.check(hf_config=hf_config)  # before any process group exists: every rank fails alike, nothing hangs
         archs = list(hf_config.get("architectures") or [])
-        config = PrefixSharingConfig(enabled=not args.no_prefix_sharing, backend=args.backend, provider=args.provider)
+        config = PrefixSharingConfig(enabled=not args.no_prefix_sharing, backend=args.backend, provider=args.provider,
+                                     sharing=args.sharing)
         resolve_provider(config.provider, archs)
         # validate ids before the (slow) conversion, so a bad batch fails at once
         build_layout(samples, share=False, vocab_size=_hf_vocab_size(hf_config, args.hf_path))
@@ -88,24 +93,28 @@ def run_logprobs(args) -> int:
         # data-parallel ranks (with --ep, world / (tp x pp) of them) each run whole prompt groups;
         # the rows come back in input order on data-parallel rank 0
         with torch.no_grad():
-            rows = dp_logprob_pass(loaded, [samples], share=config.enabled)
+            # share=None: the sharing rule decides for each rank's micro-batch (`runtime.make_layout`)
+            rows = dp_logprob_pass(loaded, [samples], share=None)
     except ValueError as e:  # refusals that depend on the model, e.g. image tokens for a VLM
         raise UsageError(str(e)) from None
     if not is_output_rank():
         return 0
     [per_sample] = rows
     layout = build_layout(samples, share=config.enabled)  # token and group counts for the report
+    decision = sharing_for(samples, config, loaded.model_cost, loaded.device.type, str(loaded.dtype)[6:])
     out = dict(
         samples=[{"logprobs": lp.float().cpu().tolist()} for lp in per_sample],
         tokens_unshared=layout.tokens_unshared,
         tokens_shared=layout.tokens_shared,
         groups=layout.num_groups,
         prefix_sharing=config.enabled,
+        shared_path=decision.share,
+        sharing_reason=decision.reason,
         backend=config.backend,
     )
     Path(args.out).write_text(json.dumps(out))
     print(
         f"wrote {args.out}: {len(samples)} samples, {layout.num_groups} groups, "
-        f"tokens {layout.tokens_unshared} unshared -> {layout.tokens_shared} packed"
+        f"tokens {layout.tokens_unshared} unshared -> {layout.tokens_shared} packed; {decision.describe()}"
     )
     return 0

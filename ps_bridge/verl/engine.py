@@ -36,6 +36,7 @@ import torch
 
 from ps_bridge.config import PrefixSharingConfig
 from ps_bridge.forward import cp_total_multiple, local_shard, run_packed, shard_tag
+from ps_bridge.launch_rule import ModelCost, SharingDecision, sharing_for
 from ps_bridge.layout import PackedPrefixLayout, Sample, build_layout, log_layout
 from ps_bridge.parallel import ParallelSettings
 from ps_bridge.parallel_info import rank_tag
@@ -191,10 +192,17 @@ class PrefixSharingEngineMixin:
             )
         cfg = self._prefix_sharing()
         logger.info(
-            "[PS][prepare][%s] config.enable_prefix_sharing=%s backend=%s provider=%s engine=%s model=%s prompt_values=%s",
-            rank_tag(), cfg.enabled, cfg.backend, cfg.provider, type(self).__name__,
+            "[PS][prepare][%s] config.enable_prefix_sharing=%s sharing=%s backend=%s provider=%s engine=%s model=%s "
+            "prompt_values=%s", rank_tag(), cfg.enabled, cfg.sharing, cfg.backend, cfg.provider, type(self).__name__,
             type(self._unwrapped_model()).__name__, cfg.layout_prompt_values,
         )
+
+    def _model_cost(self) -> Optional[ModelCost]:
+        """What the sharing rule needs of the model (its HF config), read once; None (the rule then
+        always shares) for a config it cannot read."""
+        if not hasattr(self, "_ps_model_cost"):
+            self._ps_model_cost = ModelCost.try_from_hf_config(self.model_config.hf_config)
+        return self._ps_model_cost
 
     def _unwrapped_model(self):
         from verl.utils.megatron_utils import unwrap_model
@@ -245,15 +253,20 @@ class PrefixSharingEngineMixin:
         # unless cfg.prompt_values; unshared ones (the stock computation) compute every position
         pack = partial(build_layout, samples, pad_multiple=pad, vocab_size=vocab, total_multiple=cp_total_multiple(),
                        prompt_values=cfg.layout_prompt_values)
-        layout = pack(share=cfg.enabled)
+        # the sharing rule (`ps_bridge.launch_rule`): shared only where the unshared GPU work outweighs
+        # the shared path's host time; host integers only, so every TP/CP/PP rank decides alike
+        decision = sharing_for(samples, cfg, self._model_cost(), device.type,
+                               str(unwrap_model(model).config.params_dtype).replace("torch.", ""))
+        layout = pack(share=decision.share)
         if layout.shared and layout.has_sharing and not temperatures_agree_within_groups(layout, temperature):
             # a shared prompt position is scaled by one temperature; samples of one prompt with
             # different temperatures cannot share it
-            logger.info("[PS][prepare] samples of one prompt carry different temperatures: not shared")
+            decision = SharingDecision(False, "samples of one prompt carry different temperatures: not shared")
             layout = pack(share=False)
         elif layout.shared and not layout.has_sharing:
             # nothing to share: one THD sequence per sample, the stock engine's computation
             layout = pack(share=False)
+        logger.info("[PS][prepare][%s] sharing: %s", rank_tag(), decision.describe())
         log_layout(layout, f"[{rank_tag()}]{shard_tag(layout)}")
         layout = layout.to(device)
 

@@ -2,6 +2,10 @@
 
 One call covers a whole varlen block (all prompts, or all responses) with per-sequence initial and
 final states. CPU copies of `cu_seqlens` are passed so fla does not sync the device to read them.
+They, and the delta rule's chunk index, are made once per plan and handed to fla as the same objects
+on every layer (`_per_plan`): fla memoizes its varlen helpers by argument identity, so a fresh CPU
+tensor per call made every call recompute them (host work, a host-to-device copy of the chunk index
+per call, twice per layer on the shared path: prompts, then responses).
 q/k keep their H key heads: fla applies grouped value heads natively with the same head mapping as
 `repeat_interleave` (value head j reads key head j // (HV / H)), which the GPU test checks.
 """
@@ -9,13 +13,35 @@ q/k keep their H key heads: fla applies grouped value heads natively with the sa
 from __future__ import annotations
 
 import importlib.util
+from collections import OrderedDict
 from typing import List, Optional
 
 import torch
 
 
-def _cpu(host: List[int]) -> torch.Tensor:
-    return torch.tensor(host, dtype=torch.long)
+CHUNK_SIZE = 64  # chunk_gated_delta_rule's default chunk size, for which the chunk index is made
+_PER_PLAN: "OrderedDict[int, tuple]" = OrderedDict()
+_PER_PLAN_SIZE = 32
+
+
+def _per_plan(cu_seqlens: torch.Tensor, host: List[int], chunk_index: bool):
+    """(CPU cu_seqlens, chunk index or None) for a plan's `cu_seqlens` and its host list, made once and
+    then returned as the same objects (keyed by the device tensor's identity; the entry keeps both
+    alive, so an id is not reused while cached; the last `_PER_PLAN_SIZE` entries are kept)."""
+    key = id(cu_seqlens)
+    entry = _PER_PLAN.get(key)
+    if entry is None or entry[0] is not cu_seqlens or entry[1] is not host:
+        entry = [cu_seqlens, host, torch.tensor(host, dtype=torch.long), None]
+        _PER_PLAN[key] = entry
+        while len(_PER_PLAN) > _PER_PLAN_SIZE:
+            _PER_PLAN.popitem(last=False)
+    else:
+        _PER_PLAN.move_to_end(key)
+    if chunk_index and entry[3] is None:
+        from fla.ops.utils.index import prepare_chunk_indices
+
+        entry[3] = prepare_chunk_indices(cu_seqlens, CHUNK_SIZE, cu_seqlens_cpu=entry[2])
+    return entry[2], entry[3]
 
 
 def causal_conv1d(x, weight, bias, cu_seqlens, cu_seqlens_host, initial_state, output_final_state, activation):
@@ -30,7 +56,7 @@ def causal_conv1d(x, weight, bias, cu_seqlens, cu_seqlens_host, initial_state, o
         activation=activation,
         backend="triton",
         cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=_cpu(cu_seqlens_host),
+        cu_seqlens_cpu=_per_plan(cu_seqlens, cu_seqlens_host, chunk_index=False)[0],
     )
     return y.squeeze(0), final
 
@@ -38,6 +64,7 @@ def causal_conv1d(x, weight, bias, cu_seqlens, cu_seqlens_host, initial_state, o
 def gated_delta_rule(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_host, initial_state, output_final_state):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+    cpu, chunk_indices = _per_plan(cu_seqlens, cu_seqlens_host, chunk_index=True)
     o, final = chunk_gated_delta_rule(
         q.unsqueeze(0),
         k.unsqueeze(0),
@@ -49,7 +76,9 @@ def gated_delta_rule(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_host, initi
         output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=False,
         cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=_cpu(cu_seqlens_host),
+        cu_seqlens_cpu=cpu,
+        chunk_indices=chunk_indices,
+        chunk_size=CHUNK_SIZE,
     )
     return o.squeeze(0), final
 

@@ -1,0 +1,209 @@
+"""The one rule that decides, per micro-batch, whether prefix sharing pays (issue 21).
+
+Sharing stores each group's prompt once: the GPU does the work of `T_shared` tokens instead of
+`T_unshared`, and the output layer skips the prompt positions nobody reads. It costs kernel launches:
+per Gated DeltaNet layer a second delta-rule call (prompts, then responses from the prompts' states)
+with its state fork, per softmax-attention layer a second flash call (responses against their prompt)
+and the log-sum-exp merge. A step takes about the larger of its host time (Python, launches, syncs)
+and its GPU time. At small shapes (a 0.8B model, 4 prompts of 128 tokens with 8 responses of 32 per
+micro-batch) even the unshared step is host-bound, and the shared path's extra launches make it
+slower (measured 0.70x on an H200). Sharing pays once the unshared micro-batch's GPU work exceeds
+what the shared path costs on the host:
+
+    share  iff  gpu_unshared_ns > host_shared_ns
+    gpu_unshared_ns = F * (T_unshared * (layer_weights + hidden * vocab)) / (1000 * TFLOPS[kind, backward])
+    host_shared_ns  = sum over layers of HOST_NS[layer kind, backend, device, backward]
+
+F = 6 with the backward (forward + backward as 3 x the forward's 2 FLOPs per weight), 2 without.
+`layer_weights` are the matmul weights a token passes through in all decoder layers (the active
+experts of an MoE layer, `ModelCost.from_hf_config`), `hidden * vocab` the output layer, which the
+unshared step runs at every position. The constants were fitted on one H200 to `ps-bridge bench`
+rows of the small shapes (docs/never-slower.md gives the rows and the fit): `TFLOPS` is the
+throughput the unshared step reaches there, by the model's mixer kind (`gdn` for a model with any
+Gated DeltaNet layer); `HOST_NS` the shared step's time per layer where it is host-bound. A
+(backend, device) pair without a measured cost always shares (the reason says so): the reference
+backends and any backend on a CPU are there for exactness, not speed, and must run the shared path
+they test.
+
+The decision uses host-side integers and flags only (token counts of the micro-batch from its
+samples, the model's config, the configured backend names, the device type, whether gradients are
+enabled) and integer arithmetic, so every rank that sees the same micro-batch (the TP, CP and PP
+ranks of one data-parallel rank) takes the same path, whatever its own layers or shard.
+
+`PrefixSharingConfig.sharing` (`PS_BRIDGE_SHARING`) forces it: `on` shares whenever a prompt has two
+or more responses, `off` never shares, `auto` (default) applies the rule.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence, Tuple
+
+logger = logging.getLogger("ps_bridge")
+
+# Effective throughput (TFLOP/s) of the unshared step's GPU work on an H200 at the small shapes, by
+# the model's mixer kind and whether the step runs the backward (docs/never-slower.md).
+TFLOPS: Mapping[Tuple[str, bool], int] = {
+    ("attention", True): 230, ("attention", False): 160,
+    ("gdn", True): 160, ("gdn", False): 137,
+}
+# Host time of the shared step per decoder layer where it is host-bound (nanoseconds), by (layer kind,
+# concrete backend, device type, backward): the measured step time over the layer count, an
+# attention layer's share taken from the attention-only Qwen2.5 rows (docs/never-slower.md).
+HOST_NS: Mapping[Tuple[str, str, str, bool], int] = {
+    ("attention", "flash_atten_gpu", "cuda", True): 5_400_000,
+    ("attention", "flash_atten_gpu", "cuda", False): 3_000_000,
+    ("gdn", "fla", "cuda", True): 16_500_000,
+    ("gdn", "fla", "cuda", False): 9_100_000,
+}
+MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What the rule needs of a model, from its Hugging Face config (the same on every rank)."""
+
+    attention_layers: int
+    gdn_layers: int
+    layer_weights: int  # matmul weights per token over all decoder layers
+    hidden: int
+    vocab: int
+    head_dim: int
+
+    @classmethod
+    def try_from_hf_config(cls, config) -> Optional["ModelCost"]:
+        """`from_hf_config`, or None (said once in the log) for a config without the fields it reads:
+        the rule is then not applied and every micro-batch with a shared prompt shares."""
+        try:
+            return cls.from_hf_config(config)
+        except (KeyError, TypeError, ValueError) as e:
+            logger.warning("[PS][prepare] the sharing rule cannot read the model config (%s: %s); "
+                           "every micro-batch with a shared prompt shares", type(e).__name__, e)
+            return None
+
+    @classmethod
+    def from_hf_config(cls, config) -> "ModelCost":
+        """From a transformers config or its dict (a multimodal config's `text_config` is used)."""
+        d = config if isinstance(config, Mapping) else config.to_dict()
+        d = d.get("text_config") or d
+        hidden, layers = int(d["hidden_size"]), int(d["num_hidden_layers"])
+        heads = int(d["num_attention_heads"])
+        kv = int(d.get("num_key_value_heads") or heads)
+        head_dim = int(d.get("head_dim") or hidden // heads)
+        types = list(d.get("layer_types") or [])
+        gdn = sum(t == "linear_attention" for t in types)
+        attention = layers - gdn
+        # Qwen3.5's attention has an output gate: its q projection is twice as wide
+        q_width = heads * head_dim * (2 if gdn else 1)
+        attn_w = hidden * (q_width + 2 * kv * head_dim) + heads * head_dim * hidden
+        gdn_w = 0
+        if gdn:
+            kh, kd = int(d["linear_num_key_heads"]), int(d["linear_key_head_dim"])
+            vh, vd = int(d["linear_num_value_heads"]), int(d["linear_value_head_dim"])
+            gdn_w = hidden * (2 * kh * kd + 2 * vh * vd + 2 * vh) + vh * vd * hidden
+        if d.get("num_experts"):
+            top_k = int(d.get("num_experts_per_tok") or 1)
+            mlp_w = 3 * hidden * (int(d["moe_intermediate_size"]) * top_k
+                                  + int(d.get("shared_expert_intermediate_size") or 0)) + hidden * int(d["num_experts"])
+        else:
+            mlp_w = 3 * hidden * int(d["intermediate_size"])
+        return cls(attention_layers=attention, gdn_layers=gdn,
+                   layer_weights=attention * attn_w + gdn * gdn_w + layers * mlp_w,
+                   hidden=hidden, vocab=int(d["vocab_size"]), head_dim=head_dim)
+
+
+@dataclass(frozen=True)
+class MicroBatchCounts:
+    """Host-side token counts of one micro-batch, packed unshared and shared."""
+
+    samples: int
+    groups: int  # distinct prompts
+    tokens_unshared: int  # sum of P_i + R_i
+    tokens_shared: int  # each distinct prompt once, plus every response
+    outputs_shared: int  # positions the shared output layer runs on
+
+    @classmethod
+    def of(cls, samples: Sequence, prompt_values: bool = False) -> "MicroBatchCounts":
+        from ps_bridge.layout import find_groups
+
+        groups = find_groups(samples)
+        prompts = sum(len(samples[g[0]].prompt) for g in groups)
+        responses = sum(len(s.response) for s in samples)
+        unshared = sum(len(s.prompt) for s in samples) + responses
+        shared = prompts + responses
+        return cls(len(samples), len(groups), unshared, shared, shared if prompt_values else len(groups) + responses)
+
+
+@dataclass(frozen=True)
+class SharingDecision:
+    share: bool
+    reason: str
+    gpu_unshared_ns: Optional[int] = None
+    host_shared_ns: Optional[int] = None
+
+    def describe(self) -> str:
+        return f"{'shared' if self.share else 'unshared'}: {self.reason}"
+
+
+def concrete_backends(attention: str, gdn: str, device_type: str, dtype_name: str, head_dim: int) -> Tuple[str, str]:
+    """The kernels `auto` stands for (as `resolve_attention_backend` / `resolve_gdn_backend` pick them),
+    from names and integers only."""
+    if attention == "auto":
+        flash = device_type == "cuda" and dtype_name in ("bfloat16", "float16") and head_dim <= 256 and head_dim % 8 == 0
+        attention = "flash_atten_gpu" if flash else "torch_ref"
+    if gdn == "auto":
+        gdn = "fla" if device_type == "cuda" else "torch_ref"
+    return attention, gdn
+
+
+def decide_sharing(counts: MicroBatchCounts, model: Optional[ModelCost], *, mode: str = "auto",
+                   attention_backend: str = "auto", gdn_backend: str = "auto", device_type: str = "cuda",
+                   dtype_name: str = "bfloat16", backward: bool = True) -> SharingDecision:
+    """Whether this micro-batch runs shared; see the module docstring. Integers in, the same answer on
+    every rank."""
+    if mode not in MODES:
+        raise ValueError(f"prefix-sharing mode {mode!r} is not one of {', '.join(MODES)} (PS_BRIDGE_SHARING)")
+    if counts.groups == counts.samples:
+        return SharingDecision(False, "nothing to share (every prompt has one response)")
+    if mode == "off":
+        return SharingDecision(False, "forced off (PS_BRIDGE_SHARING=off)")
+    if mode == "on":
+        return SharingDecision(True, "forced on (PS_BRIDGE_SHARING=on)")
+    if model is None:
+        return SharingDecision(True, "no model cost known (rule not applied)")
+    attention, gdn = concrete_backends(attention_backend, gdn_backend, device_type, dtype_name, model.head_dim)
+    host = 0
+    for kind, backend, layers in (("attention", attention, model.attention_layers), ("gdn", gdn, model.gdn_layers)):
+        if layers == 0:
+            continue
+        cost = HOST_NS.get((kind, backend, device_type, backward))
+        if cost is None:
+            return SharingDecision(True, f"no launch cost measured for {kind} backend {backend} on {device_type} "
+                                         "(rule not applied)")
+        host += layers * cost
+    flops = (6 if backward else 2) * counts.tokens_unshared * (model.layer_weights + model.hidden * model.vocab)
+    gpu = flops // (1000 * TFLOPS[("gdn" if model.gdn_layers else "attention", backward)])
+    what = (f"{'forward+backward' if backward else 'forward'}, tokens {counts.tokens_unshared} -> "
+            f"{counts.tokens_shared}: unshared GPU work ~{gpu / 1e6:.0f} ms")
+    if gpu > host:
+        return SharingDecision(True, f"pays ({what} > ~{host / 1e6:.0f} ms shared host time, {attention}/{gdn})",
+                               gpu, host)
+    return SharingDecision(False, f"does not pay ({what} <= ~{host / 1e6:.0f} ms shared host time, {attention}/{gdn})",
+                           gpu, host)
+
+
+def sharing_for(samples: Sequence, config, model: Optional[ModelCost], device_type: str,
+                dtype_name: str, backward: Optional[bool] = None) -> SharingDecision:
+    """The decision for `samples` under a `PrefixSharingConfig`: what the verl engine and
+    `runtime.make_layout` (`ps-bridge logprobs`, the schedule) call. `backward` defaults to whether
+    gradients are enabled (verl's log-prob passes and `ps-bridge logprobs` run under `no_grad`)."""
+    import torch
+
+    backward = torch.is_grad_enabled() if backward is None else backward
+    if not config.enabled:
+        return SharingDecision(False, "prefix sharing disabled")
+    counts = MicroBatchCounts.of(samples, prompt_values=config.prompt_values)
+    return decide_sharing(counts, model, mode=config.sharing, attention_backend=config.backend,
+                          gdn_backend=config.gdn_backend, device_type=device_type, dtype_name=dtype_name,
+                          backward=backward)

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Issue 21 ("never slower than sharing off") on one H200 (device kind nvidia-h200), in one call:
+#   base   the rows where sharing pays today: bench Qwen2.5-7B shape (2048, 512, 8) 4 layers, and
+#          Qwen3.5-0.8B shape (2048, 512, 8) --groups 4 (its bench default of 8 layers);
+#   small  bench rows of the small shapes (24 layers, --groups 4: a verl update micro-batch of the
+#          issue's settings) that calibrate the sharing rule (ps_bridge/launch_rule.py);
+#   prof   scripts/profile_bench_row.py on Qwen3.5-0.8B (128, 32, 8), 24 layers (host vs GPU time);
+#   verl   `ps-bridge verl-check` at the issue's settings (8 prompts x n = 8, 3 steps, mini-batch of 4
+#          prompts) for the runs given in VERL_RUNS ("model:P:R:mode ...", mode = PS_BRIDGE_SHARING of
+#          the prefix-shared engine: auto, on or off; the stock engine is unaffected).
+# Usage (repository root): STEPS="base small prof verl" VERL_RUNS="qwen3.5-0.8b:128:32:auto" scripts/gpu_small_shapes.sh
+# Everything runs within BUDGET_S seconds (default 560): each step gets what is left. SMALL_MODELS,
+# SMALL_GRID and VERL_LIMIT (seconds per verl-check run, default 200) narrow the steps.
+# Results in $OUT: small-$TAG.log (every step's output), results.tar.gz (bench / verl-check JSON,
+# profile tables, under $TAG/), triton-autotune.tar.gz (kernel caches for the next call: copy to .whl/).
+set -uo pipefail
+OUT=${OUT:-/tmp/ps-bridge-out}
+mkdir -p "$OUT"
+TAG=${TAG:-run}  # names this tree's log and results (several trees may run in one call)
+RES=/tmp/ps-bridge-res/$TAG
+mkdir -p "$RES"
+[ -d /tmp/gpusite ] || tar -C /tmp -xJf .whl/gpusite.tar.xz || exit 1
+source scripts/gpu_env.sh
+python3 -m pip install -q --no-deps --no-build-isolation --disable-pip-version-check -e . >/tmp/ps-bridge-install.log 2>&1 \
+  || { cat /tmp/ps-bridge-install.log; exit 1; }
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f .whl/triton-autotune.tar.gz ] && tar -C "$TRITON_CACHE_DIR" -xzf .whl/triton-autotune.tar.gz
+save_all() { save_autotune; tar -C /tmp/ps-bridge-res -czf "$OUT/.res.tmp" . 2>/dev/null && mv "$OUT/.res.tmp" "$OUT/results.tar.gz"; }
+( while sleep 20; do save_all; done ) &
+saver=$!
+trap 'kill $saver 2>/dev/null; save_all' EXIT
+LOG="$OUT/small-$TAG.log"
+BUDGET_S=${BUDGET_S:-560}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$LOG"
+step() {  # NAME LIMIT CMD...: run CMD within min(LIMIT, what is left of the budget)
+  local name=$1 limit=$2 left; shift 2
+  left=$((BUDGET_S - SECONDS))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 20 ]; then echo "=== $name: skipped (budget spent)" | tee -a "$LOG"; return; fi
+  echo "=== [$SECONDS s] $name (limit ${limit}s): $*" | tee -a "$LOG"
+  timeout -k 5 "$limit" "$@" >>"$LOG" 2>&1
+  echo "=== [$SECONDS s] $name exit $?" | tee -a "$LOG"
+}
+BENCH=(python3 -m ps_bridge.cli bench --no-progress)
+for s in ${STEPS:-base small prof verl}; do
+  case $s in
+    base)
+      step base-qwen2.5-7b 120 "${BENCH[@]}" --models qwen2.5-7b --layers 4 --grid 2048,512,8 --json "$RES/bench-base-qwen2.5-7b.json"
+      step base-qwen3.5-0.8b 180 "${BENCH[@]}" --models qwen3.5-0.8b --grid 2048,512,8 --groups 4 --json "$RES/bench-base-qwen3.5-0.8b.json" ;;
+    small)
+      step small-bench 180 "${BENCH[@]}" --models "${SMALL_MODELS:-qwen3.5-0.8b,qwen2.5-0.5b}" --layers 24 --groups 4 \
+        --grid "${SMALL_GRID:-128,32,8;512,32,8;128,256,8;512,256,8}" --json "$RES/bench-small.json" ;;
+    prof)
+      mkdir -p "$RES/prof"
+      step profile 90 python3 scripts/profile_bench_row.py --model qwen3.5-0.8b --layers 24 --row 128,32,8 --out "$RES/prof" ;;
+    verl)
+      for run in ${VERL_RUNS:-qwen3.5-0.8b:128:32:auto}; do
+        IFS=: read -r model P R mode <<<"$run"
+        step "verl-check $model P=$P R=$R sharing=$mode" "${VERL_LIMIT:-200}" env PS_BRIDGE_SHARING="$mode" python3 -m ps_bridge.cli verl-check \
+          --model "$model" --layers 24 --no-progress --workdir /tmp/verl-check --prompts 8 --n 8 --prompt-len "$P" \
+          --response-len "$R" --steps 3 --dtype bfloat16 --json "$RES/verl-check-$model-P$P-R$R-$mode.json" \
+          actor_rollout_ref.actor.ppo_mini_batch_size=4
+      done ;;
+  esac
+done
+grep -v -i "warn" "$LOG" | grep -E "===|x \(|speed-up|^ *[0-9]+ |qwen|S =|ideal" | tail -80

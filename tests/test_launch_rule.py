@@ -1,0 +1,194 @@
+"""The sharing rule (issue 21, `ps_bridge.launch_rule`): per micro-batch, shared only where the
+unshared GPU work outweighs the shared path's host (launch) time.
+
+- its inputs (token counts, the model's cost) equal what the layout and the model really hold;
+- its decisions on the measured shapes (docs/never-slower.md), and the knob forcing either way;
+- the same decision on every rank of a 2-rank gloo group that sees one micro-batch (TP/CP/PP ranks);
+- both paths stay exact: a micro-batch the rule runs unshared equals `share=False` and Hugging Face,
+  one it runs shared equals them within float32 rounding (fp32, CPU).
+"""
+
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+
+from ps_bridge import launch_rule
+from ps_bridge.bench.catalog import FAMILIES, MODEL_SHAPES, make_samples
+from ps_bridge.config import PrefixSharingConfig
+from ps_bridge.launch_rule import MicroBatchCounts, ModelCost, decide_sharing, sharing_for
+from ps_bridge.layout import Sample, build_layout
+from ps_bridge.tiny_checkpoints import grpo_like_samples
+
+
+def cost_of(shape: str, layers=None) -> ModelCost:
+    s = MODEL_SHAPES[shape]
+    return ModelCost.from_hf_config(FAMILIES[s.family](s.dims, layers or s.full_layers))
+
+
+def test_model_cost_counts_layer_kinds_and_weights():
+    q35 = cost_of("qwen3.5-0.8b")
+    assert (q35.gdn_layers, q35.attention_layers) == (18, 6)  # three GDN layers, then one attention
+    q25 = cost_of("qwen2.5-0.5b")
+    assert (q25.gdn_layers, q25.attention_layers, q25.head_dim) == (0, 24, 64)
+    # decoder matmul weights: the released Qwen2.5-0.5B has 494M parameters, 136M of them the
+    # (tied) embedding; norms and biases are left out here
+    assert 355e6 < q25.layer_weights < 360e6
+    assert cost_of("qwen2.5-0.5b", layers=12).layer_weights * 2 == q25.layer_weights
+    moe = cost_of("qwen3.5-35b-a3b")
+    assert moe.layer_weights < 4e9  # active experts only (about 3B active), not all 256
+    # a dict and a multimodal config's text_config give the same
+    s = MODEL_SHAPES["qwen3.5-0.8b"]
+    d = FAMILIES[s.family](s.dims, s.full_layers).to_dict()
+    assert ModelCost.from_hf_config({"text_config": d}) == ModelCost.from_hf_config(d) == q35
+    # a config the rule cannot read: no cost, and the rule is not applied
+    assert ModelCost.try_from_hf_config({"hidden_size": 8}) is None
+    counts = MicroBatchCounts.of(make_samples(128, 32, 8, 4, 1000, 0))
+    assert decide_sharing(counts, None).share
+
+
+@pytest.mark.parametrize("prompt_values", [False, True])
+def test_counts_equal_the_layouts(prompt_values):
+    batch = grpo_like_samples(256, num_prompts=4, n=3, prompt_len=(3, 12), response_len=(1, 9), seed=3)
+    batch.append(Sample([7], [1, 2]))  # a prompt with one response
+    counts = MicroBatchCounts.of(batch, prompt_values=prompt_values)
+    shared = build_layout(batch, share=True, prompt_values=prompt_values)
+    assert counts.samples == shared.num_samples and counts.groups == shared.num_groups
+    assert counts.tokens_unshared == shared.tokens_unshared
+    assert counts.tokens_shared == shared.tokens_shared
+    read = shared.num_tokens if shared.output_positions is None else shared.output_positions.numel()
+    assert counts.outputs_shared == read
+
+
+def micro_batch(P, R, n, groups):
+    return MicroBatchCounts.of(make_samples(P, R, n, groups, 1000, 0))
+
+
+# `ps-bridge bench` on an H200 (docs/never-slower.md): 24 layers, 4 prompts x n = 8 per micro-batch;
+# (P, R) -> whether the shared step was faster, (forward + backward, forward only)
+MEASURED = {
+    "qwen3.5-0.8b": {(128, 32): (False, False), (512, 32): (True, True), (128, 256): (True, False),
+                     (512, 256): (True, True)},
+    "qwen2.5-0.5b": {(128, 32): (False, False), (512, 32): (True, True), (128, 256): (True, True),
+                     (512, 256): (True, True)},
+}
+
+
+@pytest.mark.parametrize("shape", sorted(MEASURED))
+def test_decisions_follow_the_measured_rows(shape):
+    cost = cost_of(shape)
+    for (P, R), faster in MEASURED[shape].items():
+        for backward, shared_faster in zip((True, False), faster):
+            d = decide_sharing(micro_batch(P, R, 8, 4), cost, backward=backward)
+            assert d.share == shared_faster, (shape, P, R, backward, d.reason)
+
+
+def test_the_rows_where_sharing_pays_stay_shared_and_more_work_never_turns_it_off():
+    for shape, layers, groups in (("qwen2.5-7b", 4, 1), ("qwen3.5-0.8b", 8, 4), ("qwen3.5-9b", 4, 1),
+                                  ("qwen2.5-1.5b", 28, 4)):
+        for backward in (True, False):
+            assert decide_sharing(micro_batch(2048, 512, 8, groups), cost_of(shape, layers), backward=backward).share
+    # the issue's Qwen2.5-1.5B setting, where sharing measured 3.84x in verl, stays shared
+    assert decide_sharing(micro_batch(128, 32, 8, 4), cost_of("qwen2.5-1.5b")).share
+    q35 = cost_of("qwen3.5-0.8b")
+    small = decide_sharing(micro_batch(128, 32, 8, 4), q35)
+    larger = decide_sharing(micro_batch(1024, 32, 8, 4), q35)
+    assert larger.gpu_unshared_ns > small.gpu_unshared_ns and larger.host_shared_ns == small.host_shared_ns
+    assert not small.share and larger.share
+
+
+def test_forcing_and_the_cases_without_a_measured_cost():
+    counts = micro_batch(128, 32, 8, 4)
+    q35 = cost_of("qwen3.5-0.8b")
+    assert decide_sharing(counts, q35, mode="on").share
+    assert not decide_sharing(counts, q35, mode="off").share
+    assert not decide_sharing(micro_batch(2048, 512, 1, 4), q35, mode="on").share  # nothing to share
+    # the reference kernels, and any backend on a CPU: no launch cost measured, sharing taken
+    cpu = decide_sharing(counts, q35, device_type="cpu")
+    assert cpu.share and "no launch cost measured" in cpu.reason
+    assert decide_sharing(counts, q35, attention_backend="flex").share
+    assert decide_sharing(counts, q35, dtype_name="float32").share  # auto -> torch_ref attention
+    with pytest.raises(ValueError, match="PS_BRIDGE_SHARING"):
+        decide_sharing(counts, q35, mode="sometimes")
+
+
+def test_config_knob_and_environment(monkeypatch):
+    assert PrefixSharingConfig().sharing == "auto"
+    monkeypatch.setenv("PS_BRIDGE_SHARING", "Off")
+    assert PrefixSharingConfig.from_env().sharing == "off"
+    monkeypatch.setenv("PS_BRIDGE_SHARING", "never")
+    with pytest.raises(ValueError, match="unknown prefix-sharing mode 'never' \\(PS_BRIDGE_SHARING\\); valid modes"):
+        PrefixSharingConfig.from_env()
+    batch = make_samples(128, 32, 8, 4, 1000, 0)
+    q35 = cost_of("qwen3.5-0.8b")
+    off = sharing_for(batch, PrefixSharingConfig(enabled=False), q35, "cuda", "bfloat16")
+    assert not off.share and off.reason == "prefix sharing disabled"
+    on = sharing_for(batch, PrefixSharingConfig(sharing="on"), q35, "cuda", "bfloat16")
+    assert on.share
+
+
+# ---- the same decision on every rank (gloo) ------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_every_rank_of_a_group_decides_alike(tmp_path):
+    import json
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from parallel_cases import torchrun
+
+    cases = [(dataclasses.asdict(cost_of(shape)), row) for shape, row in [
+        ("qwen3.5-0.8b", (128, 32, 8, 4)), ("qwen3.5-0.8b", (2048, 512, 8, 4)),
+        ("qwen2.5-0.5b", (128, 32, 8, 4)), ("qwen2.5-0.5b", (96, 8, 2, 3))]]
+    (tmp_path / "in.json").write_text(json.dumps({"cases": cases}))
+    worker = os.path.join(os.path.dirname(__file__), "launch_rule_worker.py")
+    proc = torchrun(2, [worker, str(tmp_path / "in.json"), str(tmp_path / "out.json")], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    box = json.loads((tmp_path / "out.json").read_text())
+    assert box[0] == box[1]
+    shares = [d[0] for d in box[0]]
+    assert True in shares and False in shares  # both outcomes occur in the cases
+
+
+# ---- both paths exact (fp32, CPU) ----------------------------------------------------------------
+
+
+@pytest.fixture
+def priced_cpu(monkeypatch):
+    """Give the reference attention on a CPU a launch cost, so the rule applies there too."""
+
+    def price(ns):
+        table = dict(launch_rule.HOST_NS)
+        for backward in (True, False):
+            table[("attention", "torch_ref", "cpu", backward)] = ns
+        monkeypatch.setattr(launch_rule, "HOST_NS", table)
+
+    return price
+
+
+def test_rule_off_equals_unshared_equals_hf_and_rule_on_equals_them(qwen2_checkpoint, qwen2_loaded, priced_cpu):
+    from ps_bridge.rows import PackedRows
+    from ps_bridge.runtime import make_layout, row_logprobs
+
+    _, hf_model = qwen2_checkpoint
+    batch = grpo_like_samples(256, num_prompts=3, n=3, prompt_len=(6, 18), response_len=(1, 8), seed=21)
+    qwen2_loaded.model.eval()
+    priced_cpu(10**15)  # a shared step this slow on the host never pays: unshared
+    off = make_layout(batch, qwen2_loaded)
+    priced_cpu(0)  # any GPU work pays: shared
+    on = make_layout(batch, qwen2_loaded)
+    unshared = make_layout(batch, qwen2_loaded, share=False)
+    assert not off.shared and on.has_sharing
+    with torch.no_grad():
+        lp_off, lp_on, lp_un = (row_logprobs(qwen2_loaded, lay) for lay in (off, on, unshared))
+        assert torch.equal(lp_off, lp_un)  # the same computation
+        for lay, lp in ((off, lp_off), (on, lp_on)):
+            rows = PackedRows.of(lay.to(qwen2_loaded.device))
+            for s, got in zip(batch, rows.responses(lp)):
+                ids = torch.tensor([s.prompt + s.response])
+                log_p = torch.log_softmax(hf_model(ids).logits[0].float(), dim=-1)
+                P = len(s.prompt)
+                ref = log_p[P - 1 : -1].gather(1, ids[0, P:, None]).squeeze(1)
+                assert float((got - ref).abs().max()) <= 1e-5
