@@ -136,7 +136,10 @@ def verl_checkpoint_trees(local_path: str) -> Dict[str, str]:
 def check_checkpoint_files(local_path: str, trees: Optional[Iterable[str]] = None) -> None:
     """Every file of the named verl checkpoint trees (all present ones by default) is there and whole."""
     present = verl_checkpoint_trees(local_path)
-    for name in trees if trees is not None else present:
+    if trees is None:  # verl writes model/huggingface (config, tokenizer) with dist-checkpointed weights too
+        trees = [t for t in present if t != "huggingface" or any(
+            n.endswith((".safetensors", ".safetensors.index.json")) for n in os.listdir(present[t]))]
+    for name in trees:
         if name not in present:
             raise CheckpointFileError(f"checkpoint directory {os.path.join(local_path, *_TREE_PATHS[name])} is missing")
         if name == "huggingface":
