@@ -5,7 +5,8 @@ checkpoint to SAVE_DIR, train one more step (the uninterrupted run); `resume ...
 load SAVE_DIR into a freshly built engine and train that one step. Either way OUT gets the last step's
 per-micro-batch losses, grad norm, learning rate and every parameter. ENGINE: `ours` (prefix sharing on)
 or `stock` (verl's MegatronEngineWithLMHead); DIST: use_dist_checkpointing (0/1); DISTOPT: the
-distributed optimizer (0/1)."""
+distributed optimizer (0/1). Environment (scripts/gpu_ckpt.sh): PS_CKPT_DTYPE (float32; bfloat16 on the
+GPU), PS_CKPT_SHARING (on/off: our engine's prefix sharing, on by default)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ import sys
 
 
 def _engine(kind: str, hf_ckpt: str, dist: bool, distopt: bool):
+    import os
+
     from verl.workers.config import McoreEngineConfig, McoreOptimizerConfig
+
+    from ps_bridge.config import PrefixSharingConfig
 
     from ps_bridge.verl.side_by_side import build_engine, build_stock_engine
 
@@ -25,14 +30,21 @@ def _engine(kind: str, hf_ckpt: str, dist: bool, distopt: bool):
     optimizer_config = McoreOptimizerConfig(lr=1e-3, clip_grad=0.0, weight_decay=0.01, total_training_steps=10,
                                             lr_warmup_steps=2, lr_decay_style="cosine", min_lr=1e-4,
                                             use_checkpoint_opt_param_scheduler=True)  # else verl restarts it
+    dtype = os.environ.get("PS_CKPT_DTYPE", "float32")
     if kind == "stock":
         engine = build_stock_engine(hf_ckpt, engine_config=engine_config, optimizer_config=optimizer_config,
-                                    forward_only=False)
+                                    forward_only=False, dtype=dtype)
+        # verl 0.9.1's own dist-checkpoint load with an optimizer fails on the stock engine too ("Param id 0
+        # does not match any model sharded param"); the fix our engine carries (ps_bridge/checkpoint_engine.py)
+        from ps_bridge.checkpoint_engine import _fresh_model_state_for_optimizer
+
+        _fresh_model_state_for_optimizer(engine.checkpoint_mananager)
     else:
         from ps_bridge.verl.engine import PrefixSharedMegatronEngine
 
         engine = build_engine(PrefixSharedMegatronEngine, hf_ckpt, engine_config=engine_config,
-                              optimizer_config=optimizer_config, forward_only=False)
+                              optimizer_config=optimizer_config, forward_only=False, dtype=dtype)
+        engine.prefix_sharing_config = PrefixSharingConfig(enabled=os.environ.get("PS_CKPT_SHARING", "on") == "on")
     engine.checkpoint_mananager.use_dist_checkpointing = dist
     return engine
 
