@@ -161,3 +161,22 @@ def test_parallel_layouts_save_what_megatron_saves(moe_path, tmp_path, tp, ep, p
             expert_offsets.setdefault(key, set()).add(offset[0])
     E = 4  # the tiny Qwen3.5 MoE's experts
     assert expert_offsets and all(v == set(range(E)) for v in expert_offsets.values())
+
+
+def test_mtp_weights_on_one_side_only_are_refused(tmp_path):
+    """Prefix sharing never builds the multi-token-prediction layer: a checkpoint with `mtp.*` weights
+    (the stock Qwen3.5 provider's) is refused by our engine's load, naming mtp_num_layers; one without loads."""
+    import torch.distributed.checkpoint as dcp
+
+    from ps_bridge.checkpoint import InexactLoadError, refuse_mtp_mismatch
+
+    with_mtp, without = str(tmp_path / "with_mtp"), str(tmp_path / "without")
+    dcp.save({"decoder.final_layernorm.weight": torch.ones(2), "mtp.layers.0.enorm.weight": torch.ones(2)},
+             checkpoint_id=with_mtp)
+    dcp.save({"decoder.final_layernorm.weight": torch.ones(2)}, checkpoint_id=without)
+    with pytest.raises(InexactLoadError, match="mtp_num_layers"):
+        refuse_mtp_mismatch([with_mtp], model_has_mtp=False)
+    refuse_mtp_mismatch([without], model_has_mtp=False)
+    refuse_mtp_mismatch([with_mtp], model_has_mtp=True)
+    with pytest.raises(InexactLoadError, match="mtp_num_layers"):
+        refuse_mtp_mismatch([without], model_has_mtp=True)
