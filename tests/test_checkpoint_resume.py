@@ -89,12 +89,6 @@ def test_ours_resumes_ours_exactly(runs, family):
 
 
 @pytest.mark.slow
-def test_ours_resumes_ours_exactly_with_the_distributed_optimizer(runs):
-    uninterrupted, resumed = _resume(runs, "qwen2.5", "ours", "ours", distopt=1)
-    _assert_equal(uninterrupted, resumed, exact=True)
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("saver,loader", [("ours", "stock"), ("stock", "ours")])
 def test_the_stock_engine_and_ours_resume_each_other(runs, saver, loader):
     """Qwen2.5 only: the stock Qwen3.5 model does not run on a CPU (TE-only hybrid spec). The stock engine
