@@ -200,6 +200,9 @@ class _GroupedMMLinear(MegatronModule):
             raise ValueError(f"expert TP size {tp} does not divide the expert width {shape[self.partition_dim]}")
         shape[self.partition_dim] //= tp
         self.num_gemms = num_local_experts
+        # for the sharded checkpoint (`sharded_state_dict`): the expert TP / EP / expert-DP groups
+        self._ckpt_groups = None if pg_collection is None else (pg_collection.expt_tp, pg_collection.ep,
+                                                                pg_collection.expt_dp)
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         # all experts in one buffer, so grouped_mm reads them as one stacked view (`weight_spans`).
         # Registered last expert first: megatron's DDP lays a module's parameters into its buffer in
@@ -214,6 +217,19 @@ class _GroupedMMLinear(MegatronModule):
             setattr(w, "allreduce", not (is_expert and ep > 1))
         for i in reversed(range(num_local_experts)):
             self.register_parameter(f"weight{i}", weights[i])
+        # a sharded checkpoint carries one (empty) `_extra_state` object per expert, as TE's grouped
+        # linears and megatron's SequentialMLP save; this layer has none to restore
+        self._register_load_state_dict_pre_hook(_drop_extra_states)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """What TE's grouped linears save (megatron's `TEGroupedLinear._sharded_state_dict_grouped`),
+        so that `TEGroupedMLP.sharded_state_dict` gives megatron's `SequentialMLP` checkpoint keys: per
+        local expert `i` its `[out, in]` matrix under the key `{prefix}weight` with an expert axis in
+        front (offset: the expert's global index among EP x local experts), split over expert TP on
+        `partition_dim`, and an empty `_extra_state` object; replicas counted over expert-DP."""
+        return grouped_expert_sharded_state_dict(
+            self.weights(), self.partition_dim, self._ckpt_groups, prefix, sharded_offsets, metadata
+        )
 
     def weights(self):
         return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
@@ -233,6 +249,48 @@ class _GroupedMMLinear(MegatronModule):
 
     def backward_dw(self) -> None:  # no delayed weight gradients
         return None
+
+
+def _drop_extra_states(state_dict, prefix, *args, **kwargs):
+    for key in [k for k in state_dict if k.startswith(f"{prefix}_extra_state")]:
+        del state_dict[key]
+
+
+def grouped_expert_sharded_state_dict(weights, partition_dim, groups, prefix, sharded_offsets, metadata):
+    """The sharded state dict of one grouped expert linear (see `_GroupedMMLinear.sharded_state_dict`).
+    `groups`: (expert TP, EP, expert DP) process groups, or None for megatron's global ones."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+    metadata = ensure_metadata_has_dp_cp_group(metadata)
+    if groups is None:
+        groups = (parallel_state.get_expert_tensor_parallel_group(), parallel_state.get_expert_model_parallel_group(),
+                  parallel_state.get_expert_data_parallel_group())
+    tp_group, ep_group, edp_group = groups
+    singleton_local_shards = metadata.get("singleton_local_shards", False)
+    num_local = len(weights)
+    first_global = ep_group.rank() * num_local
+    num_global = ep_group.size() * num_local
+    out = {}
+    for i, weight in enumerate(weights):
+        global_index = first_global + i
+        if singleton_local_shards:
+            expert_prefix, offsets = f"{global_index}.{prefix}", sharded_offsets
+        else:
+            expert_prefix = prefix
+            offsets = (*sharded_offsets, (len(sharded_offsets), global_index, num_global))
+        sub = make_sharded_tensors_for_checkpoint(
+            {f"{i}.weight": weight, f"{i}._extra_state": None}, "", {f"{i}.weight": partition_dim}, offsets,
+            tp_group=tp_group, dp_cp_group=metadata["dp_cp_group"],
+        )
+        replace_prefix_for_sharding(sub, f"{i}.", expert_prefix)
+        out[f"{prefix}weight{i}"] = sub[f"{i}.weight"]
+        out[f"{prefix}_extra_state{'' if i == 0 else i}"] = sub[f"{i}._extra_state"]
+    for sh in out.values():  # expert weights are replicated over the expert-data-parallel ranks only
+        assert len(sh.replica_id) == 3, sh.replica_id
+        sh.replica_id = (*sh.replica_id[:2], edp_group.rank())
+    return out
 
 
 class GroupedMMColumnLinear(_GroupedMMLinear):

@@ -13,7 +13,11 @@ it to the HF `layer_types` list: 1 = Gated DeltaNet, 0 = full attention) and the
   grouped_mm linears, TE's where TE is installed) or megatron's `SequentialMLP` (False);
 - every norm (input, pre-MLP, q/k, GDN out-norm, final) is our zero-centred RMSNorm; the input norm
   is a separate module (`input_layernorm.weight`), which Megatron-Bridge maps to HF's
-  `input_layernorm.weight` through its fused/separate norm aliases.
+  `input_layernorm.weight` through its fused/separate norm aliases;
+- sharded checkpoint keys are megatron's local spec's (`sharded_state_dict_keys_map`: the input norm
+  saved as `self_attention.linear_qkv.layer_norm_weight`, the pre-MLP norm as
+  `mlp.linear_fc1.layer_norm_weight`), except a GDN layer's input norm: `self_attention.in_proj.
+  layer_norm_weight`, megatron's GDN key (docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -81,6 +85,10 @@ def _layer_spec(config, moe: bool, gdn: bool) -> ModuleSpec:
                 in_proj=ColumnParallelLinear, out_norm=ZeroCenteredRMSNorm, out_proj=RowParallelLinear
             ),
         )
+        # megatron's GDN fuses the input norm into `in_proj` (its TE spec; it has no local one): the
+        # sharded checkpoint key of our separate input norm is that fused norm's
+        sub.sharded_state_dict_keys_map = dict(sub.sharded_state_dict_keys_map,
+                                               **{"input_layernorm.": "self_attention.in_proj.layer_norm_"})
     else:
         attn = sub.self_attention.submodules
         attn.core_attention = PrefixSharedCoreAttention

@@ -28,13 +28,13 @@ VERBOSE_FLAGS = ("-v", "--verbose")
 
 
 def build_parser(only_doctor: bool = False) -> argparse.ArgumentParser:
-    from ps_bridge.cli import bench, demo, doctor, logprobs, verl_check
+    from ps_bridge.cli import bench, demo, doctor, export, logprobs, verl_check
 
     parser = argparse.ArgumentParser(prog="ps-bridge", description=__doc__.split("\n\n")[0])
     parser.add_argument(*VERBOSE_FLAGS, action="store_true",
                         help="show the [PS] log lines and third-party notices")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (doctor,) if only_doctor else (logprobs, demo, bench, verl_check, doctor):
+    for command in (doctor,) if only_doctor else (logprobs, demo, bench, verl_check, export, doctor):
         command.add_parser(sub)
     return parser
 

@@ -553,8 +553,13 @@ def group_dp_partitions(uids: Sequence, prompt_len: Sequence[int], total_len: Se
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead  # noqa: E402
 
 
-class PrefixSharedMegatronEngine(PrefixSharingEngineMixin, MegatronEngineWithLMHead):
-    """verl's Megatron LM-head engine (GPU) with the prefix-shared forward step."""
+# ---- checkpoints: save / load overrides live in ps_bridge/checkpoint_engine.py (owner: checkpoints) ----
+from ps_bridge.checkpoint_engine import CheckpointEngineMixin  # noqa: E402
+
+
+class PrefixSharedMegatronEngine(CheckpointEngineMixin, PrefixSharingEngineMixin, MegatronEngineWithLMHead):
+    """verl's Megatron LM-head engine (GPU) with the prefix-shared forward step (and the checkpoint
+    load checks of `CheckpointEngineMixin`)."""
 
 
 def npu_engine_class() -> Optional[type]:

@@ -1,0 +1,182 @@
+"""Checkpoints of prefix-shared models: what is saved, and the checks before a load (docs/checkpoints.md).
+
+The model's sharded checkpoint keys are megatron's own (`models/experts.py`, `models/qwen35_specs.py`),
+so verl's checkpoint manager saves and loads our engine's models unchanged. What this module adds:
+
+- `sharded_layout`: a model's sharded state dict as the checkpoint sees it (key, kind, global shape,
+  offset, fragmentation, replica id of every shard, factories applied), to compare two models' checkpoints;
+- `check_checkpoint_files`: every file a checkpoint directory's metadata names is present and as long
+  as the metadata says (megatron's `dist_checkpointing` trees and HF safetensors), else
+  `CheckpointFileError` naming the file, before megatron or safetensors fail with a message that does not;
+- `refuse_inexact_load`: the loads that cannot give back the saved values, refused with the setting
+  named (multi-token-prediction weights on one side only; the distributed optimizer's `dp_reshardable`
+  format across another parallel layout or parameter order).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Dict, Iterable, List, Optional, Tuple
+
+# ---- what a model saves -----------------------------------------------------------------------
+
+
+def sharded_layout(sharded_state_dict: dict) -> List[Tuple]:
+    """Sorted `(key, kind, global_shape, global_offset, axis_fragmentations, replica_id, dtype)` of every
+    shard `sharded_state_dict` saves (`ShardedTensorFactory`s built, as `dist_checkpointing.save` does;
+    objects have kind "object" and their shape / offset in the two shape fields)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
+
+    apply_factories(sharded_state_dict)
+    rows = []
+    for v in nested_values(sharded_state_dict):
+        if isinstance(v, ShardedTensor):
+            rows.append((v.key, "tensor", tuple(v.global_shape), tuple(v.global_offset),
+                         tuple(v.axis_fragmentations), tuple(v.replica_id), str(v.dtype)))
+        elif isinstance(v, ShardedObject):
+            rows.append((v.key, "object", tuple(v.global_shape), tuple(v.global_offset), (), tuple(v.replica_id), ""))
+    return sorted(rows)
+
+
+def main_replica_shards(layout: Iterable[Tuple]) -> List[Tuple[str, Tuple]]:
+    """(key, global offset) of the shards this rank writes (replica id all zeros)."""
+    return [(row[0], row[3]) for row in layout if not any(row[5])]
+
+
+# ---- files of a checkpoint ----------------------------------------------------------------------
+
+
+class CheckpointFileError(RuntimeError):
+    """A checkpoint file named by its metadata is missing or shorter than the metadata says."""
+
+
+def _dist_ckpt_files(ckpt_dir: str) -> Dict[str, int]:
+    """{file: bytes it must hold at least} of a torch_dist `dist_checkpointing` directory."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        metadata = dcp.FileSystemReader(ckpt_dir).read_metadata()
+    except Exception as err:  # noqa: BLE001 - any unreadable metadata is reported by its file name
+        raise CheckpointFileError(
+            f"checkpoint metadata {os.path.join(ckpt_dir, '.metadata')} is missing or unreadable ({err}); "
+            "the checkpoint is incomplete: save it again or resume from an earlier one"
+        ) from None
+    need: Dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = int(info.offset) + int(info.length)
+        need[info.relative_path] = max(need.get(info.relative_path, 0), end)
+    return need
+
+
+def _safetensors_files(hf_dir: str) -> Dict[str, int]:
+    """{file: bytes} of an HF safetensors directory (the index's files, each header's data end)."""
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        names = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
+        if not names:
+            raise CheckpointFileError(f"no model.safetensors in {hf_dir}: the checkpoint's HF weights are missing")
+    need = {}
+    for name in names:
+        path = os.path.join(hf_dir, name)
+        if not os.path.exists(path):
+            need[name] = 1  # reported as missing below
+            continue
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointFileError(f"checkpoint file {path} is truncated ({len(head)} bytes)")
+            (size,) = struct.unpack("<Q", head)
+            try:
+                header = json.loads(f.read(size))
+            except ValueError:
+                raise CheckpointFileError(f"checkpoint file {path} is truncated (its header is cut)") from None
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+        need[name] = 8 + size + max(ends, default=0)
+    return need
+
+
+def _check_sizes(directory: str, need: Dict[str, int]) -> None:
+    for name, size in sorted(need.items()):
+        path = os.path.join(directory, name)
+        if not os.path.exists(path):
+            raise CheckpointFileError(f"checkpoint file {path} is missing (named by the checkpoint's metadata)")
+        have = os.path.getsize(path)
+        if have < size:
+            raise CheckpointFileError(
+                f"checkpoint file {path} is truncated: {have} bytes, its metadata needs {size}; "
+                "save the checkpoint again or resume from an earlier one"
+            )
+
+
+def check_dist_checkpoint_files(ckpt_dir: str) -> None:
+    _check_sizes(ckpt_dir, _dist_ckpt_files(ckpt_dir))
+
+
+def check_hf_checkpoint_files(hf_dir: str) -> None:
+    _check_sizes(hf_dir, _safetensors_files(hf_dir))
+
+
+def verl_checkpoint_trees(local_path: str) -> Dict[str, str]:
+    """verl 0.9.1's checkpoint trees that exist under `local_path` (its v2 layout): name -> directory."""
+    trees = {
+        "model": os.path.join(local_path, "model", "dist_ckpt"),
+        "optimizer": os.path.join(local_path, "optimizer", "dist_ckpt"),
+        "extra": os.path.join(local_path, "extra", "dist_ckpt"),
+        "huggingface": os.path.join(local_path, "model", "huggingface"),
+    }
+    return {k: v for k, v in trees.items() if os.path.isdir(v)}
+
+
+def check_checkpoint_files(local_path: str, trees: Optional[Iterable[str]] = None) -> None:
+    """Every file of the named verl checkpoint trees (all present ones by default) is there and whole."""
+    present = verl_checkpoint_trees(local_path)
+    if trees is None:  # verl writes model/huggingface (config, tokenizer) with dist-checkpointed weights too
+        trees = [t for t in present if t != "huggingface" or any(
+            n.endswith((".safetensors", ".safetensors.index.json")) for n in os.listdir(present[t]))]
+    for name in trees:
+        if name not in present:
+            raise CheckpointFileError(f"checkpoint directory {os.path.join(local_path, *_TREE_PATHS[name])} is missing")
+        if name == "huggingface":
+            check_hf_checkpoint_files(present[name])
+        else:
+            check_dist_checkpoint_files(present[name])
+
+
+_TREE_PATHS = {"model": ("model", "dist_ckpt"), "optimizer": ("optimizer", "dist_ckpt"),
+               "extra": ("extra", "dist_ckpt"), "huggingface": ("model", "huggingface")}
+
+
+# ---- loads that cannot be exact ------------------------------------------------------------------
+
+
+class InexactLoadError(ValueError):
+    """A checkpoint load that would not give back the saved values."""
+
+
+def dist_checkpoint_keys(ckpt_dir: str) -> List[str]:
+    import torch.distributed.checkpoint as dcp
+
+    return sorted(dcp.FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata)
+
+
+def refuse_mtp_mismatch(ckpt_dirs: Iterable[str], model_has_mtp: bool) -> None:
+    """Multi-token-prediction weights in the checkpoint but not in the model (or the reverse) are refused:
+    the distributed optimizer's flat buffers would hold other parameters at the saved offsets."""
+    for d in ckpt_dirs:
+        if not os.path.exists(os.path.join(d, ".metadata")):
+            continue
+        saved = any(".mtp." in f".{k}" for k in dist_checkpoint_keys(d))
+        if saved != model_has_mtp:
+            where = "the checkpoint has" if saved else "the model has, the checkpoint has not,"
+            raise InexactLoadError(
+                f"{d}: {where} multi-token-prediction (MTP) weights. Prefix sharing never builds the MTP layer; "
+                "save and resume both with mtp_num_layers=None (verl: "
+                "actor_rollout_ref.actor.megatron.override_transformer_config.mtp_num_layers=null), "
+                "or export the weights (`ps-bridge export`) and start from the HF checkpoint"
+            )

@@ -1,0 +1,182 @@
+"""Our models' sharded checkpoints are megatron's stock ones (docs/checkpoints.md): the same keys, global
+shapes, offsets, fragmentations and replica ids as the stock modules of the same settings (megatron's
+local spec), single rank here; TP=2 / EP=2 / uneven PP=2 in tests/test_checkpoint_parallel.py (slow).
+A grouped-expert checkpoint loads into megatron's SequentialMLP and back with equal values."""
+
+import pytest
+import torch
+
+from ps_bridge.checkpoint import sharded_layout
+
+
+def _load(path, monkeypatch=None, sequential=False, **kw):
+    from ps_bridge.compat.te_placeholder import import_megatron_bridge
+
+    import_megatron_bridge()
+    import ps_bridge.providers.qwen35 as qwen35
+    from ps_bridge.runtime import load_model
+
+    if sequential:  # megatron's own SequentialMLP experts: the stock local spec's MoE experts
+        orig = qwen35.make_prefix_shared
+
+        def with_sequential_mlp(provider, gdn_backend):
+            orig(provider, gdn_backend)
+            provider.moe_grouped_gemm = False
+
+        monkeypatch.setattr(qwen35, "make_prefix_shared", with_sequential_mlp)
+    loaded = load_model(path, **kw)
+    if sequential:
+        monkeypatch.setattr(qwen35, "make_prefix_shared", orig)
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory):
+    from ps_bridge.tiny_checkpoints import TINY_BUILDERS
+
+    path = str(tmp_path_factory.mktemp("qwen35_moe_ckpt"))
+    TINY_BUILDERS["qwen3.5-moe"](path, seed=0)
+    return path
+
+
+def test_grouped_experts_save_what_sequential_mlp_saves(moe_path, monkeypatch):
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from ps_bridge.models.experts import GroupedMMExperts
+
+    ours = _load(moe_path).model
+    stock = _load(moe_path, monkeypatch, sequential=True).model
+    assert isinstance(ours.decoder.layers[0].mlp.experts, GroupedMMExperts)
+    assert isinstance(stock.decoder.layers[0].mlp.experts, SequentialMLP)
+    a, b = sharded_layout(ours.sharded_state_dict()), sharded_layout(stock.sharded_state_dict())
+    assert a == b
+    # the expert axis: one (E, out, in) tensor per linear, one offset per expert, no per-expert key
+    fc2 = [r for r in a if r[0] == "decoder.layers.0.mlp.experts.experts.linear_fc2.weight"]
+    E = ours.config.num_moe_experts
+    assert [r[3][0] for r in fc2] == list(range(E)) and {r[2][0] for r in fc2} == {E}
+    assert not any("weight0" in r[0] for r in a)
+    # a GDN layer's input norm under megatron's GDN key; full attention's under the local GPT key
+    keys = {r[0] for r in a}
+    kinds = ["gdn" if hasattr(layer.self_attention, "in_proj") else "attn" for layer in ours.decoder.layers]
+    assert "gdn" in kinds and "attn" in kinds
+    for i, kind in enumerate(kinds):
+        linear = "in_proj" if kind == "gdn" else "linear_qkv"
+        assert f"decoder.layers.{i}.self_attention.{linear}.layer_norm_weight" in keys
+        assert f"decoder.layers.{i}.input_layernorm.weight" not in keys
+
+
+def test_qwen2_saves_what_the_stock_local_spec_saves(tmp_path):
+    """Qwen2.5 (attention, norms, vocabulary): our provider's model against megatron's local GPT layer
+    spec on the same provider."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from ps_bridge.tiny_checkpoints import TINY_BUILDERS
+
+    TINY_BUILDERS["qwen2.5"](str(tmp_path), seed=0)
+    loaded = _load(str(tmp_path))
+    provider = loaded.provider
+    ours = sharded_layout(loaded.model.sharded_state_dict())
+    provider.transformer_layer_spec = get_gpt_layer_local_spec(
+        num_experts=None, qk_layernorm=provider.qk_layernorm, normalization=provider.normalization)
+    stock = provider.provide()
+    # megatron's own core attention there, ours here
+    assert not type(stock.decoder.layers[0].self_attention.core_attention).__module__.startswith("ps_bridge")
+    assert type(loaded.model.decoder.layers[0].self_attention.core_attention).__module__.startswith("ps_bridge")
+    assert ours == sharded_layout(stock.sharded_state_dict())
+    assert any(r[0] == "decoder.layers.self_attention.linear_qkv.layer_norm_weight" for r in ours)
+
+
+def test_grouped_checkpoint_loads_into_sequential_mlp_and_back(moe_path, monkeypatch, tmp_path):
+    from megatron.core import dist_checkpointing
+
+    ours = _load(moe_path).model
+    stock = _load(moe_path, monkeypatch, sequential=True).model
+    with torch.no_grad():  # values the stock model cannot have from the HF checkpoint
+        for p in ours.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+        for p in stock.parameters():
+            p.zero_()
+    (tmp_path / "grouped").mkdir()
+    (tmp_path / "sequential").mkdir()
+    dist_checkpointing.save(ours.sharded_state_dict(), str(tmp_path / "grouped"))
+    stock.load_state_dict(dist_checkpointing.load(stock.sharded_state_dict(), str(tmp_path / "grouped")))
+    ours_p, stock_p = dict(ours.named_parameters()), dict(stock.named_parameters())
+    compared = 0
+    for name, p in stock_p.items():
+        if ".local_experts." in name:  # ...experts.local_experts.<i>.linear_fcK.weight -> ...experts.linear_fcK.weight<i>
+            head, rest = name.split(".local_experts.")
+            i, linear = rest.split(".", 1)
+            other = ours_p[f"{head}.{linear}{i}"]
+        else:
+            other = ours_p[name]
+        assert torch.equal(p, other), name
+        compared += 1
+    assert compared == len(ours_p)
+    # and back, into a model whose weights were zeroed
+    with torch.no_grad():
+        saved = {n: p.detach().clone() for n, p in ours.named_parameters()}
+        for p in ours.parameters():
+            p.zero_()
+    dist_checkpointing.save(stock.sharded_state_dict(), str(tmp_path / "sequential"))
+    ours.load_state_dict(dist_checkpointing.load(ours.sharded_state_dict(), str(tmp_path / "sequential")))
+    for name, p in ours.named_parameters():
+        assert torch.equal(p, saved[name]), name
+    # the experts still lie in one buffer (grouped_mm's no-copy view): loading copied into the parameters
+    experts = ours.decoder.layers[0].mlp.experts.linear_fc1
+    assert len(experts.spans(experts.weights())) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,ep,pp", [(1, 2, 1), (2, 1, 1), (1, 1, 2)])
+def test_parallel_layouts_save_what_megatron_saves(moe_path, tmp_path, tp, ep, pp):
+    """TP=2, EP=2, PP=2 on two CPU processes (gloo): on every rank our layout equals SequentialMLP's;
+    the ranks' written shards never overlap and, together, cover every expert of every MoE layer;
+    megatron's dist_checkpointing.save of our model succeeds (it validates the sharding)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from collections import Counter
+    from pathlib import Path
+
+    from ps_bridge.checkpoint import main_replica_shards
+
+    out = tmp_path / "layout"
+    (tmp_path / "layout.dist").mkdir()
+    inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(Path(__file__).with_name("ckpt_keys_worker.py")), moe_path, str(tp), str(ep), str(pp), str(out)],
+        env=inherited, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0 and len(re.findall(r"RESULT ", proc.stdout)) == 2, proc.stderr[-4000:]
+    ranks = [torch.load(f"{out}.rank{r}") for r in range(2)]
+    for r in ranks:
+        assert r["ours"] == r["stock"]
+    written = Counter(s for r in ranks for s in main_replica_shards(r["ours"]))
+    assert max(written.values()) == 1  # no shard written twice (under EP: every expert its own offset)
+    expert_offsets = {}
+    for key, offset in written:
+        if key.endswith("mlp.experts.experts.linear_fc2.weight"):
+            expert_offsets.setdefault(key, set()).add(offset[0])
+    E = 4  # the tiny Qwen3.5 MoE's experts
+    assert expert_offsets and all(v == set(range(E)) for v in expert_offsets.values())
+
+
+def test_mtp_weights_on_one_side_only_are_refused(tmp_path):
+    """Prefix sharing never builds the multi-token-prediction layer: a checkpoint with `mtp.*` weights
+    (the stock Qwen3.5 provider's) is refused by our engine's load, naming mtp_num_layers; one without loads."""
+    import torch.distributed.checkpoint as dcp
+
+    from ps_bridge.checkpoint import InexactLoadError, refuse_mtp_mismatch
+
+    with_mtp, without = str(tmp_path / "with_mtp"), str(tmp_path / "without")
+    dcp.save({"decoder.final_layernorm.weight": torch.ones(2), "mtp.layers.0.enorm.weight": torch.ones(2)},
+             checkpoint_id=with_mtp)
+    dcp.save({"decoder.final_layernorm.weight": torch.ones(2)}, checkpoint_id=without)
+    with pytest.raises(InexactLoadError, match="mtp_num_layers"):
+        refuse_mtp_mismatch([with_mtp], model_has_mtp=False)
+    refuse_mtp_mismatch([without], model_has_mtp=False)
+    refuse_mtp_mismatch([with_mtp], model_has_mtp=True)
+    with pytest.raises(InexactLoadError, match="mtp_num_layers"):
+        refuse_mtp_mismatch([without], model_has_mtp=True)
