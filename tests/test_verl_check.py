@@ -13,7 +13,7 @@ import sys
 import pytest
 
 if importlib.util.find_spec("verl") is None:
-    pytest.skip("verl 0.9.1 is not installed (requirements-verl*.txt)", allow_module_level=True)
+    pytest.skip("verl is not installed (requirements-verl*.txt)", allow_module_level=True)
 
 import ps_bridge.verl.side_by_side as vt  # noqa: E402
 

@@ -209,7 +209,7 @@ def build_engine(engine_cls, ckpt: str, *, use_remove_padding: bool = True, forw
         optimizer_config = McoreOptimizerConfig(lr=1e-3, clip_grad=0.0, weight_decay=0.0, total_training_steps=10,
                                                 lr_warmup_steps=0)
     fp32 = verl_compat.fp32_optimizer_overrides(dtype)
-    if fp32:
+    if fp32 and hasattr(optimizer_config, "override_optimizer_config"):  # (a ref's config has none: no optimizer)
         object.__setattr__(optimizer_config, "override_optimizer_config",
                            dict(optimizer_config.override_optimizer_config or {}, **fp32))
     engine = engine_cls(model_config, engine_config, optimizer_config, CheckpointConfig())
