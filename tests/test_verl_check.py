@@ -25,6 +25,7 @@ from ps_bridge.verl.engine import group_dp_partitions, packed_units, partition_u
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.core
 def test_verl_check_smoke(tmp_path):
     """The CI run: every step's old/ref log-probs within 1e-5, every optimizer step's loss and grad
     norm within 1e-5 relative, no more micro-batches than the stock engine."""

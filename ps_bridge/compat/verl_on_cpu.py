@@ -77,6 +77,9 @@ class _PlaceholderFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
         module.__getattr__ = module_getattr
         module.__ps_bridge_placeholder__ = True
+        # a version older than any: availability probes that read it (transformers' is_*_available
+        # with a minimum version, which also find the module spec) answer "not available"
+        module.__version__ = "0.0.0"
         return module
 
     def exec_module(self, module):
