@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 if importlib.util.find_spec("verl") is None:
-    pytest.skip("verl 0.9.1 is not installed (requirements-verl*.txt)", allow_module_level=True)
+    pytest.skip("verl is not installed (requirements-verl*.txt)", allow_module_level=True)
 
 import torch  # noqa: E402
 
@@ -25,7 +25,13 @@ vt.prepare_side_by_side()
 
 from verl.workers.engine.base import EngineRegistry  # noqa: E402
 
+from ps_bridge.compat import verl as verl_compat  # noqa: E402
 from ps_bridge.verl.engine import PrefixSharedMegatronEngine, npu_engine_class  # noqa: E402
+
+# verl 0.8.0's loss gives megatron no token count: the engine refuses `calculate_per_token_loss=True` there
+PER_TOKEN_LOSS = pytest.mark.skipif(
+    not verl_compat.loss_returns_token_count(),
+    reason=f"verl {verl_compat.verl_version()} has no per-token loss: refused (test_per_token_loss_refused_...)")
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +41,10 @@ def qwen2_dir(tmp_path_factory):
     return path
 
 
+@pytest.mark.core
 def test_engine_registered_under_vendor_keys(monkeypatch):
+    """verl 0.9.1 looks engines up by (device, vendor), 0.8.0 by device (the CPU runs take the
+    device from `VERL_ENGINE_DEVICE` on both)."""
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "cuda")
     monkeypatch.setenv("VERL_ENGINE_VENDOR", "nvidia")
     assert EngineRegistry.get_engine_cls("language_model", "megatron") is PrefixSharedMegatronEngine
@@ -49,14 +58,27 @@ def test_engine_registered_under_vendor_keys(monkeypatch):
     assert EngineRegistry.get_engine_cls("value_model", "megatron").__name__ == "MegatronEngineWithValueHead"
 
 
+@pytest.mark.core
 def test_fused_kernels_refused(qwen2_dir):
     with pytest.raises(NotImplementedError, match="use_fused_kernels=False"):
         vt.build_engine(PrefixSharedMegatronEngine, qwen2_dir, use_fused_kernels=True)
 
 
+@pytest.mark.core
 def test_vanilla_mbridge_refused(qwen2_dir):
     with pytest.raises(ValueError, match="vanilla_mbridge=False"):
         vt.build_engine(PrefixSharedMegatronEngine, qwen2_dir, vanilla_mbridge=True)
+
+
+@pytest.mark.core
+@pytest.mark.skipif(verl_compat.loss_returns_token_count(),
+                    reason="this verl returns megatron's per-token loss: run by the cp2_per_token layout test")
+def test_per_token_loss_refused_where_verl_returns_no_token_count(qwen2_dir):
+    """verl 0.8.0's loss returns (loss, output): with `calculate_per_token_loss=True` megatron would sum
+    the gradients over data-parallel ranks and divide by no token count. Refused, naming the setting."""
+    with pytest.raises(NotImplementedError, match="calculate_per_token_loss=False"):
+        vt.build_engine(PrefixSharedMegatronEngine, qwen2_dir, forward_only=False,
+                        overrides=dict(calculate_per_token_loss=True))
 
 
 def test_weight_export_equals_stock_provider(qwen2_dir):
@@ -111,6 +133,7 @@ END_TO_END = textwrap.dedent(
 )
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("enabled", ["1", "0"])
 def test_external_lib_switches_engine_and_model(qwen2_dir, enabled):
     """A fresh process does what a verl worker does: HFModelConfig imports external_lib, the
@@ -143,9 +166,9 @@ def _spine_has_sequence_parallel_norms() -> bool:
 
 @pytest.mark.parametrize("sequence_parallel", [
     pytest.param(False, marks=pytest.mark.slow),  # TP without SP: slow; the default SP case runs TP=2 too
-    pytest.param(True, marks=pytest.mark.skipif(
+    pytest.param(True, marks=[pytest.mark.core, pytest.mark.skipif(
         not _spine_has_sequence_parallel_norms(),
-        reason="the prefix-aware layer spec on this branch has no sequence-parallel norms (main has them)")),
+        reason="the prefix-aware layer spec on this branch has no sequence-parallel norms (main has them)")]),
 ])
 def test_tensor_parallel_two_ranks_match_stock_engine(qwen2_dir, sequence_parallel):
     """TP=2 on two CPU processes (gloo): vocab-parallel log-probs / entropy on the packed logits,
@@ -219,7 +242,18 @@ def _relative_grad_diff(got: dict, ref: dict) -> float:
     return max(((got[n] - g).abs().max() / g.abs().max()).item() for n, g in ref.items())
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=() if c[-1] else pytest.mark.slow) for n, c in LAYOUTS.items()])
+def _layout_marks(name: str, config: tuple) -> list:
+    """slow unless in the default suite; the per-token layouts only where verl has a per-token loss;
+    `cp2` in the oldest stack's core subset."""
+    marks = [] if config[-1] else [pytest.mark.slow]
+    if config[5]:
+        marks.append(PER_TOKEN_LOSS)
+    if name == "cp2":
+        marks.append(pytest.mark.core)
+    return marks
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_layout_marks(n, c)) for n, c in LAYOUTS.items()])
 def test_parallel_layout_with_context_parallel_matches_engine_at_cp1(qwen2_dir, engine_at_cp1_unshared, tmp_path, name):
     """Our engine with prefix sharing at a layout with CP=2 (CPU processes, gloo, fp32), each
     data-parallel rank its own whole groups, against our engine at CP=1 unshared on one process:

@@ -4,5 +4,6 @@ Each shim lives in its own module and is a no-op where the real thing is present
 - `te_placeholder`: import `megatron.bridge` without Transformer Engine installed.
 - `cuda_on_cpu`: route megatron-core's hard-coded CUDA calls to the CPU when CUDA is absent.
 - `verl_on_cpu`: run verl's own Megatron engine on a CPU (absent-module placeholders, a CPU platform).
+- `verl`: what differs between the verl releases the engine runs on (0.8.0, 0.9.1), by what verl offers.
 - `quiet`: third-party import notices and progress prints silenced unless `-v`.
 """

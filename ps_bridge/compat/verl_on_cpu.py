@@ -1,4 +1,4 @@
-"""verl 0.9.1's Megatron engine on a machine without an accelerator (docs/design.md section 8).
+"""verl's Megatron engine (0.8.0 and 0.9.1) on a machine without an accelerator (docs/design.md section 8).
 
 Everything here only makes verl's own engine code runnable on a CPU (the tests, and the `--smoke`
 runs of the commands); none of it changes what the engines compute:
@@ -29,7 +29,14 @@ import torch
 VERL_IMPORT_ONLY_MODULES = ("ray", "peft", "accelerate", "datasets", "pandas", "PIL", "dill", "wandb", "torchdata",
                             # Megatron-Bridge's training config (verl builds its DDP config with it)
                             # imports its data loaders
-                            "megatron.energon")
+                            "megatron.energon",
+                            # verl 0.8.0 builds its bridge through Megatron-Bridge's training utilities,
+                            # which import torch's TensorBoard writer
+                            "tensorboard")
+
+# modules of installed packages that only wrap one of the above: placed in front of the real finders
+# when the package they wrap is absent
+IMPORT_ONLY_WRAPPERS = {"tensorboard": ("torch.utils.tensorboard",)}
 
 
 class _ImportOnly:
@@ -70,6 +77,9 @@ class _PlaceholderFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
         module.__getattr__ = module_getattr
         module.__ps_bridge_placeholder__ = True
+        # a version older than any: availability probes that read it (transformers' is_*_available
+        # with a minimum version, which also find the module spec) answer "not available"
+        module.__version__ = "0.0.0"
         return module
 
     def exec_module(self, module):
@@ -77,10 +87,14 @@ class _PlaceholderFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def install_absent_module_placeholders(names: Sequence[str] = VERL_IMPORT_ONLY_MODULES) -> List[str]:
-    """Placeholders for those of `names` that are not installed; returns the ones placed."""
+    """Placeholders for those of `names` that are not installed (and for the modules that only wrap
+    them, `IMPORT_ONLY_WRAPPERS`); returns the ones placed."""
     absent = [n for n in names if n not in sys.modules and importlib.util.find_spec(n) is None]
     if absent and not any(isinstance(f, _PlaceholderFinder) for f in sys.meta_path):
         sys.meta_path.append(_PlaceholderFinder(absent))
+        wrappers = [w for n in absent for w in IMPORT_ONLY_WRAPPERS.get(n, ()) if w not in sys.modules]
+        if wrappers:
+            sys.meta_path.insert(0, _PlaceholderFinder(wrappers))
     return absent
 
 
@@ -93,6 +107,9 @@ def prepare_cpu_process() -> None:
     cuda_on_cpu.enable()
     import_megatron_bridge()
     use_cpu_platform()
+    from ps_bridge.compat import verl as verl_compat
+
+    verl_compat.padding_helpers_without_flash_attn()
     _megatron_rng_tracker_on_cpu()
     _cuda_streams_on_cpu()
 
@@ -130,9 +147,17 @@ def _megatron_rng_tracker_on_cpu() -> None:
 
 
 def use_cpu_platform() -> None:
+    """verl's device "cpu" where there is no accelerator, and its engine lookup taking the GPU
+    engine's key from `VERL_ENGINE_DEVICE` (`ps_bridge.compat.verl`: verl 0.8.0 reads torch's device
+    itself, "cpu" already; verl 0.9.1 asks its platform plugin, made to answer "cpu" here)."""
+    from ps_bridge.compat import verl as verl_compat
+
     if torch.cuda.is_available():
         return
-    from verl.plugin.platform import platform_manager
+    verl_compat.engine_lookup_honours_device_override()
+    platform_manager = verl_compat.platform_manager()
+    if platform_manager is None:
+        return
     from verl.plugin.platform.platform_cuda import PlatformCUDA
 
     class CPUPlatform(PlatformCUDA):

@@ -5,7 +5,8 @@ With `ENABLE_PREFIX_SHARING=1` the import
 - registers our Megatron-Bridge bridges, so `AutoBridge` builds the prefix-aware model for the actor
   and the ref (verl's Megatron-Bridge path: `actor_rollout_ref.actor.megatron.vanilla_mbridge=False`);
 - registers `PrefixSharedMegatronEngine` in verl's `EngineRegistry` under ("cuda", "nvidia") and the
-  NPU engine under ("npu", "huawei"), the vendor keys verl looks up before its stock engines.
+  NPU engine under ("npu", "huawei"), the vendor keys verl 0.9.1 looks up before its stock engines
+  (verl 0.8.0: in place of the stock engines under "cuda" and "npu").
 With it unset or 0 the import registers nothing and verl runs unchanged.
 
 Backend and provider come from `PS_BRIDGE_BACKEND` and `PS_BRIDGE_PROVIDER`: verl 0.9.1's configs are
@@ -38,21 +39,18 @@ def _ensure_log_handler() -> None:
 
 
 def register_engines(config: PrefixSharingConfig) -> None:
-    """Our engine under verl's vendor keys (idempotent); the engine reads `config`."""
-    from verl.workers.engine.base import EngineRegistry
-
+    """Our engine under verl's keys for NVIDIA GPUs and Huawei NPUs (idempotent); the engine reads
+    `config`. verl 0.9.1 keys engines by (device, vendor), 0.8.0 by device (`ps_bridge.compat.verl`)."""
+    from ps_bridge.compat import verl as verl_compat
     from ps_bridge.verl.engine import PrefixSharedMegatronEngine, npu_engine_class
 
     PrefixSharedMegatronEngine.prefix_sharing_config = config
     npu = npu_engine_class()
     if npu is not None:
         npu.prefix_sharing_config = config
-    table = EngineRegistry._engines.setdefault("language_model", {}).setdefault("megatron", {})
     for (device, vendor), cls in zip(ENGINE_KEYS, (PrefixSharedMegatronEngine, npu)):
-        if cls is None or table.get((device, vendor)) is cls:
-            continue
-        table.pop((device, vendor), None)
-        EngineRegistry.register(model_type="language_model", backend="megatron", device=device, vendor=vendor)(cls)
+        if cls is not None:
+            verl_compat.register_engine(cls, "language_model", "megatron", device, vendor)
 
 
 def activate(config: Optional[PrefixSharingConfig] = None) -> PrefixSharingConfig:

@@ -54,6 +54,9 @@ CHECK_DEFAULTS = [
     "actor_rollout_ref.actor.megatron.sequence_parallel=False",
     "actor_rollout_ref.ref.megatron.sequence_parallel=False",
     "actor_rollout_ref.model.use_fused_kernels=False",
+    # what prefix sharing needs (verl 0.9.1's default; verl 0.8.0 defaults to the legacy mbridge)
+    "actor_rollout_ref.actor.megatron.vanilla_mbridge=False",
+    "actor_rollout_ref.ref.megatron.vanilla_mbridge=False",
 ]
 
 

@@ -108,23 +108,21 @@ def stock_row_labels(engine, model, batch, data_format: str) -> torch.Tensor:
 
 
 def _stock_row_labels(engine, model, batch, data_format: str) -> torch.Tensor:
-    from verl.models.mcore.util import preprocess_bshd_engine, preprocess_thd_engine
     from verl.utils import tensordict_utils as tu
     from verl.utils.megatron_utils import unwrap_model
+
+    from ps_bridge.compat import verl as verl_compat
 
     labels = batch["input_ids"]
     lengths = labels.offsets().diff().tolist()
     use_fp8_padding = unwrap_model(model).config.fp8 in ["e4m3", "hybrid"]
     if data_format == "thd":
-        cfg = engine.engine_config
-        bucket = cfg.pad_to_length_bucket if cfg.pad_to_length else None
-        rolled, params, _ = preprocess_thd_engine(labels, pre_process=True, need_roll=True,
-                                                  use_fp8_padding=use_fp8_padding, pad_to_length_bucket=bucket)
+        rolled, params = verl_compat.roll_thd_labels(labels, use_fp8_padding,
+                                                     verl_compat.length_bucket(engine.engine_config))
         starts = params.cu_seqlens_q_padded.tolist()
         return torch.cat([rolled[0, s : s + n] for s, n in zip(starts, lengths)])
     forced = tu.get_non_tensor_data(data=batch, key="forced_max_seqlen", default=None)
-    rolled, _, _ = preprocess_bshd_engine(labels, pre_process=True, need_roll=True,
-                                          use_fp8_padding=use_fp8_padding, forced_max_seqlen=forced)
+    rolled = verl_compat.roll_bshd_labels(labels, use_fp8_padding, forced)
     return torch.cat([rolled[i, :n] for i, n in enumerate(lengths)])
 
 
@@ -182,8 +180,11 @@ class PrefixSharingEngineMixin:
         resolve_provider(self._prefix_sharing().provider, archs)  # unsupported architecture -> clear error
 
     def initialize(self):
+        from ps_bridge.compat import verl as verl_compat
+
         self._check_prefix_sharing_support()
         super().initialize()
+        verl_compat.check_per_token_loss(self.tf_config)
         model = self._unwrapped_model()
         if not any(type(m).__module__.startswith("ps_bridge.") for m in model.modules()):
             raise RuntimeError(
@@ -308,6 +309,7 @@ class PrefixSharingEngineMixin:
         the logits are not rescaled (copied) either."""
         from verl.utils.megatron.tensor_parallel import vocab_parallel_sum_pi_squared
 
+        from ps_bridge.compat import verl as verl_compat
         from ps_bridge.rows import chunked_vocab_parallel_entropy
 
         logits = logits.reshape(-1, logits.shape[-1])
@@ -320,7 +322,7 @@ class PrefixSharingEngineMixin:
             packed_temperature = torch.ones(rows.num_positions, dtype=torch.float32, device=logits.device)
             packed_temperature[rows.source[rows.computed]] = row_temperature[rows.computed]
             logits = logits / packed_temperature.unsqueeze(-1).to(logits.dtype)
-        chunk = self.engine_config.entropy_from_logits_chunk_size
+        chunk = verl_compat.entropy_chunk_rows(self.engine_config)
         out = {}
         if calculate_sum_pi_squared:
             out["sum_pi_squared"] = rows.nested(rows.values(vocab_parallel_sum_pi_squared(logits)))

@@ -176,6 +176,7 @@ def build_engine(engine_cls, ckpt: str, *, use_remove_padding: bool = True, forw
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
 
+    from ps_bridge.compat import verl as verl_compat
     from ps_bridge.parallel import init_parallel
 
     model_config = HFModelConfig(path=ckpt, use_remove_padding=use_remove_padding, external_lib=external_lib)
@@ -207,6 +208,10 @@ def build_engine(engine_cls, ckpt: str, *, use_remove_padding: bool = True, forw
     if optimizer_config is None:
         optimizer_config = McoreOptimizerConfig(lr=1e-3, clip_grad=0.0, weight_decay=0.0, total_training_steps=10,
                                                 lr_warmup_steps=0)
+    fp32 = verl_compat.fp32_optimizer_overrides(dtype)
+    if fp32 and hasattr(optimizer_config, "override_optimizer_config"):  # (a ref's config has none: no optimizer)
+        object.__setattr__(optimizer_config, "override_optimizer_config",
+                           dict(optimizer_config.override_optimizer_config or {}, **fp32))
     engine = engine_cls(model_config, engine_config, optimizer_config, CheckpointConfig())
     with engine_call_on_cpu():  # megatron's optimizer keeps scalars on device="cuda"
         engine.initialize()
