@@ -27,7 +27,7 @@ def test_markdown_links_resolve():
 def test_doc_mentions_of_repository_files_resolve():
     """Mentions like `docs/verl.md` in code and docs (not only links) name files that exist."""
     missing = []
-    files = [p for p in ROOT.rglob("*") if p.suffix in {".py", ".md", ".sh"} and ".venv" not in p.parts and ".git" not in p.parts]
+    files = [p for p in ROOT.rglob("*") if p.suffix in {".py", ".md", ".sh"} and not any(part.startswith(".venv") for part in p.parts) and ".git" not in p.parts]
     for path in files:
         for target in re.findall(r"\b((?:docs|scripts|configs)/[\w./-]+\.(?:md|py|sh|png|yaml))", path.read_text(errors="ignore")):
             if not (ROOT / target).exists():
