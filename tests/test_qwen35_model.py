@@ -21,6 +21,8 @@ from ps_bridge.layout import Sample
 from ps_bridge.runtime import forward_logits, load_model
 from ps_bridge.tiny_checkpoints import hf_sample_logprobs
 
+pytestmark = pytest.mark.core  # also run on the oldest tested stack
+
 # CausalLM and the ConditionalGeneration architectures the official checkpoints declare
 ARCHS = ["qwen3.5", "qwen3.5-moe", "qwen3.5-vl", "qwen3.5-moe-vl"]
 

@@ -13,15 +13,15 @@ from typing import List, Optional
 
 import torch
 
+from ps_bridge.compat import fla as compat_fla
+
 
 def _cpu(host: List[int]) -> torch.Tensor:
     return torch.tensor(host, dtype=torch.long)
 
 
 def causal_conv1d(x, weight, bias, cu_seqlens, cu_seqlens_host, initial_state, output_final_state, activation):
-    from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d
-
-    y, final = fla_causal_conv1d(
+    y, final = compat_fla.causal_conv1d()(
         x=x.unsqueeze(0),
         weight=weight,
         bias=bias,
@@ -36,9 +36,7 @@ def causal_conv1d(x, weight, bias, cu_seqlens, cu_seqlens_host, initial_state, o
 
 
 def gated_delta_rule(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_host, initial_state, output_final_state):
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-    o, final = chunk_gated_delta_rule(
+    o, final = compat_fla.chunk_gated_delta_rule()(
         q.unsqueeze(0),
         k.unsqueeze(0),
         v.unsqueeze(0),
