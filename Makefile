@@ -1,6 +1,26 @@
 # `make demo` runs the main job, `make test` the test suite; both create or reuse a Python 3.12
 # virtualenv at $(VENV) and install the pinned stack into it.
+# STACK=newest (default: today's pins, requirements*.txt) or STACK=oldest (the oldest tested stack,
+# requirements-oldest*.txt, in .venv-oldest); docs/stacks.md lists both.
+STACK ?= newest
+ifeq ($(STACK),newest)
 VENV ?= .venv
+REQ := requirements.txt
+REQ_NODEPS := requirements-nodeps.txt
+REQ_VERL_NODEPS := requirements-verl-nodeps.txt
+TEST_MARKS := not slow
+TEST_PATHS :=
+else ifeq ($(STACK),oldest)
+VENV ?= .venv-oldest
+REQ := requirements-oldest.txt
+REQ_NODEPS := requirements-oldest-nodeps.txt
+REQ_VERL_NODEPS := requirements-verl-oldest-nodeps.txt
+TEST_MARKS := core
+# only the files that mark tests `core` are collected (the others need the newest stack to import)
+TEST_PATHS := $(shell grep -l "pytest.mark.core" tests/test_*.py)
+else
+$(error STACK=$(STACK) is not a tested stack: use STACK=newest or STACK=oldest)
+endif
 PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || ls $$HOME/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ps-bridge-installed
@@ -9,23 +29,24 @@ STAMP := $(VENV)/.ps-bridge-installed
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt requirements-nodeps.txt requirements-dev.txt requirements-verl.txt requirements-verl-nodeps.txt pyproject.toml
+$(STAMP): $(REQ) $(REQ_NODEPS) requirements-dev.txt requirements-verl.txt $(REQ_VERL_NODEPS) pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "Python 3.12 not found: install it or run 'make PYTHON312=/path/to/python3.12'"; exit 1; }
 	@test -x $(PY) || $(PYTHON312) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt
-	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
+	$(PY) -m pip install -q -r $(REQ) -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps -r $(REQ_NODEPS)
 	$(PY) -m pip install -q -r requirements-verl.txt
-	$(PY) -m pip install -q --no-deps -r requirements-verl-nodeps.txt
+	$(PY) -m pip install -q --no-deps -r $(REQ_VERL_NODEPS)
 	$(PY) -m pip install -q --no-deps -e .
 	@touch $(STAMP)
 
 demo: venv
 	$(VENV)/bin/ps-bridge demo
 
-# the default suite (CI): tests marked `slow` (most multi-rank cases) are left to `make test-all`
+# the default suite (CI): tests marked `slow` (most multi-rank cases) are left to `make test-all`;
+# on STACK=oldest the tests marked `core` (slow ones included)
 test: venv
-	$(PY) -m pytest -q -ra -m "not slow"
+	$(PY) -m pytest -q -ra -m "$(TEST_MARKS)" $(TEST_PATHS)
 
 test-all: venv
 	$(PY) -m pytest -q -ra

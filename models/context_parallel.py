@@ -23,6 +23,8 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ps_bridge.compat.megatron_core import gdn_cp_collectives
+
 
 def cp_rank_size() -> Tuple[int, int]:
     """This process's (CP rank, CP size) in megatron's parallel state; (0, 1) without one."""
@@ -42,8 +44,7 @@ def _size(group) -> int:
 def to_head_shard(x: torch.Tensor, cp_group, split_sections: Optional[Sequence[int]] = None) -> torch.Tensor:
     """`[shard, channels]` -> `[whole pack, channels / cp]`: rank `r` gets the `r`-th slice of
     every section of `split_sections` (all channels as one section when None)."""
-    from megatron.core.ssm.gated_delta_net.common import tensor_a2a_cp2hp
-
+    tensor_a2a_cp2hp, _, _ = gdn_cp_collectives()
     out = tensor_a2a_cp2hp(
         x.unsqueeze(1), seq_dim=0, head_dim=-1, cp_group=cp_group,
         split_sections=None if split_sections is None else list(split_sections),
@@ -54,8 +55,7 @@ def to_head_shard(x: torch.Tensor, cp_group, split_sections: Optional[Sequence[i
 
 def to_seq_shard(x: torch.Tensor, cp_group, split_sections: Optional[Sequence[int]] = None) -> torch.Tensor:
     """The inverse of `to_head_shard`: `[whole pack, channels / cp]` -> `[shard, channels]`."""
-    from megatron.core.ssm.gated_delta_net.common import tensor_a2a_hp2cp
-
+    _, tensor_a2a_hp2cp, _ = gdn_cp_collectives()
     out = tensor_a2a_hp2cp(
         x.unsqueeze(1), seq_dim=0, head_dim=-1, cp_group=cp_group,
         split_sections=None if split_sections is None else list(split_sections),
@@ -105,6 +105,5 @@ def local_channels(param: torch.Tensor, cp_group, split_sections: Sequence[int])
     belongs to this rank's head shard (megatron's `get_parameter_local_cp`)."""
     if param is None or _size(cp_group) == 1:
         return param
-    from megatron.core.ssm.gated_delta_net.common import get_parameter_local_cp
-
+    _, _, get_parameter_local_cp = gdn_cp_collectives()
     return get_parameter_local_cp(param, dim=0, cp_group=cp_group, split_sections=list(split_sections))

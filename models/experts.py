@@ -321,12 +321,15 @@ class GroupedMMExperts(TEGroupedMLP):
             and c.moe_mlp_glu_interleave_size is None and c.activation_func_clamp_value is None
             and not c.glu_linear_offset
             and not (self.activation_recompute or self.offload_expert_fc1 or self.offload_moe_act
-                     or self.offload_fused_group_mlp or self._with_fused_impl)
+                     # megatron-core 0.19's fused-group offloading; absent (off) in 0.18
+                     or getattr(self, "offload_fused_group_mlp", False) or self._with_fused_impl)
         )
 
     def forward(self, hidden, tokens_per_expert, permuted_probs, output_buffer=None, grad_input_buffer=None):
-        if output_buffer is not None or grad_input_buffer is not None or not self._plain():
+        if output_buffer is not None or grad_input_buffer is not None:  # megatron-core 0.19's buffers
             return super().forward(hidden, tokens_per_expert, permuted_probs, output_buffer, grad_input_buffer)
+        if not self._plain():
+            return super().forward(hidden, tokens_per_expert, permuted_probs)
         h, _ = self.linear_fc1(hidden, tokens_per_expert)
         out, _ = self.linear_fc2(weighted_swiglu(h, permuted_probs), tokens_per_expert)
         return out, None

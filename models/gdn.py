@@ -107,7 +107,7 @@ class PrefixSharedGatedDeltaNet(GatedDeltaNet):
             local_channels(self.conv1d.bias, cp_group, qkv_sections),
             plan,
             backend,
-            num_key_heads=self.num_k_heads_local_tp // cp,
+            num_key_heads=self.num_key_heads // self.tp_size // cp,  # key heads of this TP rank, per CP rank
             key_head_dim=self.key_head_dim,
             value_head_dim=self.value_head_dim,
             use_qk_l2norm=self.use_qk_l2norm,

@@ -266,8 +266,22 @@ class PrefixSharedMoETransformerLayer(TransformerLayer):
     for the MLP step's call (a layer without a prefix-shared MoE layer is left alone). Nothing stays
     on the layer or its router after the call."""
 
-    def _forward_mlp(self, hidden_states, inference_context=None, padding_mask=None, packed_seq_params=None):
+    _call_packed_seq_params = None
+
+    def forward(self, *args, **kwargs):
+        # megatron-core 0.18's layer does not hand `packed_seq_params` on to `_forward_mlp` (0.19
+        # does): keep the call's for the MLP step, and drop it when the call ends
+        self._call_packed_seq_params = kwargs.get("packed_seq_params")
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._call_packed_seq_params = None
+
+    def _forward_mlp(self, hidden_states, *args, **kwargs):
         if not isinstance(self.mlp, PrefixSharedMoELayer):
-            return super()._forward_mlp(hidden_states, inference_context, padding_mask, packed_seq_params)
+            return super()._forward_mlp(hidden_states, *args, **kwargs)
+        packed_seq_params = kwargs.get("packed_seq_params", args[2] if len(args) > 2 else None)
+        if packed_seq_params is None:
+            packed_seq_params = self._call_packed_seq_params
         with self.mlp.call_token_weights(getattr(packed_seq_params, "moe_token_weights", None)):
-            return super()._forward_mlp(hidden_states, inference_context, padding_mask, packed_seq_params)
+            return super()._forward_mlp(hidden_states, *args, **kwargs)

@@ -79,7 +79,10 @@ def register_table(rows: Sequence[Registration]) -> None:
     so ours replace the stock bridges of the same architectures."""
     from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
 
+    from ps_bridge.compat.megatron_bridge import dispatch_sources
+
     for row in rows:
-        MegatronModelBridge.register_bridge(
-            source=row.source, target=row.target, provider=row.provider, model_type=row.model_type
-        )(row.bridge)
+        for source in dispatch_sources(row.source):
+            MegatronModelBridge.register_bridge(
+                source=source, target=row.target, provider=row.provider, model_type=row.model_type
+            )(row.bridge)

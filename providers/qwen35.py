@@ -133,6 +133,11 @@ class PrefixSharedQwen35BridgeMixin:
         make_prefix_shared(provider, self.gdn_backend)
         return provider
 
+    def mapping_registry(self):
+        from ps_bridge.compat.megatron_bridge import experts_as_stored
+
+        return experts_as_stored(super().mapping_registry(), getattr(self, "hf_pretrained", None))
+
 
 class PrefixSharedQwen35Bridge(PrefixSharedQwen35BridgeMixin, Qwen35Bridge):
     pass

@@ -25,8 +25,12 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/ps-bridge-out}
 mkdir -p "$OUT"
-if [ -f .whl/gpusite.tar.xz ]; then
-  tar -C /tmp -xJf .whl/gpusite.tar.xz || exit 1
+# GPUSITE picks the stack's archive (scripts/build_gpu_site.sh): .whl/gpusite.tar.xz (newest, the
+# default) or .whl/gpusite-oldest.tar.xz (oldest); both unpack to /tmp/gpusite
+GPUSITE=${GPUSITE:-.whl/gpusite.tar.xz}
+if [ -f "$GPUSITE" ]; then
+  rm -rf /tmp/gpusite
+  tar -C /tmp -xJf "$GPUSITE" || exit 1
 fi
 source scripts/gpu_env.sh
 # ps_bridge (with providers/ and models/ mapped into it by pyproject.toml) through an editable

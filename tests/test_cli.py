@@ -17,6 +17,7 @@ def write_batch(path, samples):
     return str(path)
 
 
+@pytest.mark.core
 def test_logprobs_happy_path_shared_and_unshared(tmp_path, qwen2_checkpoint):
     hf_path, hf_model = qwen2_checkpoint
     samples = grpo_like_samples(256, num_prompts=2, n=3, seed=11)
@@ -112,6 +113,7 @@ def noisy_lines(proc):
     return [line for line in (proc.stdout + proc.stderr).splitlines() if "Traceback" in line or "warning" in line.lower()]
 
 
+@pytest.mark.core
 def test_demo_json_in_a_fresh_process():
     """`python -m ps_bridge.cli demo` runs the main job end to end, reports fp32-level agreement, and
     prints no traceback or third-party warning (nor our INFO lines) without -v."""
@@ -126,6 +128,7 @@ def test_demo_json_in_a_fresh_process():
     assert result["max_rel_grad_diff_shared_vs_unshared"] <= 1e-5
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "verbose"])
 def test_logprobs_in_a_fresh_process_quiet_unless_verbose(tmp_path, qwen2_checkpoint, verbose):
     """`ps-bridge logprobs` on a tiny checkpoint: no traceback or warning line without -v; with -v

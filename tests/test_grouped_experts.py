@@ -7,6 +7,8 @@ import torch
 
 from ps_bridge.models.experts import grouped_linear, stacked, uses_grouped_mm, weight_spans
 
+pytestmark = pytest.mark.core  # also run on the oldest tested stack
+
 
 def _case(dtype, contiguous_weights, seed=0):
     """contiguous_weights: True (one buffer), False (one storage each), "runs" (two buffers, as

@@ -41,7 +41,15 @@ CONFIGS = {
 SLOW_CONFIGS = {"tp2_sp"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CONFIGS else n for n in CONFIGS])
+# the oldest tested stack runs TP=2 (`core`)
+CORE_CONFIGS = {"tp2"}
+
+
+def _marks(name):
+    return [m for m, on in ((pytest.mark.slow, name in SLOW_CONFIGS), (pytest.mark.core, name in CORE_CONFIGS)) if on]
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in CONFIGS])
 def test_parallel_run_equals_single_rank_unshared(name, tmp_path, request):
     nproc, flags, tp, pp, tied = CONFIGS[name]
     if tied:

@@ -9,6 +9,8 @@ from ps_bridge.layout import Sample
 from ps_bridge.runtime import forward_logits, make_layout
 from ps_bridge.tiny_checkpoints import grpo_like_samples, hf_sample_logprobs
 
+pytestmark = pytest.mark.core  # also run on the oldest tested stack
+
 
 def test_provider_and_model_classes(qwen2_loaded):
     from ps_bridge.models.attention import PrefixSharedCoreAttention

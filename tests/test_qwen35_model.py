@@ -25,7 +25,13 @@ from ps_bridge.tiny_checkpoints import hf_sample_logprobs
 ARCHS = ["qwen3.5", "qwen3.5-moe", "qwen3.5-vl", "qwen3.5-moe-vl"]
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+# the CausalLM cases also run on the oldest tested stack (`core`); the ConditionalGeneration (VL) ones
+# do not: on Megatron-Bridge 0.5.0 their shared gradients differ from the unshared ones (not yet
+# understood, docs/stacks.md)
+CORE_ARCHS = {"qwen3.5", "qwen3.5-moe"}
+
+
+@pytest.fixture(scope="module", params=[pytest.param(a, marks=pytest.mark.core) if a in CORE_ARCHS else a for a in ARCHS])
 def tiny(request, tmp_path_factory):
     hf, loaded, path = load_tiny(request.param, tmp_path_factory)
     loaded.model.eval()  # eval: no MoE aux loss in the log-prob gradients compared below

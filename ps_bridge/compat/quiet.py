@@ -31,7 +31,9 @@ _NOTICE_MESSAGES = (
     r".*(not installed|falling back|fall back|roll back|not supported on current platform|"
     r"only transformer-engine|deprecated|recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS|"
     r"engine is not available|is experimental and still under active development|"
-    r"large number of experts .* without fp32 routing)"
+    r"large number of experts .* without fp32 routing|"
+    # modelopt (imported by Megatron-Bridge 0.5.x): its optional transformers plugin, its tested range
+    r"failed to import modelopt .* plugin|is not tested with nvidia-modelopt)"
 )
 # Third-party loggers whose records below ERROR are dropped. A logger that sets its own level at
 # import (megatron.bridge.utils.import_utils: INFO, with its own handler) is held by the filter.

@@ -12,11 +12,12 @@ q/k keep their H key heads: fla applies grouped value heads natively with the sa
 
 from __future__ import annotations
 
-import importlib.util
 from collections import OrderedDict
 from typing import List, Optional
 
 import torch
+
+from ps_bridge.compat import fla as compat_fla
 
 
 CHUNK_SIZE = 64  # chunk_gated_delta_rule's default chunk size, for which the chunk index is made
@@ -45,9 +46,7 @@ def _per_plan(cu_seqlens: torch.Tensor, host: List[int], chunk_index: bool):
 
 
 def causal_conv1d(x, weight, bias, cu_seqlens, cu_seqlens_host, initial_state, output_final_state, activation):
-    from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d
-
-    y, final = fla_causal_conv1d(
+    y, final = compat_fla.causal_conv1d()(
         x=x.unsqueeze(0),
         weight=weight,
         bias=bias,
@@ -62,10 +61,9 @@ def causal_conv1d(x, weight, bias, cu_seqlens, cu_seqlens_host, initial_state, o
 
 
 def gated_delta_rule(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_host, initial_state, output_final_state):
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
     cpu, chunk_indices = _per_plan(cu_seqlens, cu_seqlens_host, chunk_index=True)
-    o, final = chunk_gated_delta_rule(
+    # fla-core 0.4.2 - 0.5.x take chunk_indices / chunk_size through **kwargs and ignore them
+    o, final = compat_fla.chunk_gated_delta_rule()(
         q.unsqueeze(0),
         k.unsqueeze(0),
         v.unsqueeze(0),
@@ -88,8 +86,9 @@ def hopper_backward_problem(device: torch.device) -> Optional[str]:
 
     fla-core 0.6.0 refuses the gated `chunk_bwd_dqkwg` kernel on Hopper (sm_90) with
     3.4.0 <= Triton < 3.7.1 (those Triton versions compute wrong gradients), unless tilelang is
-    installed, in which case fla dispatches that kernel to tilelang. We check up front, when the
-    model is built, instead of failing in the first backward pass.
+    installed, in which case fla dispatches that kernel to tilelang; fla-core before 0.6.0 has no such
+    route and computes those gradients wrongly without a word (`compat.fla.tilelang_backward_route`).
+    We check up front, when the model is built, instead of failing in the first backward pass.
     """
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
@@ -105,12 +104,13 @@ def hopper_backward_problem(device: torch.device) -> Optional[str]:
         return None
     if not (Version("3.4.0") <= triton_version < Version("3.7.1")):
         return None
-    if importlib.util.find_spec("tilelang") is not None:
+    if compat_fla.tilelang_backward_route():
         return None
     return (
         f"the fla Gated DeltaNet backward is refused on this Hopper GPU ({torch.cuda.get_device_name(device)}) "
         f"with Triton {triton.__version__}: Triton >= 3.4.0 and < 3.7.1 computes wrong gradients for fla's "
         "gated chunk_bwd_dqkwg kernel. Fix it either way: upgrade Triton to >= 3.7.1 "
-        "(e.g. a torch release that ships it), or `pip install tilelang` (fla then runs that kernel "
-        "with tilelang)."
+        "(e.g. a torch release that ships it), or `pip install tilelang` with fla-core >= "
+        f"{compat_fla.TILELANG_ROUTE_SINCE} (fla then runs that kernel with tilelang; older fla-core has no "
+        "tilelang route)."
     )

@@ -1,0 +1,74 @@
+"""What differs between the Megatron-Bridge releases ps-bridge runs on (0.5.0 - 0.6.2).
+
+- Which key a bridge is dispatched on: 0.5.x registers its stock Qwen bridges under the transformers
+  class (`source=Qwen3_5ForCausalLM`) and `AutoBridge` looks the architecture up as that class when
+  transformers has it; 0.6.x registers and looks up by class name. Megatron-Bridge's dispatch takes
+  an exact key before a name, so ours must sit under both keys to replace the stock bridge on either
+  release (`dispatch_sources`).
+- How routed MoE experts are mapped: 0.5.x maps Qwen3.5 MoE decoder experts as fused tensors only;
+  0.6 follows the checkpoint's layout (`experts_as_stored`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import List, Optional
+
+
+def dispatch_sources(source) -> List[object]:
+    """The keys to register a bridge for HF architecture `source` (class or class name) under:
+    the class name, and the transformers class where transformers has one."""
+    import transformers
+
+    name = source if isinstance(source, str) else source.__name__
+    keys: List[object] = [name]
+    cls = source if not isinstance(source, str) else getattr(transformers, name, None)
+    if isinstance(cls, type):
+        keys.append(cls)
+    return keys
+
+
+_PER_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(?:gate|up|down)_proj\.weight$")
+
+
+def _checkpoint_keys(hf_pretrained) -> Optional[List[str]]:
+    source = getattr(getattr(hf_pretrained, "state", None), "source", None)
+    if source is None or not hasattr(source, "get_all_keys"):
+        return None
+    return list(source.get_all_keys())
+
+
+def experts_as_stored(registry, hf_pretrained):
+    """The Qwen3.5 MoE mapping `registry` with its routed experts mapped the way the checkpoint stores
+    them. Megatron-Bridge 0.6 picks fused (`experts.gate_up_proj`) or per-expert
+    (`experts.<i>.gate_proj.weight`, what `save_pretrained` writes) from the checkpoint's keys itself;
+    0.5.x maps the decoder's experts as fused only, so where the checkpoint is per-expert the fused
+    mappings are replaced by per-expert ones (Megatron-Bridge's own `GatedMLPMapping` / `AutoMapping`,
+    as its 0.5 bridge maps per-expert MTP layers)."""
+    from megatron.bridge.models.conversion import utils as mb_utils
+
+    if hasattr(mb_utils, "moe_experts_stored_packed"):  # 0.6+: the stock bridge follows the checkpoint
+        return registry
+    keys = _checkpoint_keys(hf_pretrained)
+    if not keys or not any(_PER_EXPERT.search(k) for k in keys):
+        return registry
+    from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+    from megatron.bridge.models.conversion.param_mapping import (
+        AutoMapping,
+        FusedExpertMapping,
+        FusedGatedExpertMapping,
+        GatedMLPMapping,
+    )
+
+    mappings = []
+    for m in registry.mappings:
+        hf = getattr(m, "hf_param", None)
+        if type(m) is FusedGatedExpertMapping and hf.endswith(".experts.gate_up_proj"):
+            experts = hf[: -len("gate_up_proj")]
+            m = GatedMLPMapping(
+                megatron_param=m.megatron_param, gate=f"{experts}*.gate_proj.weight", up=f"{experts}*.up_proj.weight"
+            )
+        elif type(m) is FusedExpertMapping and hf.endswith(".experts.down_proj"):
+            m = AutoMapping(megatron_param=m.megatron_param, hf_param=f"{hf[: -len('down_proj')]}*.down_proj.weight")
+        mappings.append(m)
+    return MegatronMappingRegistry(*mappings)
