@@ -31,6 +31,7 @@ from megatron.bridge.models.qwen_vl.qwen35_vl_provider import Qwen35VLModelProvi
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from ps_bridge.compat import megatron_bridge as compat_megatron_bridge
 from ps_bridge.kernels.gdn import check_gdn_backend_usable
 from ps_bridge.models.moe import check_moe_settings
 from ps_bridge.models.qwen35_specs import prefix_shared_qwen35_block_spec
@@ -96,6 +97,9 @@ class PrefixSharedQwen35VLProviderMixin(PrefixSharingProviderBase):
         return prefix_shared_qwen35_block_spec(self, vp_stage=vp_stage, pp_rank=pp_rank)
 
     def provide(self, pre_process=None, post_process=None, vp_stage=None):
+        refusal = compat_megatron_bridge.vl_refusal()
+        if refusal:
+            raise RuntimeError(refusal)
         prepare_for_prefix_sharing(self)
         check_gdn_backend_usable(self.gdn_backend, _build_device())
         check_moe_settings(self)

@@ -7,12 +7,42 @@
   release (`dispatch_sources`).
 - How routed MoE experts are mapped: 0.5.x maps Qwen3.5 MoE decoder experts as fused tensors only;
   0.6 follows the checkpoint's layout (`experts_as_stored`).
+- The Qwen3.5 ConditionalGeneration (VL) model: on 0.5.x our prefix-shared run of it gave gradients
+  that differ from the unshared run (relative 0.61, tests/test_qwen35_model.py's VL cases, cause not
+  found), so it is refused there (`vl_refusal`); the text-only models are unaffected.
 """
 
 from __future__ import annotations
 
 import re
 from typing import List, Optional
+
+
+VL_SINCE = "0.6.0"
+
+
+def installed_version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("megatron-bridge")
+    except importlib.metadata.PackageNotFoundError:  # unpacked without its metadata: the newest layout
+        return VL_SINCE
+
+
+def vl_refusal() -> Optional[str]:
+    """Why the Qwen3.5 ConditionalGeneration (VL) provider is refused on this Megatron-Bridge, or None."""
+    from packaging.version import Version
+
+    version = installed_version()
+    if Version(version) >= Version(VL_SINCE):
+        return None
+    return (
+        f"Qwen3.5 ConditionalGeneration (VL) checkpoints are refused on Megatron-Bridge {version}: there "
+        "the prefix-shared gradients differ from the unshared run (docs/stacks.md). Fix: install "
+        f"megatron-bridge>={VL_SINCE} (`pip install --no-deps megatron-bridge==0.6.2`), or train the "
+        "text-only model (a Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM checkpoint)."
+    )
 
 
 def dispatch_sources(source) -> List[object]:
