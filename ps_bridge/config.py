@@ -55,6 +55,12 @@ class PrefixSharingConfig:
                   an SFT loss whose `loss_mask` covers prompt tokens). Under verl set it with
                   `PS_BRIDGE_PROMPT_VALUES=1`. With `enabled=False` (the unshared computation, the
                   stock engine's) every position is computed whatever this says.
+    tree:         with sharing on, share every common prefix (the token radix tree: a system prompt
+                  shared across prompts, a sample that is a prefix of another's, ...) instead of
+                  identical prompts only. Runs with every parallel size 1, `torch_ref` or `flex`
+                  attention and `torch_ref` Gated DeltaNet so far (see docs/tree.md).
+    tree_min_shared: the shortest common run a tree shares (None: `layout.DEFAULT_MIN_SHARED`).
+    tree_max_depth:  the tree's depth limit (None: none; 1 is one level of sharing).
     """
 
     enabled: bool = True
@@ -63,6 +69,9 @@ class PrefixSharingConfig:
     pad_multiple: Optional[int] = None
     gdn_backend: str = "auto"
     prompt_values: bool = False
+    tree: bool = False
+    tree_min_shared: Optional[int] = None
+    tree_max_depth: Optional[int] = None
 
     def __post_init__(self):
         from ps_bridge.kernels.attention import BACKENDS

@@ -18,6 +18,7 @@ import torch
 from ps_bridge.config import PrefixSharingConfig
 from ps_bridge.forward import cp_total_multiple, local_shard, run_packed, shard_tag
 from ps_bridge.layout import PackedPrefixLayout, build_layout, log_layout
+from ps_bridge.parallel import ParallelSettings
 from ps_bridge.parallel_info import rank_tag
 from ps_bridge.rows import PackedRows
 
@@ -223,11 +224,15 @@ def make_layout(samples, loaded: LoadedModel, share: Optional[bool] = None) -> P
     parallelism scatters the pack evenly), the whole pack to `cp_total_multiple()` under CP; a shared
     layout lists the read positions unless `loaded.config.prompt_values` (`PrefixSharingConfig`)."""
     share = loaded.config.enabled if share is None else share
+    if share is True and loaded.config.tree:
+        share = "tree"
     pad = loaded.config.pad_multiple or int(getattr(loaded.provider, "tensor_model_parallel_size", 1))
     layout = build_layout(
         samples, share=share, pad_multiple=pad, vocab_size=loaded.vocab_size, total_multiple=cp_total_multiple(),
         prompt_values=loaded.config.layout_prompt_values,
+        min_shared=loaded.config.tree_min_shared, max_depth=loaded.config.tree_max_depth,
     )
+    ParallelSettings(tp=loaded.tp, pp=loaded.pp, cp=loaded.cp, ep=loaded.ep).check_supported(tree_depth=layout.tree_depth)
     log_layout(layout, f"[{rank_tag()}]{shard_tag(layout)}")
     return layout
 
