@@ -58,3 +58,28 @@ def test_padding_is_counted():
     samples = [Sample([1, 2, 3], [4, 5])]
     tight, padded = build_layout(samples, share=False), build_layout(samples, share=False, pad_multiple=8)
     assert model_flops(shape, padded) > model_flops(shape, tight)
+
+
+def test_system_prompt_tree_matches_the_formula():
+    """A system prompt of S tokens shared by G prompts of P tokens, each with n responses of R: the
+    tree's FLOPs written out by hand (two levels of ancestors for the responses)."""
+    model = MODEL_SHAPES["qwen2.5-7b"]
+    S, G, P, n, R = 96, 3, 40, 4, 24
+    system = list(range(S))
+    samples = [Sample(system + [500 + g] * P, [1000 + 10 * g + r] * R) for g in range(G) for r in range(n)]
+    d = model.dims
+    h, V, I = d["hidden_size"], d["vocab_size"], d["intermediate_size"]
+    H, Hkv = d["num_attention_heads"], d["num_key_value_heads"]
+    hd = h // H
+    linear = 2 * (h * H * hd + 2 * h * Hkv * hd + H * hd * h + 3 * h * I)
+
+    def flops(tokens, pairs, outputs):
+        return model.bench_layers * (3 * tokens * linear + 3.5 * 4 * H * hd * pairs) + 3 * 2 * h * V * outputs
+
+    L = S + P + R
+    unshared = flops(G * n * L, G * n * L**2 / 2, G * n * L)
+    pairs = S**2 / 2 + G * (P * S + P**2 / 2) + G * n * (R * (S + P) + R**2 / 2)
+    shared = flops(S + G * P + G * n * R, pairs, G + G * n * R)
+    F = flop_ratio(flop_shape(model), samples, share="tree", min_shared=0)
+    assert F == pytest.approx(unshared / shared, rel=1e-12)
+    assert build_layout(samples, share="tree", min_shared=0).tree_depth == 2

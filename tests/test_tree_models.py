@@ -15,6 +15,7 @@ from qwen35_helpers import load_tiny, max_abs, param_grads, per_sample_response_
 from tree_cases import tree_samples
 from ps_bridge.compare import hf_logprobs, max_abs_diff, max_relative_grad_diff, run_logprob_loss
 from ps_bridge.layout import build_layout
+from ps_bridge.runtime import make_layout
 
 
 @contextmanager
@@ -34,6 +35,7 @@ def test_qwen2_tree_logprobs_and_gradients(qwen2_checkpoint, qwen2_loaded, seed,
     samples = tree_samples(seed)
     assert build_layout(samples, share="tree", min_shared=0).tree_depth >= 2
     with tree_config(qwen2_loaded, pad_multiple=pad_multiple):
+        assert make_layout(samples, qwen2_loaded).tree_depth >= 2  # what the run below packs
         shared = run_logprob_loss(qwen2_loaded, samples, share=True)
     unshared = run_logprob_loss(qwen2_loaded, samples, share=False)
     ref = hf_logprobs(hf_model, samples)
@@ -47,6 +49,7 @@ def test_qwen2_tree_flex_logprobs(qwen2_checkpoint, qwen2_loaded):
     _, hf_model = qwen2_checkpoint
     samples = tree_samples(1)
     with tree_config(qwen2_loaded, backend="flex"):
+        assert make_layout(samples, qwen2_loaded).tree_depth >= 2
         shared = run_logprob_loss(qwen2_loaded, samples, share=True, backward=False)
     assert max_abs_diff(shared.logprobs, hf_logprobs(hf_model, samples)) <= 2e-5
 
