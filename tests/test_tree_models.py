@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from qwen35_helpers import load_tiny, max_abs, param_grads, per_sample_response_logprobs
+from test_qwen35_moe_router_stats import _bias_step, moe_with_expert_bias  # noqa: F401 (a fixture)
 from tree_cases import tree_samples
 from ps_bridge.compare import hf_logprobs, max_abs_diff, max_relative_grad_diff, run_logprob_loss
 from ps_bridge.layout import build_layout
@@ -96,3 +97,22 @@ def test_qwen35_tree_gradients_equal_unshared(qwen35):
     assert g_tree.keys() == g_flat.keys() and any("A_log" in n for n in g_tree)
     worst = max(((g_tree[n] - g_flat[n]).norm() / g_flat[n].norm().clamp(min=1e-12)).item() for n in g_tree)
     assert worst <= 1e-5, (name, worst)
+
+
+def test_qwen35_moe_tree_expert_bias_counts_equal_unshared(moe_with_expert_bias):
+    """The aux-loss-free expert bias: per-expert token counts, the bias update and the gradients of a
+    tree run equal the unshared run's (each position counted once per sample through it)."""
+    loaded = moe_with_expert_bias
+    samples = tree_samples(4)
+    gen = torch.Generator().manual_seed(1)
+    weights = [torch.randn(len(s.response), generator=gen) for s in samples]
+    start = [0.01 * torch.randn(loaded.provider.num_moe_experts, generator=gen) for _ in range(4)]
+    c_tree, b_tree, g_tree = _bias_step(loaded, samples, "tree", weights, start)
+    c_flat, b_flat, g_flat = _bias_step(loaded, samples, False, weights, start)
+    unshared_tokens = sum(len(s.prompt) + len(s.response) for s in samples)
+    for a, b in zip(c_tree, c_flat):
+        assert torch.equal(a, b) and a.sum().item() == unshared_tokens * loaded.provider.moe_router_topk
+    for a, b in zip(b_tree, b_flat):
+        assert torch.equal(a, b)
+    worst = max(((g_tree[n] - g_flat[n]).abs().max() / g_flat[n].abs().max().clamp(min=1e-12)).item() for n in g_tree)
+    assert worst <= 1e-5, worst
