@@ -99,6 +99,12 @@ class PrefixSharingConfig:
         if self.pad_multiple is not None and self.pad_multiple < 1:
             raise ValueError(f"pad_multiple must be >= 1, got {self.pad_multiple}")
 
+    def layout_share(self, share=None):
+        """What `build_layout(share=...)` gets for a run with this config: `share` (default: `enabled`),
+        and a prefix tree ("tree") where sharing is on and `tree` is set."""
+        share = self.enabled if share is None else share
+        return "tree" if share is True and self.tree else share
+
     @property
     def layout_prompt_values(self) -> bool:
         """What `build_layout(prompt_values=...)` gets for a run with this config: the option when

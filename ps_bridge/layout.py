@@ -25,6 +25,14 @@ this sample's own label `r_i[0]`; the last row position has no label and holds 0
 With `share=False` every sample is its own segment `[prompt + response]`: the unshared computation,
 used as the reference and as the fallback.
 
+Prefix trees. The layout above is the depth-one case of a prefix tree; `share="tree"` shares every
+common prefix (a system prompt across prompts, a sample that is a prefix of another's): one segment
+per node of a token radix tree, packed level by level (roots, then their children, ...), each token
+at its position in its own sequence, each node attending to its ancestors' tokens (docs/tree.md).
+The layout is built in three steps, each testable alone: decide what is shared
+(`ps_bridge.tree.decide`), order the pack (`ps_bridge.tree.order`), materialize the tensors and the
+way back (`materialize`); `build_layout` runs the three for every `share` mode.
+
 Read positions. verl's losses read a row only from position `P_i - 1` on (the response log-probs,
 entropies, ...). A shared layout built with `prompt_values=False` (what a `PrefixSharingConfig`
 gives by default: `runtime.make_layout`, the verl engine) lists in `output_positions` the packed

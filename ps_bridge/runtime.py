@@ -223,9 +223,7 @@ def make_layout(samples, loaded: LoadedModel, share: Optional[bool] = None) -> P
     """The packed layout of `samples` for this model: segments padded to the TP size (sequence
     parallelism scatters the pack evenly), the whole pack to `cp_total_multiple()` under CP; a shared
     layout lists the read positions unless `loaded.config.prompt_values` (`PrefixSharingConfig`)."""
-    share = loaded.config.enabled if share is None else share
-    if share is True and loaded.config.tree:
-        share = "tree"
+    share = loaded.config.layout_share(share)
     pad = loaded.config.pad_multiple or int(getattr(loaded.provider, "tensor_model_parallel_size", 1))
     layout = build_layout(
         samples, share=share, pad_multiple=pad, vocab_size=loaded.vocab_size, total_multiple=cp_total_multiple(),

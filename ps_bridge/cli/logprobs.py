@@ -85,7 +85,7 @@ def run_logprobs(args) -> int:
         )
         resolve_provider(config.provider, archs)
         # validate ids and tree options before the (slow) conversion, so a bad batch fails at once
-        layout = build_layout(samples, share=_share(config), vocab_size=_hf_vocab_size(hf_config, args.hf_path),
+        layout = build_layout(samples, share=config.layout_share(), vocab_size=_hf_vocab_size(hf_config, args.hf_path),
                               min_shared=config.tree_min_shared, max_depth=config.tree_max_depth)
         parallel.check_supported(tree_depth=layout.tree_depth)
     except (FileNotFoundError, ValueError) as e:
@@ -123,8 +123,3 @@ def run_logprobs(args) -> int:
         + (f" (tree depth {layout.tree_depth}, {layout.num_segments} nodes)" if config.enabled and config.tree else "")
     )
     return 0
-
-
-def _share(config):
-    """What `build_layout(share=...)` gets for the report (the run itself: `runtime.make_layout`)."""
-    return ("tree" if config.tree else True) if config.enabled else False
