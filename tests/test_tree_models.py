@@ -55,6 +55,17 @@ def test_qwen2_tree_flex_logprobs(qwen2_checkpoint, qwen2_loaded):
     assert max_abs_diff(shared.logprobs, hf_logprobs(hf_model, samples)) <= 2e-5
 
 
+def test_qwen2_tree_split_across_micro_batches(qwen2_checkpoint, qwen2_loaded):
+    """Samples sharing a prefix split across two micro-batches: each part is its own tree, still exact."""
+    _, hf_model = qwen2_checkpoint
+    samples = tree_samples(5)
+    half = len(samples) // 2
+    with tree_config(qwen2_loaded):
+        parts = [run_logprob_loss(qwen2_loaded, part, share=True, backward=False).logprobs
+                 for part in (samples[:half], samples[half:])]
+    assert max_abs_diff(parts[0] + parts[1], hf_logprobs(hf_model, samples)) <= 2e-5
+
+
 @pytest.fixture(scope="module", params=["qwen3.5", "qwen3.5-moe"])
 def qwen35(request, tmp_path_factory):
     hf, loaded, _ = load_tiny(request.param, tmp_path_factory)
