@@ -97,6 +97,9 @@ class PackedPrefixLayout:
     Read positions: output_positions, sorted packed positions the output layer runs on (each
       response position and each prompt's last position), or None for every position (see the
       module docstring).
+    The tree (segments are its nodes, in pack order): segment_parent, segment_level, segment_tin,
+      segment_tout, and in `host` level_offsets and depth. A *group* is a root's subtree, a
+      *prompt* segment a root (level 0); sample_segment is the node holding a sample's last token.
     """
 
     tokens: torch.Tensor
