@@ -6,8 +6,9 @@ replaces `forward`), so Megatron-Bridge's Qwen3.5 names apply unchanged: `in_pro
 
 `forward` takes the packed THD sequence (`[T, 1, hidden]`) with the prefix layout in
 `packed_seq_params` (verl's engine packs every micro-batch this way, whatever verl's data format).
-The sequence mixing (causal conv1d + gated delta rule) runs prompts
-first and then every response from its prompt's final states (`ps_bridge.kernels.gdn`). The
+The sequence mixing (causal conv1d + gated delta rule) runs the prefix
+tree level by level, each node from its parent's final states: prompts first and then every
+response from its prompt's (`ps_bridge.kernels.gdn`). The
 backend is the config's `gdn_backend` (our providers set it; default `auto`). Under context
 parallelism the layer receives this rank's shard of the pack; the conv and delta-rule inputs go to
 a head shard over the whole pack and back (`models/context_parallel.py`), the decay and gate are
@@ -92,7 +93,7 @@ class PrefixSharedGatedDeltaNet(GatedDeltaNet):
         if cp > 1:  # this rank's shard of every head -> the whole pack with 1/cp of the heads
             mixed_qkv = to_head_shard(mixed_qkv, cp_group, qkv_sections)
             g, beta = to_head_shard(g, cp_group), to_head_shard(beta, cp_group)
-        backend = resolve_gdn_backend(getattr(self.config, "gdn_backend", "auto"), qkvzba.device)
+        backend = resolve_gdn_backend(getattr(self.config, "gdn_backend", "auto"), qkvzba.device, layout.tree_depth)
         if not self._announced or logger.isEnabledFor(logging.DEBUG):
             logger.info(
                 "[PS][gdn][%s layer=%s] enter prefix-sharing path: backend=%s %s",

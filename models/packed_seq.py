@@ -20,12 +20,13 @@ from ps_bridge.layout import PackedPrefixLayout
 
 
 def moe_token_weights(layout: PackedPrefixLayout) -> torch.Tensor:
-    """`[T]` float32 on the layout's device: a prompt token stands for every sample of its group
-    (weight = group size; 1 when unshared), a response token for one, padding for none (cached)."""
+    """`[T]` float32 on the layout's device: the number of samples whose sequence passes through
+    each packed position (a shared prompt token: its group's size; in a tree, the samples below its
+    node that reach it; 1 when unshared; 0 for padding): how often each row reads it (cached)."""
 
     def build():
-        per_token = torch.where(layout.is_prompt, layout.group_size[layout.group_ids], 1)
-        return torch.where(layout.valid, per_token, 0).to(torch.float32)
+        source = layout.row_source.to(layout.device)
+        return torch.bincount(source, minlength=layout.num_tokens).to(torch.float32)
 
     return layout.derived(("moe_token_weights", str(layout.device)), build)
 

@@ -52,7 +52,8 @@ def run_logprob_loss(loaded: LoadedModel, samples: List[Sample], share: bool, ba
         logprobs=per_sample,
         grads=grads,
         seconds=seconds,
-        tokens=build_layout(samples, share=share).tokens_shared,
+        tokens=build_layout(samples, share=loaded.config.layout_share(share), min_shared=loaded.config.tree_min_shared,
+                            max_depth=loaded.config.tree_max_depth).tokens_shared,
     )
 
 

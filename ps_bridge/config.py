@@ -62,6 +62,12 @@ class PrefixSharingConfig:
                   slower), `on` every micro-batch that has a prompt with two or more responses, `off`
                   none (the unshared computation, with sharing's micro-batching). Under verl
                   `PS_BRIDGE_SHARING=auto|on|off`.
+    tree:         with sharing on, share every common prefix (the token radix tree: a system prompt
+                  shared across prompts, a sample that is a prefix of another's, ...) instead of
+                  identical prompts only. Runs with every parallel size 1, `torch_ref` or `flex`
+                  attention and `torch_ref` Gated DeltaNet so far (see docs/tree.md).
+    tree_min_shared: the shortest common run a tree shares (None: `layout.DEFAULT_MIN_SHARED`).
+    tree_max_depth:  the tree's depth limit (None: none; 1 is one level of sharing).
     """
 
     enabled: bool = True
@@ -71,6 +77,9 @@ class PrefixSharingConfig:
     gdn_backend: str = "auto"
     prompt_values: bool = False
     sharing: str = "auto"
+    tree: bool = False
+    tree_min_shared: Optional[int] = None
+    tree_max_depth: Optional[int] = None
 
     def __post_init__(self):
         from ps_bridge.kernels.attention import BACKENDS
@@ -103,6 +112,12 @@ class PrefixSharingConfig:
             )
         if self.pad_multiple is not None and self.pad_multiple < 1:
             raise ValueError(f"pad_multiple must be >= 1, got {self.pad_multiple}")
+
+    def layout_share(self, share=None):
+        """What `build_layout(share=...)` gets for a run with this config: `share` (default: `enabled`),
+        and a prefix tree ("tree") where sharing is on and `tree` is set."""
+        share = self.enabled if share is None else share
+        return "tree" if share is True and self.tree else share
 
     @property
     def layout_prompt_values(self) -> bool:

@@ -124,7 +124,10 @@ class MicroBatchCounts:
     outputs_shared: int  # positions the shared output layer runs on
 
     @classmethod
-    def of(cls, samples: Sequence, prompt_values: bool = False) -> "MicroBatchCounts":
+    def of(cls, samples: Sequence, prompt_values: bool = False, tree: bool = False,
+           min_shared: Optional[int] = None, max_depth: Optional[int] = None) -> "MicroBatchCounts":
+        """Counts of the packing sharing would run: identical prompts (`tree=False`), or the prefix tree
+        (`tree=True`: `tokens_shared` is the trie's tokens, as `build_layout(share="tree")` stores them)."""
         from ps_bridge.layout import find_groups
 
         groups = find_groups(samples)
@@ -132,7 +135,28 @@ class MicroBatchCounts:
         responses = sum(len(s.response) for s in samples)
         unshared = sum(len(s.prompt) for s in samples) + responses
         shared = prompts + responses
+        if tree:
+            shared = tree_tokens(samples, min_shared, max_depth)
         return cls(len(samples), len(groups), unshared, shared, shared if prompt_values else len(groups) + responses)
+
+    @property
+    def nothing_shared(self) -> bool:
+        return self.tokens_shared >= self.tokens_unshared
+
+
+def tree_tokens(samples: Sequence, min_shared: Optional[int], max_depth: Optional[int]) -> int:
+    """The tokens the prefix tree of `samples` stores (`ps_bridge.tree.decide.token_trie`)."""
+    import numpy as np
+
+    from ps_bridge.layout import DEFAULT_MIN_SHARED
+    from ps_bridge.tree.decide import sequence_offsets, token_trie
+
+    sequences = [list(s.prompt) + list(s.response) for s in samples]
+    offsets = sequence_offsets([len(x) for x in sequences])
+    flat = np.fromiter((t for x in sequences for t in x), dtype=np.int64, count=int(offsets[-1]))
+    trie = token_trie(flat, offsets, min_shared=DEFAULT_MIN_SHARED if min_shared is None else min_shared,
+                      max_depth=max_depth)
+    return trie.trie_tokens
 
 
 @dataclass(frozen=True)
@@ -164,8 +188,8 @@ def decide_sharing(counts: MicroBatchCounts, model: Optional[ModelCost], *, mode
     every rank."""
     if mode not in MODES:
         raise ValueError(f"prefix-sharing mode {mode!r} is not one of {', '.join(MODES)} (PS_BRIDGE_SHARING)")
-    if counts.groups == counts.samples:
-        return SharingDecision(False, "nothing to share (every prompt has one response)")
+    if counts.nothing_shared:
+        return SharingDecision(False, "nothing to share (no token is stored once for several samples)")
     if mode == "off":
         return SharingDecision(False, "forced off (PS_BRIDGE_SHARING=off)")
     if mode == "on":
@@ -203,7 +227,8 @@ def sharing_for(samples: Sequence, config, model: Optional[ModelCost], device_ty
     backward = torch.is_grad_enabled() if backward is None else backward
     if not config.enabled:
         return SharingDecision(False, "prefix sharing disabled")
-    counts = MicroBatchCounts.of(samples, prompt_values=config.prompt_values)
+    counts = MicroBatchCounts.of(samples, prompt_values=config.prompt_values, tree=config.tree,
+                                 min_shared=config.tree_min_shared, max_depth=config.tree_max_depth)
     return decide_sharing(counts, model, mode=config.sharing, attention_backend=config.backend,
                           gdn_backend=config.gdn_backend, device_type=device_type, dtype_name=dtype_name,
                           backward=backward)

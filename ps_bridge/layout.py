@@ -25,6 +25,14 @@ this sample's own label `r_i[0]`; the last row position has no label and holds 0
 With `share=False` every sample is its own segment `[prompt + response]`: the unshared computation,
 used as the reference and as the fallback.
 
+Prefix trees. The layout above is the depth-one case of a prefix tree; `share="tree"` shares every
+common prefix (a system prompt across prompts, a sample that is a prefix of another's): one segment
+per node of a token radix tree, packed level by level (roots, then their children, ...), each token
+at its position in its own sequence, each node attending to its ancestors' tokens (docs/tree.md).
+The layout is built in three steps, each testable alone: decide what is shared
+(`ps_bridge.tree.decide`), order the pack (`ps_bridge.tree.order`), materialize the tensors and the
+way back (`materialize`); `build_layout` runs the three for every `share` mode.
+
 Read positions. verl's losses read a row only from position `P_i - 1` on (the response log-probs,
 entropies, ...). A shared layout built with `prompt_values=False` (what a `PrefixSharingConfig`
 gives by default: `runtime.make_layout`, the verl engine) lists in `output_positions` the packed
@@ -39,14 +47,22 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from itertools import accumulate
-from typing import Callable, Hashable, Iterable, List, Optional, Sequence, TypeVar
+from itertools import accumulate, chain
+from typing import Callable, Hashable, Iterable, List, Optional, Sequence, TypeVar, Union
 
+import numpy as np
 import torch
+
+from ps_bridge.tree.decide import PrefixTree, prompt_tree, token_trie, unshared_tree
+from ps_bridge.tree.order import PackOrder, pack_order
 
 logger = logging.getLogger("ps_bridge")
 
 PAD_SEGMENT = -1
+
+# the shortest common run a "tree" layout shares by default (shorter runs are computed per sample);
+# a guess, not measured: the issue bounds it by 64
+DEFAULT_MIN_SHARED = 16
 
 T = TypeVar("T")
 
@@ -81,6 +97,9 @@ class PackedPrefixLayout:
     Read positions: output_positions, sorted packed positions the output layer runs on (each
       response position and each prompt's last position), or None for every position (see the
       module docstring).
+    The tree (segments are its nodes, in pack order): segment_parent, segment_level, segment_tin,
+      segment_tout, and in `host` level_offsets and depth. A *group* is a root's subtree, a
+      *prompt* segment a root (level 0); sample_segment is the node holding a sample's last token.
     """
 
     tokens: torch.Tensor
@@ -114,6 +133,13 @@ class PackedPrefixLayout:
     # it, and the row extractor keeps a padded vocabulary's extra ids out of the log-probs)
     vocab_size: Optional[int] = None
     output_positions: Optional[torch.Tensor] = None
+    # the tree, per segment (= node, in pack order): parent segment (-1 for a root), level (depth),
+    # depth-first interval [tin, tout) (segment a is an ancestor of s or s itself iff
+    # tin[a] <= tin[s] < tout[a])
+    segment_parent: Optional[torch.Tensor] = None
+    segment_level: Optional[torch.Tensor] = None
+    segment_tin: Optional[torch.Tensor] = None
+    segment_tout: Optional[torch.Tensor] = None
 
     # ---- sizes ---------------------------------------------------------------------------
     @property
@@ -134,8 +160,29 @@ class PackedPrefixLayout:
 
     @property
     def has_sharing(self) -> bool:
-        """True when at least one prompt is stored once for two or more responses."""
+        """True when at least one position is read by two or more samples (a prompt stored once for
+        two or more responses; in a tree, any shared node, which implies a shared root)."""
         return self.shared and bool((self.group_size > 1).any())
+
+    @property
+    def tree_depth(self) -> int:
+        """Depth of the prefix tree: 0 when every segment is a root (unshared), 1 for one level of
+        sharing (prompts and their responses), more for a deeper tree (`share="tree"`)."""
+        return self.host["depth"]
+
+    @property
+    def level_offsets(self) -> List[int]:
+        """Cumulative segment counts per tree level (`[0, roots, roots + level 1, ...]`): the
+        segments of level d are `level_offsets[d]:level_offsets[d + 1]`, contiguous in the pack."""
+        return self.host["level_offsets"]
+
+    def token_intervals(self):
+        """Per token `(tin, tout)` of its segment (on the layout's device, cached): key k is in an
+        ancestor segment of query q, or in q's own, iff `tin[k] <= tin[q] < tout[k]`."""
+        return self.derived(
+            ("token_intervals", str(self.device)),
+            lambda: (self.segment_tin.to(self.device)[self.segment_ids], self.segment_tout.to(self.device)[self.segment_ids]),
+        )
 
     @property
     def prompt_block_end(self) -> int:
@@ -216,14 +263,19 @@ class PackedPrefixLayout:
             f"valid_lengths={valid}, padded_lengths={padded}, "
             f"cu_seqlens={self.host['cu_seqlens_padded']}, groups={self.num_groups}, "
             f"samples={self.num_samples}, tokens_unshared={self.tokens_unshared}, "
-            f"tokens_shared={self.tokens_shared}"
+            f"tokens_shared={self.tokens_shared}, depth={self.tree_depth}, nodes={self.num_segments}, "
+            f"trie_tokens={self.tokens_shared}"
         )
 
 
-# ---- building ----------------------------------------------------------------------------
+# ---- building: decide what is shared, order the pack, materialize ---------------------------
+
+SHARE_MODES = ("prompt", "tree")
 
 
-def _check_samples(samples: Sequence[Sample], vocab_size: Optional[int]) -> None:
+def _flatten(samples: Sequence[Sample], vocab_size: Optional[int]):
+    """Every sample's `prompt + response` as one int64 array, its offsets and prompt lengths,
+    checked without a Python loop over the tokens."""
     if len(samples) == 0:
         raise ValueError("the micro-batch is empty: at least one sample is needed")
     for i, s in enumerate(samples):
@@ -232,19 +284,29 @@ def _check_samples(samples: Sequence[Sample], vocab_size: Optional[int]) -> None
         if len(s.response) == 0:
             raise ValueError(f"sample {i}: the response is empty (a response needs at least one token)")
         for part, ids in (("prompt", s.prompt), ("response", s.response)):
-            for t in ids:
-                if not isinstance(t, int) or isinstance(t, bool):
-                    raise ValueError(f"sample {i}: {part} token {t!r} is not an integer")
-                if t < 0 or (vocab_size is not None and t >= vocab_size):
-                    raise ValueError(
-                        f"sample {i}: {part} token id {t} is out of the vocabulary [0, {vocab_size})"
-                        if vocab_size is not None
-                        else f"sample {i}: {part} token id {t} is negative"
-                    )
+            if not set(map(type, ids)) <= {int}:
+                t = next(t for t in ids if type(t) is not int)
+                raise ValueError(f"sample {i}: {part} token {t!r} is not an integer")
+    prompt_lengths = np.fromiter((len(s.prompt) for s in samples), dtype=np.int64, count=len(samples))
+    lengths = prompt_lengths + np.fromiter((len(s.response) for s in samples), dtype=np.int64, count=len(samples))
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    flat = np.fromiter(chain.from_iterable(chain(s.prompt, s.response) for s in samples), dtype=np.int64, count=int(offsets[-1]))
+    bad = (flat < 0) if vocab_size is None else ((flat < 0) | (flat >= vocab_size))
+    if bad.any():
+        k = int(np.argmax(bad))
+        i = int(np.searchsorted(offsets, k, side="right")) - 1
+        part = "prompt" if k - offsets[i] < prompt_lengths[i] else "response"
+        raise ValueError(
+            f"sample {i}: {part} token id {int(flat[k])} is out of the vocabulary [0, {vocab_size})"
+            if vocab_size is not None
+            else f"sample {i}: {part} token id {int(flat[k])} is negative"
+        )
+    return flat, offsets, prompt_lengths
 
 
-def find_groups(samples: Sequence[Sample]) -> List[List[int]]:
-    """Group sample indices by identical prompt tokens, in order of first appearance.
+def find_groups(samples: Sequence[Sample], classes: Optional[Sequence[Hashable]] = None) -> List[List[int]]:
+    """Group sample indices by identical prompt tokens (and equal `classes`, when given), in order of
+    first appearance.
 
     A `uid` never decides: two samples with equal uid but different prompts are different groups
     (verl's uid marks a prompt, but after truncation or templating the tokens are what count).
@@ -252,7 +314,7 @@ def find_groups(samples: Sequence[Sample]) -> List[List[int]]:
     by_prompt: dict = {}
     groups: List[List[int]] = []
     for i, s in enumerate(samples):
-        key = tuple(s.prompt)
+        key = tuple(s.prompt) if classes is None else (classes[i], tuple(s.prompt))
         if key not in by_prompt:
             by_prompt[key] = len(groups)
             groups.append([])
@@ -267,6 +329,33 @@ def find_groups(samples: Sequence[Sample]) -> List[List[int]]:
     return groups
 
 
+def decide_sharing(
+    samples: Sequence[Sample],
+    flat: np.ndarray,
+    offsets: np.ndarray,
+    prompt_lengths: np.ndarray,
+    share: Union[bool, str],
+    *,
+    min_shared: Optional[int] = None,
+    max_depth: Optional[int] = None,
+    share_classes: Optional[Sequence[Hashable]] = None,
+) -> PrefixTree:
+    """Step 1: the prefix tree. `share`: False (nothing), True or "prompt" (identical prompts, one
+    level), "tree" (the token radix tree; `min_shared` default `DEFAULT_MIN_SHARED`)."""
+    lengths = np.diff(offsets)
+    if share is False:
+        return unshared_tree(lengths)
+    if share is True or share == "prompt":
+        groups = find_groups(samples, share_classes)
+        return prompt_tree(groups, prompt_lengths.tolist(), lengths.tolist())
+    if share == "tree":
+        return token_trie(
+            flat, offsets, classes=share_classes, max_depth=max_depth,
+            min_shared=DEFAULT_MIN_SHARED if min_shared is None else min_shared,
+        )
+    raise ValueError(f"share must be True, False, 'prompt' or 'tree', got {share!r}")
+
+
 def _padded(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -274,156 +363,178 @@ def _padded(n: int, multiple: int) -> int:
 def build_layout(
     samples: Sequence[Sample],
     *,
-    share: bool = True,
+    share: Union[bool, str] = True,
     pad_multiple: int = 1,
     vocab_size: Optional[int] = None,
     pad_token_id: int = 0,
     total_multiple: int = 1,
     prompt_values: bool = True,
+    min_shared: Optional[int] = None,
+    max_depth: Optional[int] = None,
+    share_classes: Optional[Sequence[Hashable]] = None,
 ) -> PackedPrefixLayout:
     """Pack `samples` (any order) into one prefix-shared THD layout; see the module docstring.
 
-    `prompt_values=False` (shared layouts only; an unshared one always computes every position)
-    lists the read positions in `output_positions`: the output layer then skips the other prompt
-    positions, whose rows hold 0. The default here computes every position; runs configured by a
-    `PrefixSharingConfig` pass its `prompt_values` (default False)."""
+    `share`: True / "prompt" shares identical prompts (one level), "tree" every common prefix (the
+    radix tree, `min_shared` and `max_depth` limit it: `ps_bridge.tree.decide.token_trie`), False
+    nothing. `share_classes` (one per sample, e.g. temperatures): samples of different classes never
+    share a position. `prompt_values=False` (shared layouts only; an unshared one always computes
+    every position) lists the read positions in `output_positions`: the output layer then skips the
+    other positions, whose rows hold 0. The default here computes every position; runs configured by
+    a `PrefixSharingConfig` pass its `prompt_values` (default False)."""
     if pad_multiple < 1:
         raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
     if total_multiple < 1:
         raise ValueError(f"total_multiple must be >= 1, got {total_multiple}")
     samples = [s if isinstance(s, Sample) else Sample(*s) for s in samples]
-    _check_samples(samples, vocab_size)
+    flat, offsets, prompt_lengths = _flatten(samples, vocab_size)
+    if share_classes is not None and len(share_classes) != len(samples):
+        raise ValueError(f"share_classes has {len(share_classes)} entries for {len(samples)} samples")
+    tree = decide_sharing(
+        samples, flat, offsets, prompt_lengths, share,
+        min_shared=min_shared, max_depth=max_depth, share_classes=share_classes,
+    )
+    return materialize(
+        flat, offsets, prompt_lengths, tree, pack_order(tree),
+        shared=share is not False, pad_multiple=pad_multiple, total_multiple=total_multiple,
+        pad_token_id=pad_token_id, prompt_values=prompt_values, vocab_size=vocab_size,
+    )
 
-    if share:
-        groups = find_groups(samples)
-    else:
-        groups = [[i] for i in range(len(samples))]
 
-    # Segment list: prompts first (one per group), then responses group by group.
-    seg_tokens: List[List[int]] = []
-    seg_positions: List[List[int]] = []
-    seg_group: List[int] = []
-    seg_prompt: List[bool] = []
-    group_prompt_len: List[int] = []
-    for g, members in enumerate(groups):
-        first = samples[members[0]]
-        body = list(first.prompt) if share else list(first.prompt) + list(first.response)
-        seg_tokens.append(body)
-        seg_positions.append(list(range(len(body))))
-        seg_group.append(g)
-        seg_prompt.append(True)
-        group_prompt_len.append(len(first.prompt))
-    num_prompt_segments = len(seg_tokens)
-    sample_segment = [0] * len(samples)
-    sample_group = [0] * len(samples)
-    for g, members in enumerate(groups):
-        for i in members:
-            sample_group[i] = g
-            if share:
-                p = group_prompt_len[g]
-                r = samples[i].response
-                sample_segment[i] = len(seg_tokens)
-                seg_tokens.append(list(r))
-                seg_positions.append(list(range(p, p + len(r))))
-                seg_group.append(g)
-                seg_prompt.append(False)
-            else:
-                sample_segment[i] = g
+def _repeat_arange(lengths: np.ndarray):
+    """`(index of the run, offset inside the run)` for runs of `lengths`, concatenated."""
+    runs = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    return runs, np.arange(int(lengths.sum()), dtype=np.int64) - starts[runs]
 
-    valid_lengths = [len(t) for t in seg_tokens]
+
+def materialize(
+    flat: np.ndarray,
+    offsets: np.ndarray,
+    prompt_lengths: np.ndarray,
+    tree: PrefixTree,
+    order: PackOrder,
+    *,
+    shared: bool,
+    pad_multiple: int = 1,
+    total_multiple: int = 1,
+    pad_token_id: int = 0,
+    prompt_values: bool = True,
+    vocab_size: Optional[int] = None,
+) -> PackedPrefixLayout:
+    """Step 3: the tensors of the pack in `order` (one segment per node, padded at its end to
+    `pad_multiple`, the last one further to make the pack a multiple of `total_multiple`) and the
+    way back (each sample's row of `P_i + R_i` packed positions and labels)."""
+    nodes = order.nodes
+    N = nodes.size
+    B = tree.num_samples
+    start, end, owner = tree.node_start[nodes], tree.node_end[nodes], tree.node_sample[nodes]
+    valid_lengths = (end - start).tolist()
     padded_lengths = [_padded(n, pad_multiple) for n in valid_lengths]
     padded_lengths[-1] += _padded(sum(padded_lengths), total_multiple) - sum(padded_lengths)
-    offsets = cumulative_offsets(padded_lengths)
+    seg_offsets = cumulative_offsets(padded_lengths)
     cu_valid = cumulative_offsets(valid_lengths)
+    padded = np.asarray(padded_lengths, dtype=np.int64)
+    seg_start = np.asarray(seg_offsets[:-1], dtype=np.int64)
 
-    T = offsets[-1]
-    tokens = torch.full((T,), pad_token_id, dtype=torch.long)
-    positions = torch.zeros(T, dtype=torch.long)
-    segment_ids = torch.empty(T, dtype=torch.long)
-    group_ids = torch.empty(T, dtype=torch.long)
-    is_prompt = torch.empty(T, dtype=torch.bool)
-    valid = torch.zeros(T, dtype=torch.bool)
-    for s, (toks, pos) in enumerate(zip(seg_tokens, seg_positions)):
-        a, n, e = offsets[s], len(toks), offsets[s + 1]
-        tokens[a : a + n] = torch.tensor(toks, dtype=torch.long)
-        positions[a : a + n] = torch.tensor(pos, dtype=torch.long)
-        # padding continues the positions so RoPE tables stay monotone; it is never attended to
-        if e > a + n:
-            last = pos[-1]
-            positions[a + n : e] = torch.arange(last + 1, last + 1 + e - a - n)
-        segment_ids[a:e] = s
-        group_ids[a:e] = seg_group[s]
-        is_prompt[a:e] = seg_prompt[s]
-        valid[a : a + n] = True
+    # per token: its segment and its offset inside the segment (padding continues the positions so
+    # RoPE tables stay monotone; padding is never attended to)
+    segment, within = _repeat_arange(padded)
+    positions = start[segment] + within
+    valid = within < (end - start)[segment]
+    tokens = np.full(segment.size, pad_token_id, dtype=np.int64)
+    tokens[valid] = flat[(offsets[owner] + start)[segment[valid]] + within[valid]]
 
-    # Inverse map: for each sample, the packed position of each of its P+R tokens.
-    row_source: List[torch.Tensor] = []
-    row_label: List[torch.Tensor] = []
-    for i, s in enumerate(samples):
-        P, R = len(s.prompt), len(s.response)
-        g = sample_group[i]
-        if share:
-            r_start = offsets[sample_segment[i]]
-            # group g's prompt is segment g
-            src = torch.cat([torch.arange(offsets[g], offsets[g] + P), torch.arange(r_start, r_start + R)])
-        else:
-            src = torch.arange(offsets[g], offsets[g] + P + R)
-        labels = torch.tensor(list(s.prompt[1:]) + list(s.response) + [-1], dtype=torch.long)
-        row_source.append(src)
-        row_label.append(labels)
-    row_offsets = cumulative_offsets(len(s.prompt) + len(s.response) for s in samples)
+    # each segment's root (parents come in earlier levels)
+    root = np.arange(N, dtype=np.int64)
+    for d in range(1, order.depth + 1):
+        k = np.arange(order.level_offsets[d], order.level_offsets[d + 1])
+        root[k] = root[order.parent[k]]
+    is_root = order.level == 0
+    pack_index = np.empty(N, dtype=np.int64)
+    pack_index[nodes] = np.arange(N)
+    terminal = pack_index[tree.sample_node]
+    sample_group = root[terminal]
+    num_roots = order.level_offsets[1]
+    group_size = np.bincount(sample_group, minlength=num_roots)
+
+    # the way back: each sample's path from its root, one piece of row per node
+    lengths = np.diff(offsets)
+    path_nodes: List[int] = []
+    path_count = np.empty(B, dtype=np.int64)
+    parent = order.parent.tolist()
+    for i, k in enumerate(terminal.tolist()):
+        path = []
+        while k >= 0:
+            path.append(k)
+            k = parent[k]
+        path_nodes.extend(reversed(path))
+        path_count[i] = len(path)
+    path_nodes = np.asarray(path_nodes, dtype=np.int64)
+    path_sample = np.repeat(np.arange(B, dtype=np.int64), path_count)
+    piece = np.minimum(end[path_nodes], lengths[path_sample]) - start[path_nodes]
+    row_node = np.repeat(path_nodes, piece)
+    row_sample, row_t = _repeat_arange(lengths)
+    row_source = seg_start[row_node] + row_t - start[row_node]
+    row_label = np.empty_like(flat)
+    row_label[:-1] = flat[1:]
+    row_label[offsets[1:] - 1] = -1
     output_positions = None
-    if share and not prompt_values:
-        # every response position, and each group's last prompt position (its responses' fork)
-        forks = [offsets[g] + group_prompt_len[g] - 1 for g in range(len(groups))]
-        responses = [torch.arange(offsets[s], offsets[s] + valid_lengths[s]) for s in range(num_prompt_segments, len(seg_tokens))]
-        output_positions = torch.cat([torch.tensor(forks, dtype=torch.long)] + responses)
+    if shared and not prompt_values:
+        # what verl's losses read: row positions P_i - 1 on (each response, with its fork position)
+        output_positions = torch.from_numpy(np.unique(row_source[row_t >= prompt_lengths[row_sample] - 1]))
 
-    group_size = [len(m) for m in groups]
-    tokens_unshared = sum(len(s.prompt) + len(s.response) for s in samples)
-    tokens_shared = sum(valid_lengths)
-
-    layout = PackedPrefixLayout(
-        tokens=tokens,
-        positions=positions,
-        segment_ids=segment_ids,
-        group_ids=group_ids,
-        is_prompt=is_prompt,
-        valid=valid,
-        segment_group=torch.tensor(seg_group, dtype=torch.long),
-        segment_is_prompt=torch.tensor(seg_prompt, dtype=torch.bool),
+    as_long = lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))  # noqa: E731
+    level_list = order.level.tolist()
+    host = dict(
+        valid_lengths=valid_lengths,
+        padded_lengths=padded_lengths,
+        cu_seqlens=cu_valid,
+        cu_seqlens_padded=seg_offsets,
+        segment_group=root.tolist(),
+        segment_is_prompt=is_root.tolist(),
+        group_size=group_size.tolist(),
+        max_valid_length=max(valid_lengths),
+        max_padded_length=max(padded_lengths),
+        segment_parent=parent,
+        segment_level=level_list,
+        level_offsets=list(order.level_offsets),
+        depth=order.depth,
+    )
+    return PackedPrefixLayout(
+        tokens=as_long(tokens),
+        positions=as_long(positions),
+        segment_ids=as_long(segment),
+        group_ids=as_long(root[segment]),
+        is_prompt=torch.from_numpy(is_root[segment]),
+        valid=torch.from_numpy(valid),
+        segment_group=as_long(root),
+        segment_is_prompt=torch.from_numpy(is_root.copy()),
         valid_lengths=torch.tensor(valid_lengths, dtype=torch.int32),
         padded_lengths=torch.tensor(padded_lengths, dtype=torch.int32),
         cu_seqlens=torch.tensor(cu_valid, dtype=torch.int32),
-        cu_seqlens_padded=torch.tensor(offsets, dtype=torch.int32),
-        group_size=torch.tensor(group_size, dtype=torch.long),
-        sample_group=torch.tensor(sample_group, dtype=torch.long),
-        sample_segment=torch.tensor(sample_segment, dtype=torch.long),
-        sample_prompt_length=torch.tensor([len(s.prompt) for s in samples], dtype=torch.long),
-        sample_response_length=torch.tensor([len(s.response) for s in samples], dtype=torch.long),
-        row_offsets=torch.tensor(row_offsets, dtype=torch.long),
-        row_source=torch.cat(row_source),
-        row_label=torch.cat(row_label),
-        shared=share,
+        cu_seqlens_padded=torch.tensor(seg_offsets, dtype=torch.int32),
+        group_size=as_long(group_size),
+        sample_group=as_long(sample_group),
+        sample_segment=as_long(terminal),
+        sample_prompt_length=as_long(prompt_lengths),
+        sample_response_length=as_long(lengths - prompt_lengths),
+        row_offsets=as_long(offsets),
+        row_source=as_long(row_source),
+        row_label=as_long(row_label),
+        shared=shared,
         pad_multiple=pad_multiple,
-        num_prompt_segments=num_prompt_segments,
-        tokens_unshared=tokens_unshared,
-        tokens_shared=tokens_shared,
-        host=dict(
-            valid_lengths=valid_lengths,
-            padded_lengths=padded_lengths,
-            cu_seqlens=cu_valid,
-            cu_seqlens_padded=offsets,
-            segment_group=seg_group,
-            segment_is_prompt=seg_prompt,
-            group_size=group_size,
-            max_valid_length=max(valid_lengths),
-            max_padded_length=max(padded_lengths),
-        ),
+        num_prompt_segments=num_roots,
+        tokens_unshared=int(offsets[-1]),
+        tokens_shared=int(sum(valid_lengths)),
+        host=host,
         vocab_size=vocab_size,
         output_positions=output_positions,
+        segment_parent=as_long(order.parent),
+        segment_level=as_long(order.level),
+        segment_tin=as_long(order.tin),
+        segment_tout=as_long(order.tout),
     )
-    return layout
 
 
 def samples_from_padded(

@@ -16,10 +16,11 @@ case "$STACK" in
     stack=(megatron-core==0.19.2 megatron-bridge==0.6.2 fla-core==0.6.0 verl==0.9.1
            tilelang==0.1.15 apache-tvm-ffi==0.1.12 torch-c-dlpack-ext==0.1.5 z3-solver==4.15.4.0) ;;
   oldest)
-    # the GPU machine's torch stays; transformers travels (Megatron-Bridge 0.5.0 wants 5.8.x), and
+    # the GPU machine's torch stays; transformers travels (Megatron-Bridge 0.5.0 wants 5.8.x) with a
+    # tokenizers it accepts (<= 0.23.0; the image has 0.23.2), and
     # modelopt with what its import needs (Megatron-Bridge 0.5.0 imports it at import time)
     archive=.whl/gpusite-oldest.tar.xz
-    stack=(megatron-core==0.18.0 megatron-bridge==0.5.0 fla-core==0.4.2 verl==0.8.0 transformers==5.8.1
+    stack=(megatron-core==0.18.0 megatron-bridge==0.5.0 fla-core==0.4.2 verl==0.8.0 transformers==5.8.1 tokenizers==0.22.2
            nvidia-modelopt==0.43.0 requests==2.34.2 urllib3==2.8.0 pulp==4.2.0 orloge==1.0.0 cpsat-logutils==1.0.0) ;;
   *) echo "STACK=$STACK is not a tested stack: use STACK=newest or STACK=oldest" >&2; exit 2 ;;
 esac

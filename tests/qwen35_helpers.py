@@ -26,7 +26,9 @@ def samples_for(loaded, **kw):
 
 
 def layout_for(loaded, samples, share, pad_multiple=1):
-    return build_layout(samples, share=share, pad_multiple=pad_multiple, vocab_size=loaded.vocab_size).to(loaded.device)
+    """`share`: True (one level), False or "tree" (sharing every common run: min_shared 0)."""
+    return build_layout(samples, share=share, pad_multiple=pad_multiple, vocab_size=loaded.vocab_size,
+                        min_shared=0).to(loaded.device)
 
 
 def per_sample_response_logprobs(loaded, samples, share, pad_multiple=1):

@@ -41,6 +41,23 @@ def test_logprobs_happy_path_shared_and_unshared(tmp_path, qwen2_checkpoint):
         assert max(abs(a - b) for a, b in zip(u["logprobs"], ref.tolist())) <= 1e-5
 
 
+def test_logprobs_tree_reports_trie_tokens(tmp_path, qwen2_checkpoint):
+    from tree_cases import distinct_prefixes, tree_samples
+
+    hf_path, hf_model = qwen2_checkpoint
+    samples = tree_samples(2)
+    out = tmp_path / "tree.json"
+    argv = ["logprobs", "--hf-path", hf_path, "--batch", write_batch(tmp_path / "b.json", samples), "--out", str(out)]
+    assert main(argv + ["--tree", "--tree-min-shared", "0"]) == 0
+    got = json.loads(out.read_text())
+    assert got["tree"] is True and got["tree_depth"] >= 2
+    assert got["tokens_shared"] == len(distinct_prefixes(samples))  # the trie's tokens (no padding here)
+    with torch.no_grad():
+        refs = hf_sample_logprobs(hf_model, samples)
+    for s, ref in zip(got["samples"], refs):
+        assert max(abs(a - b) for a, b in zip(s["logprobs"], ref.tolist())) <= 2e-5
+
+
 @pytest.fixture
 def good_batch(tmp_path):
     return write_batch(tmp_path / "good.json", grpo_like_samples(256, num_prompts=1, n=2, seed=0))

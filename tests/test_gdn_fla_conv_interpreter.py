@@ -1,7 +1,7 @@
 """fla's causal conv kernel, run on the CPU by Triton's interpreter, against `torch_ref`.
 
 The prefix-shared conv is one varlen call in which each response starts from a conv state that we
-build ourselves (its prompt's last W inputs, `GDNPlan.prompt_tail_index`), so our state layout must be
+build ourselves (its prompt's last W inputs, `GDNPlan.conv_tail_index`), so our state layout must be
 fla's: `[N, D, W]`, column W-1 the newest input, column 0 unread. Triton's interpreter
 (`TRITON_INTERPRET=1`) runs fla's own Triton kernel on CPU tensors, so CI checks this without a GPU:
 forward, final states and every gradient (the initial-state gradient is what carries a response's

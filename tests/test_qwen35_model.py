@@ -111,7 +111,7 @@ def test_forgetting_the_state_fork_breaks_equality(tiny, monkeypatch, forgotten)
     with torch.no_grad():
         unshared = per_sample_response_logprobs(loaded, samples, share=False)
         if forgotten in ("recurrent", "both"):
-            monkeypatch.setattr(gdn, "fork_states", lambda states, plan: torch.zeros_like(states).index_select(0, plan.response_prompt))
+            monkeypatch.setattr(gdn, "fork_states", lambda states, index: torch.zeros_like(states).index_select(0, index))
         if forgotten in ("conv", "both"):
             real_conv = gdn.forked_causal_conv1d
             monkeypatch.setattr(gdn, "forked_causal_conv1d", lambda *args, **kw: real_conv(*args, **dict(kw, fork=False)))

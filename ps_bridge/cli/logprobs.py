@@ -20,6 +20,12 @@ def add_parser(sub) -> None:
     lp.add_argument("--sharing", default="auto", choices=["auto", "on", "off"],
                     help="auto (default): share where the rule of ps_bridge.launch_rule finds it pays "
                          "(docs/never-slower.md); on: always share; off: never")
+    lp.add_argument("--tree", action="store_true",
+                    help="share every common prefix (a prefix tree: system prompts across prompts, samples that "
+                         "are prefixes of others), not only identical prompts; every parallel size 1 so far")
+    lp.add_argument("--tree-min-shared", type=int, default=None,
+                    help="with --tree: the shortest common run shared (default: ps_bridge.layout.DEFAULT_MIN_SHARED)")
+    lp.add_argument("--tree-max-depth", type=int, default=None, help="with --tree: the tree's depth limit (default: none)")
     lp.add_argument("--backend", default="torch_ref", help=f"attention backend ({', '.join(sorted(BACKENDS))})")
     lp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     lp.add_argument("--provider", default=None, help="provider name (default: detected from the checkpoint)")
@@ -77,11 +83,15 @@ def run_logprobs(args) -> int:
         hf_config = read_hf_config(args.hf_path)
         parallel.check(hf_config=hf_config)  # before any process group exists: every rank fails alike, nothing hangs
         archs = list(hf_config.get("architectures") or [])
-        config = PrefixSharingConfig(enabled=not args.no_prefix_sharing, backend=args.backend, provider=args.provider,
-                                     sharing=args.sharing)
+        config = PrefixSharingConfig(
+            enabled=not args.no_prefix_sharing, backend=args.backend, provider=args.provider, sharing=args.sharing,
+            tree=args.tree, tree_min_shared=args.tree_min_shared, tree_max_depth=args.tree_max_depth,
+        )
         resolve_provider(config.provider, archs)
-        # validate ids before the (slow) conversion, so a bad batch fails at once
-        build_layout(samples, share=False, vocab_size=_hf_vocab_size(hf_config, args.hf_path))
+        # validate ids and tree options before the (slow) conversion, so a bad batch fails at once
+        layout = build_layout(samples, share=config.layout_share(), vocab_size=_hf_vocab_size(hf_config, args.hf_path),
+                              min_shared=config.tree_min_shared, max_depth=config.tree_max_depth)
+        parallel.check_supported(tree_depth=layout.tree_depth)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(str(e)) from None
 
@@ -100,21 +110,25 @@ def run_logprobs(args) -> int:
     if not is_output_rank():
         return 0
     [per_sample] = rows
-    layout = build_layout(samples, share=config.enabled)  # token and group counts for the report
     decision = sharing_for(samples, config, loaded.model_cost, loaded.device.type, str(loaded.dtype)[6:])
     out = dict(
         samples=[{"logprobs": lp.float().cpu().tolist()} for lp in per_sample],
         tokens_unshared=layout.tokens_unshared,
         tokens_shared=layout.tokens_shared,
         groups=layout.num_groups,
+        tree_depth=layout.tree_depth,
+        tree_nodes=layout.num_segments,
         prefix_sharing=config.enabled,
         shared_path=decision.share,
         sharing_reason=decision.reason,
+        tree=config.enabled and config.tree,
         backend=config.backend,
     )
     Path(args.out).write_text(json.dumps(out))
     print(
         f"wrote {args.out}: {len(samples)} samples, {layout.num_groups} groups, "
-        f"tokens {layout.tokens_unshared} unshared -> {layout.tokens_shared} packed; {decision.describe()}"
+        f"tokens {layout.tokens_unshared} unshared -> {layout.tokens_shared} packed"
+        + (f" (tree depth {layout.tree_depth}, {layout.num_segments} nodes)" if config.enabled and config.tree else "")
+        + f"; {decision.describe()}"
     )
     return 0

@@ -1,10 +1,12 @@
 """`flex`: prefix-shared attention with FlexAttention.
 
-One `flex_attention` call over the whole pack with a block mask built from the layout's
-per-token metadata: key k is visible to query q when both are in the same group, k is valid, and
-either k is a prompt token while q is a response token, or both are in the same segment and k is not
-after q. Blocks where nothing is visible are skipped by the kernel, so the cost follows the shared
-pattern rather than the pack's square.
+One `flex_attention` call over the whole pack with a block mask built from the layout's depth-first
+intervals: key k is visible to query q when k's node is an ancestor of q's node or q's node itself
+(`tin[k] <= tin[q] < tout[k]`), k is valid, and k is not after q in the pack (the pack goes level
+by level, so an ancestor's tokens always come first; inside a node this is the causal order). This
+is any prefix tree, a one-level layout (prompts, responses) included. Blocks where nothing is
+visible are skipped by the kernel, so the cost follows the shared pattern rather than the pack's
+square.
 
 Recompilation: the compiled kernels and the block mask are specialised on the sequence length. The
 pack is therefore padded up to a *bucket* length (a power of two times 1, 1.25, 1.5 or 1.75, at
@@ -61,19 +63,16 @@ class FlexPlan:
 
 
 def _token_metadata(layout: PackedPrefixLayout, length: int, device):
-    """Per-token group / segment / flags, padded to `length`; bucket padding is an invalid token of
-    its own group (-1) so it matches nothing."""
+    """Per-token depth-first interval and validity, padded to `length`; bucket padding is an invalid
+    token with an empty interval [-1, -1), so it matches nothing."""
     T = layout.num_tokens
 
     def pad(x, fill):
         x = x.to(device)
         return torch.cat([x, x.new_full((length - T,), fill)]) if length > T else x
 
-    group = pad(layout.group_ids, -1)
-    segment = pad(layout.segment_ids, -1)
-    prompt = pad(layout.is_prompt, False)
-    valid = pad(layout.valid, False)
-    return group, segment, prompt, valid
+    tin, tout = layout.token_intervals()
+    return pad(tin, -1), pad(tout, -1), pad(layout.valid, False)
 
 
 def flex_plan(layout: PackedPrefixLayout, device) -> FlexPlan:
@@ -85,13 +84,11 @@ def _build_flex_plan(layout: PackedPrefixLayout, device: torch.device) -> FlexPl
     from torch.nn.attention.flex_attention import create_block_mask
 
     length = bucket_length(layout.num_tokens)
-    group, segment, prompt, valid = _token_metadata(layout, length, device)
+    tin, tout, valid = _token_metadata(layout, length, device)
 
     def prefix_shared_mask(b, h, q_idx, kv_idx):
-        same_group = group[q_idx] == group[kv_idx]
-        own_causal = (segment[q_idx] == segment[kv_idx]) & (kv_idx <= q_idx)
-        prompt_for_response = prompt[kv_idx] & ~prompt[q_idx]
-        return same_group & valid[kv_idx] & (own_causal | prompt_for_response)
+        ancestor_or_self = (tin[kv_idx] <= tin[q_idx]) & (tin[q_idx] < tout[kv_idx])
+        return ancestor_or_self & valid[kv_idx] & (kv_idx <= q_idx)
 
     # compiled mask construction never materialises the [length, length] mask
     with compile_allowed():

@@ -7,7 +7,7 @@ others; it picks a backend per call with `choose_attention_backend` (see `resolv
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -28,21 +28,36 @@ class AttentionBackend(Backend):
     """attention: `(q [T, Hq, D], k, v [T, Hkv, D], layout, softmax_scale) -> out [T, Hq, D]`."""
 
     attention: Callable[..., torch.Tensor]
+    # the deepest prefix tree it runs (None: any); a deeper one is refused with a clear message
+    max_tree_depth: Optional[int] = None
 
     def __call__(self, q, k, v, layout: PackedPrefixLayout, softmax_scale: float) -> torch.Tensor:
+        self.check_tree_depth(layout.tree_depth)
         return self.attention(q, k, v, layout, softmax_scale)
 
+    def check_tree_depth(self, depth: int) -> None:
+        if self.max_tree_depth is not None and depth > self.max_tree_depth:
+            raise ValueError(
+                f"the {OP} backend {self.name!r} runs prefix trees of depth <= {self.max_tree_depth} "
+                f"(prompts and their responses); this micro-batch's tree has depth {depth}: use backend "
+                "'torch_ref' or 'flex' (or 'auto', which picks one of them for deeper trees), or build "
+                "the layout with share=True (one level) or a max_depth of 1"
+            )
 
-def choose_attention_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+
+def choose_attention_backend(device: torch.device, dtype: torch.dtype, head_dim: int, tree_depth: int = 1) -> str:
     """`auto`'s choice: the cascade where the CUDA flash kernels take the inputs (fp16/bf16, a head
     dim that is a multiple of 8 up to 256), else the reference (CPU, float32 exactness runs). The
     cascade copies no key/value and was fastest or within a few percent of the fastest in the
-    measurements (docs/design.md section 4, BENCHMARKS.md)."""
+    measurements (docs/design.md section 4, BENCHMARKS.md). Trees deeper than one level: `flex` on
+    CUDA (compiled; not run on a GPU in this round), the reference elsewhere."""
+    if tree_depth > 1:
+        return "flex" if torch.device(device).type == "cuda" else "torch_ref"
     return "flash_atten_gpu" if flash_takes(device, dtype, head_dim) else "torch_ref"
 
 
 def _auto(q, k, v, layout: PackedPrefixLayout, softmax_scale: float) -> torch.Tensor:
-    return resolve_attention_backend(AUTO, q)(q, k, v, layout, softmax_scale)
+    return resolve_attention_backend(AUTO, q, layout.tree_depth)(q, k, v, layout, softmax_scale)
 
 
 BACKENDS: Dict[str, AttentionBackend] = {
@@ -54,11 +69,11 @@ BACKENDS: Dict[str, AttentionBackend] = {
         ),
         AttentionBackend(
             "flash_atten_gpu", "cascade of varlen flash calls, no key/value copies (CPU: torch's CPU op, for tests)",
-            ("cuda", "cpu"), FLASH_DTYPES, prefix_shared_attention_cascade,
+            ("cuda", "cpu"), FLASH_DTYPES, prefix_shared_attention_cascade, 1,
         ),
         AttentionBackend(
             "flash_atten_gpu_expand", "one varlen flash call over gathered [prompt; response] keys/values",
-            ("cuda", "cpu"), FLASH_DTYPES, prefix_shared_attention_expand,
+            ("cuda", "cpu"), FLASH_DTYPES, prefix_shared_attention_expand, 1,
         ),
         AttentionBackend(
             "flex", "FlexAttention with a prefix-sharing block mask (compiled on CUDA, eager elsewhere)",
@@ -66,7 +81,7 @@ BACKENDS: Dict[str, AttentionBackend] = {
         ),
         AttentionBackend(
             "flash_atten_npu", "the expand design on torch_npu's npu_fusion_attention; UNVERIFIED (no NPU here)",
-            ("npu",), None, prefix_shared_attention_npu,
+            ("npu",), None, prefix_shared_attention_npu, 1,
         ),
         AttentionBackend(AUTO, "flash_atten_gpu where the flash kernels take the inputs, else torch_ref", None, None, _auto),
     )
@@ -78,10 +93,11 @@ def get_attention_backend(name: str) -> AttentionBackend:
     return lookup(BACKENDS, name, OP)
 
 
-def resolve_attention_backend(name: str, q: torch.Tensor) -> AttentionBackend:
-    """The concrete backend `name` stands for with queries `q [T, Hq, D]` (`auto` resolved)."""
+def resolve_attention_backend(name: str, q: torch.Tensor, tree_depth: int = 1) -> AttentionBackend:
+    """The concrete backend `name` stands for with queries `q [T, Hq, D]` on a prefix tree of depth
+    `tree_depth` (`auto` resolved)."""
     backend = lookup(BACKENDS, name, OP)
     if name == AUTO:
-        backend = BACKENDS[choose_attention_backend(q.device, q.dtype, q.shape[-1])]
+        backend = BACKENDS[choose_attention_backend(q.device, q.dtype, q.shape[-1], tree_depth)]
     backend.check_device(q.device, OP)
     return backend

@@ -1,7 +1,10 @@
-"""Reference backend: one dense masked softmax per group, in plain PyTorch.
+"""Reference backend: one dense masked softmax per root of the prefix tree, in plain PyTorch.
 
-Exact on any device and easy to read; its cost is quadratic in a group's packed length, which is
-fine for tests and small batches and is what the fast backends are checked against.
+A token attends to every valid token of its node's ancestors and causally inside its own node (a
+one-level layout: a response token to its whole prompt and to its own response so far; a prompt
+token causally inside its prompt). Exact on any device and easy to read; its cost is quadratic in a
+root's packed subtree, which is fine for tests and small batches and is what the fast backends are
+checked against.
 """
 
 from __future__ import annotations
@@ -12,14 +15,14 @@ from ps_bridge.layout import PackedPrefixLayout
 
 
 def prefix_shared_mask(layout: PackedPrefixLayout, index: torch.Tensor) -> torch.Tensor:
-    """Boolean `[n, n]` mask (True = may attend) among the packed positions `index` of one group."""
+    """Boolean `[n, n]` mask (True = may attend) among the packed positions `index` of one root's
+    subtree: key k is in an ancestor-or-self node of query q (depth-first intervals:
+    `tin[k] <= tin[q] < tout[k]`), valid, and not after q."""
+    tin, tout = (x[index] for x in layout.token_intervals())
     pos = layout.positions[index]
-    seg = layout.segment_ids[index]
-    prompt = layout.is_prompt[index]
     valid = layout.valid[index]
-    q_pos, k_pos = pos[:, None], pos[None, :]
-    same_segment = seg[:, None] == seg[None, :]
-    mask = (k_pos <= q_pos) & (same_segment | prompt[None, :]) & valid[None, :]
+    ancestor_or_self = (tin[None, :] <= tin[:, None]) & (tin[:, None] < tout[None, :])
+    mask = ancestor_or_self & (pos[None, :] <= pos[:, None]) & valid[None, :]
     # a padding query attends to itself only, so its row stays finite
     return mask | torch.diag(~valid)
 

@@ -1,13 +1,14 @@
-"""Gated DeltaNet (Qwen3.5) with each prompt's final states forked into its responses.
+"""Gated DeltaNet (Qwen3.5) on a prefix tree: each node starts from its parent's final states.
 
 A GDN layer's sequence mixing is a causal depthwise conv1d followed by the gated delta rule; both
 carry state along the sequence (the last W conv inputs, and the `[HV, K, V]` recurrent state). With
-prefix sharing a response does not see its prompt's tokens, it starts from its prompt's *final
-states*. `prefix_shared_gated_delta_net` runs the delta rule twice per layer: once over all prompts
-(`output_final_state=True`) and once over all responses, whose initial states are the prompt states
-indexed by `plan.response_prompt` (`fork_states`). The fork is an `index_select`, so in the backward
-every response's state gradient is summed into its prompt's state: exactly the unshared gradient.
-The conv needs one call only: its state is the last W inputs, gathered from the prompt directly.
+prefix sharing a node does not see its ancestors' tokens, it starts from its parent's *final
+states*. `prefix_shared_gated_delta_net` runs the delta rule once per tree level (`plan.levels`:
+the roots with `output_final_state=True`, then each level from the states of the level before,
+indexed by `GDNLevel.parent`: `fork_states`); a one-level layout is two calls, prompts and then
+responses. The fork is an `index_select`, so in the backward every child's state gradient is
+summed into its parent's state: exactly the unshared gradient. The conv needs one call only: its
+state is the last W inputs of the ancestor path, gathered directly.
 
 `backend` is a `GDNBackend` (ps_bridge.kernels.gdn.registry) providing the two varlen kernels,
 `causal_conv1d` and `gated_delta_rule`; `plan` a `GDNPlan` (ps_bridge.kernels.gdn.plan).
@@ -22,47 +23,46 @@ import torch
 from ps_bridge.kernels.gdn.plan import GDNPlan
 
 
-def fork_states(prompt_states: torch.Tensor, plan: GDNPlan) -> torch.Tensor:
-    """Each response's initial state: its prompt's final state (`[Nr, ...]`, differentiable)."""
-    return prompt_states.index_select(0, plan.response_prompt)
+def fork_states(parent_states: torch.Tensor, parent_index: torch.Tensor) -> torch.Tensor:
+    """Each node's initial state: its parent's final state (`[n, ...]`, differentiable)."""
+    return parent_states.index_select(0, parent_index)
 
 
 def forked_causal_conv1d(x, weight, bias, plan: GDNPlan, backend, activation="silu", fork: bool = True):
-    """Causal conv over compacted `x [L, D]`, responses continuing from their prompt's conv state.
+    """Causal conv over compacted `x [L, D]`, each node continuing from its ancestor path's inputs.
 
     A conv state is only the last W raw *inputs*, which are known before the conv runs, so unlike the
-    delta rule this needs no second pass: one varlen call covers prompts and responses, each response
-    starting from its prompt's input tail (gathered with `prompt_tail_index`, so the backward adds
-    the responses' state gradients into the prompt's inputs). One call instead of two per layer
-    matters where the GPU work is small: each fla call costs about a millisecond of host time.
-    `fork=False` starts responses from zeros (a deliberately wrong variant, for negative tests)."""
-    if plan.num_responses == 0:
-        y, _ = backend.causal_conv1d(x, weight, bias, plan.cu_prompts, plan.cu_prompts_host, None, False, activation)
+    delta rule this needs no pass per level: one varlen call covers every node, each starting from
+    the tail of its ancestor path (gathered with `conv_tail_index`, so the backward adds the nodes'
+    state gradients into their ancestors' inputs). One call instead of one per level matters where
+    the GPU work is small: each fla call costs about a millisecond of host time.
+    `fork=False` starts every node from zeros (a deliberately wrong variant, for negative tests)."""
+    if plan.depth == 0 or not fork:
+        y, _ = backend.causal_conv1d(x, weight, bias, plan.cu_all, plan.cu_all_host, None, False, activation)
         return y
-    init = None
-    if fork:
-        D, W = weight.shape
-        index, valid = plan.prompt_tail_index(W, x.device)
-        tails = x.index_select(0, index).view(-1, W, D) * valid.unsqueeze(-1).to(x.dtype)  # [Nr, W, D]
-        init = torch.cat([x.new_zeros(plan.num_prompts, D, W), tails.transpose(1, 2)])  # fla's [N, D, W]
+    D, W = weight.shape
+    index, valid = plan.conv_tail_index(W, x.device)
+    tails = x.index_select(0, index).view(-1, W, D) * valid.unsqueeze(-1).to(x.dtype)  # [N, W, D]
+    init = tails.transpose(1, 2)  # fla's [N, D, W]
     y, _ = backend.causal_conv1d(x, weight, bias, plan.cu_all, plan.cu_all_host, init, False, activation)
     return y
 
 
 def forked_gated_delta_rule(q, k, v, g, beta, scale, plan: GDNPlan, backend, fork: bool = True):
-    """Gated delta rule over compacted tokens: prompts, then responses from their prompt's state."""
-    Lp = plan.num_prompt_tokens
-    has_responses = plan.num_responses > 0
-    o_p, state_p = backend.gated_delta_rule(
-        q[:Lp], k[:Lp], v[:Lp], g[:Lp], beta[:Lp], scale, plan.cu_prompts, plan.cu_prompts_host, None, has_responses
-    )
-    if not has_responses:
-        return o_p
-    init = fork_states(state_p, plan) if fork else None
-    o_r, _ = backend.gated_delta_rule(
-        q[Lp:], k[Lp:], v[Lp:], g[Lp:], beta[Lp:], scale, plan.cu_responses, plan.cu_responses_host, init, False
-    )
-    return torch.cat([o_p, o_r], dim=0)
+    """Gated delta rule over compacted tokens, one call per tree level, each node from its parent's
+    final state."""
+    outs = []
+    states = None
+    for level in plan.levels:
+        a, b = level.start, level.end
+        init = None
+        if level.parent is not None and fork:
+            init = fork_states(states, level.parent)
+        o, states = backend.gated_delta_rule(
+            q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], scale, level.cu, level.cu_host, init, level.has_children
+        )
+        outs.append(o)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -92,12 +92,19 @@ def prefix_shared_gated_delta_net(
 
     mixed_qkv `[N, 2*H*K + HV*V]` (conv input, channels q|k|v), g (log decay) and beta `[N, HV]`,
     conv_weight `[D, W]`. Returns `[N, HV, V]`, zero at padding positions."""
+    max_depth = getattr(backend, "max_tree_depth", None)
+    if max_depth is not None and plan.depth > max_depth:
+        raise ValueError(
+            f"the Gated DeltaNet backend {backend.name!r} runs prefix trees of depth <= {max_depth} so far; this "
+            f"micro-batch's tree has depth {plan.depth}: use gdn_backend='torch_ref' (or 'auto', which picks it "
+            "for deeper trees), or share one level only (share=True, or a tree max_depth of 1)"
+        )
     if mixed_qkv.shape[0] != plan.num_input_tokens:
         raise ValueError(
             f"Gated DeltaNet received {mixed_qkv.shape[0]} tokens but the plan describes {plan.num_input_tokens}"
         )
     idx = plan.gather_index
-    if idx is not None:  # compact: valid prompt tokens, then valid response tokens
+    if idx is not None:  # compact: the valid tokens of every node, level by level
         mixed_qkv, g, beta = mixed_qkv.index_select(0, idx), g.index_select(0, idx), beta.index_select(0, idx)
     qkv = forked_causal_conv1d(mixed_qkv, conv_weight, conv_bias, plan, backend, activation, fork=fork)
     qk_dim = num_key_heads * key_head_dim

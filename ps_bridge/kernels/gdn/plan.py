@@ -1,14 +1,15 @@
-"""Where the Gated DeltaNet kernels find prompts, responses and the fork between them.
+"""Where the Gated DeltaNet kernels find the tree's nodes, level by level, and the forks between them.
 
-The GDN kernels run on *compacted* tokens: the valid tokens of every prompt segment first, then the
-valid tokens of every response segment. Padding (which the packed layout puts at the end of each
-segment) is left out, so a prompt's final conv and recurrent states are taken at its last *valid*
-token, and padding never enters any state. The two blocks are two varlen batches: one kernel call
-for all prompts (returning their final states) and one for all responses (starting from the state
-of their prompt, selected by `response_prompt`).
+The GDN kernels run on *compacted* tokens: the valid tokens of every segment (node of the prefix
+tree) in pack order, which is level by level (`ps_bridge.tree.order`): all roots (prompts, or every
+sample when unshared), then all their children (responses), and so on. Padding (which the packed
+layout puts at the end of each segment) is left out, so a node's final conv and recurrent states
+are taken at its last *valid* token, and padding never enters any state. Each level is one varlen
+batch: one delta-rule call per level, each node starting from its parent's final state (the parent
+is in the previous level: `GDNLevel.parent`). The conv runs once over all nodes, each node starting
+from the last inputs of its ancestor path (`conv_tail_index`).
 
-A plan is built from the packed THD layout (`plan_from_layout`); `build_plan` is its general form
-(segments anywhere in the input, each response pointing at its prompt).
+A plan is built from the packed THD layout (`plan_from_layout`); `build_plan` is its general form.
 """
 
 from __future__ import annotations
@@ -22,59 +23,78 @@ from ps_bridge.layout import cumulative_offsets
 
 
 @dataclass
+class GDNLevel:
+    """One level of the tree as a varlen batch of compacted tokens `[start, end)`.
+
+    cu / cu_host:       `[n + 1]` cumulative valid lengths of its sequences, from 0 (int64).
+    parent / parent_host: `[n]` index of each sequence's parent among the previous level's
+                        sequences; None for the roots.
+    has_children:       some sequence of this level is a parent (its final state is needed).
+    """
+
+    start: int
+    end: int
+    cu: torch.Tensor
+    cu_host: List[int]
+    parent: Optional[torch.Tensor]
+    parent_host: Optional[List[int]]
+    has_children: bool
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.cu_host) - 1
+
+
+@dataclass
 class GDNPlan:
     """Index bookkeeping for one forward pass (built once per micro-batch, reused by every layer).
 
-    gather_index:       `[L]` source positions (in the flattened input) of the compacted tokens:
-                        prompt tokens, then response tokens; None when the input is already compact
-                        and in that order (no padding, prompts first), so no copy is made.
-    num_input_tokens:   flattened input length (padding included).
-    num_prompt_tokens:  compacted tokens that belong to prompts (the first block).
-    cu_prompts:         `[Np + 1]` cumulative valid lengths of the prompt sequences (int64).
-    cu_responses:       `[Nr + 1]` cumulative valid lengths of the response sequences, from 0.
-    cu_all:             `[Np + Nr + 1]` prompts and responses as one varlen batch (the compacted
-                        tokens in order): the conv runs on it in one call.
-    response_prompt:    `[Nr]` index (among the prompt sequences) of each response's prompt.
-    *_host:             the same as python lists, so the kernels need no device->host sync.
+    gather_index:     `[L]` source positions (in the flattened input) of the compacted tokens, or
+                      None when the input is already compact (no padding), so no copy is made.
+    num_input_tokens: flattened input length (padding included).
+    cu_all / cu_all_host: `[N + 1]` every node as one varlen batch (the compacted tokens in order):
+                      the conv runs on it in one call.
+    parent_host:      `[N]` each node's parent (index among all nodes), -1 for a root.
+    levels:           the levels, roots first (`GDNLevel`).
     """
 
     gather_index: Optional[torch.Tensor]
     num_input_tokens: int
-    num_prompt_tokens: int
-    cu_prompts: torch.Tensor
-    cu_responses: torch.Tensor
     cu_all: torch.Tensor
-    response_prompt: torch.Tensor
-    cu_prompts_host: List[int]
-    cu_responses_host: List[int]
     cu_all_host: List[int]
-    response_prompt_host: List[int]
+    parent_host: List[int]
+    levels: List[GDNLevel]
     _cache: Dict[tuple, object] = field(default_factory=dict, repr=False, compare=False)
 
     @property
-    def num_prompts(self) -> int:
-        return len(self.cu_prompts_host) - 1
+    def depth(self) -> int:
+        return len(self.levels) - 1
 
     @property
-    def num_responses(self) -> int:
-        return len(self.cu_responses_host) - 1
+    def num_sequences(self) -> int:
+        return len(self.cu_all_host) - 1
 
     @property
     def num_tokens(self) -> int:
-        return self.num_prompt_tokens + self.cu_responses_host[-1]
+        return self.cu_all_host[-1]
 
-    def prompt_tail_index(self, width: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
-        """For each response, the compacted positions of its prompt's last `width` tokens: a `[Nr * width]`
-        index and a `[Nr, width]` mask that is False where the prompt is shorter than `width` (those
-        entries of a causal-conv state are zeros). Built from the host lists: no device sync."""
-        key = ("prompt_tail", width, str(device))
+    def conv_tail_index(self, width: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """For each node, the compacted positions of the last `width` inputs before it on its
+        ancestor path (which may span several ancestors when they are shorter than `width`): an
+        `[N * width]` index and an `[N, width]` mask, False before the sequence start (a root's
+        tail is all False: zeros). Built from the host lists in time linear in nodes x width."""
+        key = ("conv_tail", width, str(device))
         if key not in self._cache:
-            index, valid = [], []
-            for p in self.response_prompt_host:
-                start, end = self.cu_prompts_host[p], self.cu_prompts_host[p + 1]
-                for pos in range(end - width, end):
-                    index.append(pos if pos >= start else start)
-                    valid.append(pos >= start)
+            cu = self.cu_all_host
+            tail_end: List[List[int]] = []  # the last `width` positions of the path through each node
+            index: List[int] = []
+            valid: List[bool] = []
+            for s, p in enumerate(self.parent_host):
+                before = tail_end[p] if p >= 0 else [-1] * width
+                index.extend(max(i, 0) for i in before)
+                valid.extend(i >= 0 for i in before)
+                a, b = cu[s], cu[s + 1]
+                tail_end.append((before + list(range(max(a, b - width), b)))[-width:])
             self._cache[key] = (
                 torch.tensor(index, dtype=torch.long, device=device),
                 torch.tensor(valid, dtype=torch.bool, device=device).view(-1, width),
@@ -85,48 +105,54 @@ class GDNPlan:
 def build_plan(
     starts: Sequence[int],
     valid_lengths: Sequence[int],
-    is_prompt: Sequence[bool],
-    prompt_of: Sequence[int],
+    parent: Sequence[int],
+    level_offsets: Sequence[int],
     num_input_tokens: int,
     device,
 ) -> GDNPlan:
     """General form: segment `s` occupies input positions `starts[s] .. starts[s] + valid_lengths[s]`;
-    a response segment's prompt is segment `prompt_of[s]` (ignored for prompt segments)."""
-    prompts = [s for s in range(len(starts)) if is_prompt[s]]
-    responses = [s for s in range(len(starts)) if not is_prompt[s]]
-    if not prompts:
-        raise ValueError("a Gated DeltaNet batch needs at least one prompt (or unshared) sequence")
-    prompt_rank = {s: i for i, s in enumerate(prompts)}
-    response_prompt = []
-    for s in responses:
-        p = prompt_of[s]
-        if p not in prompt_rank:
-            raise ValueError(f"response sequence {s} points to sequence {p}, which is not a prompt")
-        response_prompt.append(prompt_rank[p])
-    order = prompts + responses
-    pieces = [(int(starts[s]), int(valid_lengths[s])) for s in order]
+    segments come level by level (level d is `level_offsets[d]:level_offsets[d + 1]`) and a
+    segment's parent (`parent[s]`, -1 for a root) is in the level before its own."""
+    N = len(starts)
+    if N == 0 or level_offsets[0] != 0 or level_offsets[-1] != N:
+        raise ValueError(f"level_offsets {list(level_offsets)} do not cover the {N} sequences")
+    cu_all = cumulative_offsets(valid_lengths)
     # contiguous and already in order: the compacted tokens are the input itself
-    identity = all(a == b for (a, _), b in zip(pieces, cumulative_offsets(n for _, n in pieces))) and (
-        sum(n for _, n in pieces) == num_input_tokens
-    )
+    identity = all(int(a) == b for a, b in zip(starts, cu_all)) and cu_all[-1] == num_input_tokens
     gather_index = None
     if not identity:
-        gather_index = torch.cat([torch.arange(a, a + n, dtype=torch.long) for a, n in pieces]).to(device)
-    cu_p = cumulative_offsets(valid_lengths[s] for s in prompts)
-    cu_r = cumulative_offsets(valid_lengths[s] for s in responses)
-    cu_all = cumulative_offsets(valid_lengths[s] for s in order)
+        gather_index = torch.cat(
+            [torch.arange(int(a), int(a) + int(n), dtype=torch.long) for a, n in zip(starts, valid_lengths)]
+        ).to(device)
+    is_parent = [False] * N
+    for p in parent:
+        if p >= 0:
+            is_parent[p] = True
+    levels = []
+    for d in range(len(level_offsets) - 1):
+        lo, hi = level_offsets[d], level_offsets[d + 1]
+        for s in range(lo, hi):
+            p = parent[s]
+            if (d == 0) != (p < 0) or (d > 0 and not level_offsets[d - 1] <= p < lo):
+                raise ValueError(f"sequence {s} (level {d}) has parent {p}, which is not in the level before")
+        cu = [c - cu_all[lo] for c in cu_all[lo : hi + 1]]
+        parent_host = None if d == 0 else [parent[s] - level_offsets[d - 1] for s in range(lo, hi)]
+        levels.append(GDNLevel(
+            start=cu_all[lo],
+            end=cu_all[hi],
+            cu=torch.tensor(cu, dtype=torch.long, device=device),
+            cu_host=cu,
+            parent=None if parent_host is None else torch.tensor(parent_host, dtype=torch.long, device=device),
+            parent_host=parent_host,
+            has_children=any(is_parent[lo:hi]),
+        ))
     return GDNPlan(
         gather_index=gather_index,
         num_input_tokens=int(num_input_tokens),
-        num_prompt_tokens=cu_p[-1],
-        cu_prompts=torch.tensor(cu_p, dtype=torch.long, device=device),
-        cu_responses=torch.tensor(cu_r, dtype=torch.long, device=device),
         cu_all=torch.tensor(cu_all, dtype=torch.long, device=device),
-        response_prompt=torch.tensor(response_prompt, dtype=torch.long, device=device),
-        cu_prompts_host=cu_p,
-        cu_responses_host=cu_r,
         cu_all_host=cu_all,
-        response_prompt_host=response_prompt,
+        parent_host=list(parent),
+        levels=levels,
     )
 
 
@@ -135,16 +161,13 @@ def plan_from_layout(layout, device=None) -> GDNPlan:
     a forward pass (`layout.derived`)."""
     device = torch.device(device) if device is not None else layout.device
     host = layout.host
-    n_prompt = layout.num_prompt_segments
-    seg_group = host["segment_group"]
     return layout.derived(
         ("gdn_plan", str(device)),
         lambda: build_plan(
             starts=host["cu_seqlens_padded"][:-1],
             valid_lengths=host["valid_lengths"],
-            is_prompt=host["segment_is_prompt"],
-            # group g's prompt is segment g (prompt segments come first, in group order)
-            prompt_of=[seg_group[s] if s >= n_prompt else s for s in range(len(seg_group))],
+            parent=host["segment_parent"],
+            level_offsets=host["level_offsets"],
             num_input_tokens=host["cu_seqlens_padded"][-1],
             device=device,
         ),

@@ -10,7 +10,7 @@ with `choose_gdn_backend` (see `resolve_gdn_backend`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -24,11 +24,14 @@ OP = "Gated DeltaNet"
 class GDNBackend(Backend):
     causal_conv1d: Callable
     gated_delta_rule: Callable
+    # the deepest prefix tree it runs (None: any); a deeper one is refused with a clear message
+    max_tree_depth: Optional[int] = None
 
 
-def choose_gdn_backend(device: torch.device) -> str:
-    """`auto`'s choice: fla's Triton kernels on CUDA, the reference elsewhere."""
-    return "fla" if torch.device(device).type == "cuda" else "torch_ref"
+def choose_gdn_backend(device: torch.device, tree_depth: int = 1) -> str:
+    """`auto`'s choice: fla's Triton kernels on CUDA, the reference elsewhere; the reference for
+    trees deeper than one level (fla's per-level calls are not run on a GPU yet)."""
+    return "fla" if torch.device(device).type == "cuda" and tree_depth <= 1 else "torch_ref"
 
 
 def _auto_causal_conv1d(x, *args):
@@ -48,19 +51,20 @@ GDN_BACKENDS: Dict[str, GDNBackend] = {
         ),
         GDNBackend(
             "fla", "fla-core's Triton kernels (causal_conv1d, chunk_gated_delta_rule)",
-            ("cuda",), None, fla.causal_conv1d, fla.gated_delta_rule,
+            ("cuda",), None, fla.causal_conv1d, fla.gated_delta_rule, 1,
         ),
         GDNBackend(AUTO, "fla on CUDA, torch_ref elsewhere", None, None, _auto_causal_conv1d, _auto_gated_delta_rule),
     )
 }
 
 
-def resolve_gdn_backend(name: str, device: torch.device) -> GDNBackend:
-    """The concrete backend `name` stands for on `device` (`auto` resolved)."""
+def resolve_gdn_backend(name: str, device: torch.device, tree_depth: int = 1) -> GDNBackend:
+    """The concrete backend `name` stands for on `device` for a prefix tree of depth `tree_depth`
+    (`auto` resolved)."""
     device = torch.device(device)
     backend = lookup(GDN_BACKENDS, name, OP)
     if name == AUTO:
-        backend = GDN_BACKENDS[choose_gdn_backend(device)]
+        backend = GDN_BACKENDS[choose_gdn_backend(device, tree_depth)]
     backend.check_device(device, OP)
     return backend
 

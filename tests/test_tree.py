@@ -1,0 +1,295 @@
+"""The micro-batch as a prefix tree: the three layout steps, and the kernels on trees (CPU).
+
+Layout: random trees (tree_cases) round-trip (every sample's row reads back its own tokens at its
+own positions with its own labels), the trie holds each distinct prefix once, nodes split only where
+sequences diverge, the pack goes level by level and depth first inside a level, the depth-first
+intervals are those of the parent pointers, and the MoE token weights count the samples passing
+through each position. Kernels: softmax attention (torch_ref, flex) and Gated DeltaNet (torch_ref)
+on a tree pack equal the unshared computation, outputs and input gradients, on the same leaves.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from test_layout import check_inverse_map
+from tree_cases import distinct_prefixes, tree_samples
+from ps_bridge.layout import Sample, build_layout
+from ps_bridge.tree.decide import node_children, token_trie
+from ps_bridge.tree.order import pack_order
+
+
+def _flat(samples):
+    seqs = [list(s.prompt) + list(s.response) for s in samples]
+    offsets = np.concatenate([[0], np.cumsum([len(x) for x in seqs])]).astype(np.int64)
+    return np.asarray([t for x in seqs for t in x], dtype=np.int64), offsets
+
+
+def check_tree_layout(layout, samples):
+    """Structure of a tree layout (pack order, intervals, parents, rows along ancestor paths)."""
+    check_inverse_map(layout, samples)
+    parent = layout.segment_parent.tolist()
+    level = layout.segment_level.tolist()
+    tin, tout = layout.segment_tin.tolist(), layout.segment_tout.tolist()
+    offsets = layout.level_offsets
+    assert level == sorted(level) and offsets[-1] == layout.num_segments
+    for s, p in enumerate(parent):
+        assert offsets[level[s]] <= s < offsets[level[s] + 1]
+        if p < 0:
+            assert level[s] == 0
+        else:
+            assert level[s] == level[p] + 1 and tin[p] < tin[s] < tout[s] <= tout[p]
+    for d in range(len(offsets) - 1):  # depth first inside a level
+        assert tin[offsets[d] : offsets[d + 1]] == sorted(tin[offsets[d] : offsets[d + 1]])
+    seg = layout.segment_ids
+    for i in range(layout.num_samples):  # each row reads one ancestor path, root first
+        a, b = int(layout.row_offsets[i]), int(layout.row_offsets[i + 1])
+        path = torch.unique_consecutive(seg[layout.row_source[a:b]]).tolist()
+        assert parent[path[0]] == -1 and all(parent[y] == x for x, y in zip(path, path[1:]))
+        assert path[-1] == int(layout.sample_segment[i])
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10**6), pad=st.sampled_from([1, 2, 4]), total=st.sampled_from([1, 8]))
+def test_tree_layout_round_trip_on_random_trees(seed, pad, total):
+    from ps_bridge.models.packed_seq import moe_token_weights
+
+    samples = tree_samples(seed)
+    layout = build_layout(samples, share="tree", min_shared=0, pad_multiple=pad, total_multiple=total)
+    check_tree_layout(layout, samples)
+    counts = distinct_prefixes(samples)
+    assert layout.tokens_shared == len(counts)  # each distinct prefix stored once
+    assert layout.num_tokens % total == 0 and all(n % pad == 0 for n in layout.host["padded_lengths"][:-1])
+    # nodes split only where sequences diverge: siblings begin with different tokens, and a node
+    # with a single child is one where some sample ends
+    children = [[] for _ in range(layout.num_segments)]
+    for s, p in enumerate(layout.segment_parent.tolist()):
+        if p >= 0:
+            children[p].append(s)
+    starts = layout.cu_seqlens_padded.tolist()
+    ends_here = set(layout.sample_segment.tolist())
+    for s, kids in enumerate(children):
+        assert len({int(layout.tokens[starts[k]]) for k in kids}) == len(kids)
+        assert len(kids) != 1 or s in ends_here
+    # MoE token weights: how many samples pass through each position
+    weights = moe_token_weights(layout)
+    assert float(weights[~layout.valid].abs().sum()) == 0.0
+    for i, s in enumerate(samples):
+        seq = tuple(s.prompt) + tuple(s.response)
+        a = int(layout.row_offsets[i])
+        for t in range(len(seq)):
+            assert weights[layout.row_source[a + t]] == counts[seq[: t + 1]]
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10**6), min_shared=st.integers(1, 12), max_depth=st.sampled_from([None, 0, 1, 2]))
+def test_threshold_and_depth_limit(seed, min_shared, max_depth):
+    samples = tree_samples(seed)
+    layout = build_layout(samples, share="tree", min_shared=min_shared, max_depth=max_depth)
+    check_tree_layout(layout, samples)
+    full = build_layout(samples, share="tree", min_shared=0)
+    assert full.tokens_shared <= layout.tokens_shared <= layout.tokens_unshared
+    if max_depth is not None:
+        assert layout.tree_depth <= max_depth
+    # a run shared by several samples (an inner node) where no sample ends is at least min_shared long
+    parents = set(layout.segment_parent.tolist()) - {-1}
+    ends_here = set(layout.sample_segment.tolist())
+    for s in parents - ends_here:
+        assert layout.host["valid_lengths"][s] >= min_shared
+
+
+def test_trie_shapes():
+    system = [9, 9, 9, 9]
+    samples = [
+        Sample(system + [1, 2], [3, 4]),
+        Sample(system + [1, 2], [3, 5]),
+        Sample(system + [7], [8]),
+        Sample(system + [1], [2]),  # a prefix of the first two: ends inside their node
+        Sample(system + [7], [8]),  # identical to sample 2
+    ]
+    layout = build_layout(samples, share="tree", min_shared=0)
+    # root: the system prompt; level 1: [1, 2, 3] and [7, 8]; level 2: [4] and [5]
+    assert layout.tree_depth == 2 and layout.num_segments == 5
+    assert layout.host["valid_lengths"] == [4, 3, 2, 1, 1]
+    assert layout.tokens_shared == 11
+    assert layout.sample_segment.tolist() == [3, 4, 2, 1, 2]
+    assert layout.group_size.tolist() == [5]
+    check_tree_layout(layout, samples)
+    # a one-token shared run (the 1 after the system prompt is not shared here: min_shared=2)
+    shallow = build_layout([Sample([5], [1, 2, 3]), Sample([5], [4, 6])], share="tree", min_shared=2)
+    assert shallow.tree_depth == 0 and shallow.tokens_shared == shallow.tokens_unshared
+
+
+def test_one_level_layout_is_the_depth_one_tree():
+    samples = [Sample([1, 2, 3], [4]), Sample([9, 9], [1, 2]), Sample([1, 2, 3], [5, 6]), Sample([9, 9], [3])]
+    layout = build_layout(samples, share=True)
+    assert layout.tree_depth == 1 and layout.level_offsets == [0, 2, 6]
+    assert layout.segment_parent.tolist() == [-1, -1, 0, 0, 1, 1]
+    check_tree_layout(layout, samples)
+    unshared = build_layout(samples, share=False)
+    assert unshared.tree_depth == 0 and unshared.level_offsets == [0, 4]
+    check_tree_layout(unshared, samples)
+
+
+def test_share_classes_never_share_a_position():
+    samples = [Sample([1, 2, 3], [4, 5]), Sample([1, 2, 3], [4, 6]), Sample([1, 2, 3], [4, 5])]
+    temperatures = [1.0, 0.7, 0.7]
+    for share in ("tree", True):
+        layout = build_layout(samples, share=share, min_shared=0, share_classes=temperatures)
+        check_inverse_map(layout, samples)
+        rows = [set(r.tolist()) for r in torch.split(layout.row_source, layout.row_offsets.diff().tolist())]
+        assert not rows[0] & (rows[1] | rows[2]) and rows[1] & rows[2]
+
+
+def test_sort_and_prefix_lengths_do_not_depend_on_sample_order():
+    samples = tree_samples(0)
+    flat, offsets = _flat(samples)
+    tree = token_trie(flat, offsets)
+    order = pack_order(tree)
+    assert order.depth >= 1 and len(node_children(tree)) == tree.num_nodes
+    reversed_layout = build_layout(samples[::-1], share="tree", min_shared=0)
+    assert reversed_layout.tokens_shared == build_layout(samples, share="tree", min_shared=0).tokens_shared
+
+
+def test_bad_tree_options_fail_clearly():
+    samples = [Sample([1], [2])]
+    with pytest.raises(ValueError, match="min_shared"):
+        build_layout(samples, share="tree", min_shared=-1)
+    with pytest.raises(ValueError, match="max_depth"):
+        build_layout(samples, share="tree", max_depth=-1)
+    with pytest.raises(ValueError, match="share must be"):
+        build_layout(samples, share="trie")
+    with pytest.raises(ValueError, match="share_classes"):
+        build_layout(samples, share="tree", share_classes=[1.0, 2.0])
+
+
+# ---- kernels on trees: the tree pack against the unshared pack on the same leaves ---------------------
+
+
+def _unshared_view(leaf, tree_layout, flat_layout):
+    """The unshared pack's inputs read from the tree pack's leaf (each unshared position takes the
+    leaf value of the tree position holding the same prefix): both runs differentiate one leaf."""
+    index = torch.zeros(flat_layout.num_tokens, dtype=torch.long)
+    index[flat_layout.row_source] = tree_layout.row_source
+    return leaf.index_select(0, index)
+
+
+def _rows(out, layout):
+    return out.index_select(0, layout.row_source)
+
+
+@pytest.mark.parametrize("backend", ["torch_ref", "flex"])
+@pytest.mark.parametrize("seed", [0, 2])
+def test_attention_on_trees_equals_unshared(backend, seed):
+    from ps_bridge.kernels.attention import get_attention_backend
+
+    samples = tree_samples(seed)
+    tree = build_layout(samples, share="tree", min_shared=0, pad_multiple=2)
+    flat = build_layout(samples, share=False)
+    assert tree.tree_depth >= 2
+    gen = torch.Generator().manual_seed(seed)
+    grad = backend != "flex"  # FlexAttention has no backward on the CPU
+    q, k, v = (torch.randn(tree.num_tokens, heads, 8, generator=gen, requires_grad=grad) for heads in (4, 2, 2))
+    attend = get_attention_backend(backend)
+    out_tree = _rows(attend(q, k, v, tree, 0.3), tree)
+    out_flat = _rows(attend(*(_unshared_view(x, tree, flat) for x in (q, k, v)), flat, 0.3), flat)
+    torch.testing.assert_close(out_tree, out_flat, rtol=1e-5, atol=1e-5)
+    if not grad:
+        return
+    w = torch.randn(out_flat.shape, generator=gen)
+    g_tree = torch.autograd.grad((out_tree * w).sum(), (q, k, v))
+    g_flat = torch.autograd.grad((out_flat * w).sum(), (q, k, v))
+    for a, b in zip(g_tree, g_flat):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["flash_atten_gpu", "flash_atten_gpu_expand"])
+def test_one_level_backends_run_depth_one_tries(backend):
+    """A trie cut at depth 1 (roots shared by different prompts, samples ending inside a root) is a
+    one-level layout: the cascade and expand designs (torch's CPU flash op, float64) equal torch_ref."""
+    from test_attention_backends import qkv, run
+
+    layout = build_layout(tree_samples(5), share="tree", min_shared=0, max_depth=1, pad_multiple=2)
+    assert layout.tree_depth == 1
+    q, k, v = qkv(layout, 4, 2, 64, torch.float64)
+    grad_out = torch.randn_like(q)
+    out, grads = run(backend, q, k, v, layout, grad_out)
+    ref, ref_grads = run("torch_ref", q, k, v, layout, grad_out)
+    torch.testing.assert_close(out[layout.valid], ref[layout.valid], rtol=1e-9, atol=1e-9)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("backend", ["flash_atten_gpu", "flash_atten_gpu_expand", "flash_atten_npu"])
+def test_one_level_backends_refuse_deeper_trees(backend):
+    from ps_bridge.kernels.attention import get_attention_backend, resolve_attention_backend
+
+    tree = build_layout(tree_samples(0), share="tree", min_shared=0)
+    q = torch.zeros(tree.num_tokens, 2, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"backend '{backend}' runs prefix trees of depth <= 1"):
+        get_attention_backend(backend)(q, q, q, tree, 1.0)
+    assert resolve_attention_backend("auto", q, tree.tree_depth).name == "torch_ref"
+    assert resolve_attention_backend("auto", q.cuda() if torch.cuda.is_available() else q, tree.tree_depth).name in ("flex", "torch_ref")
+
+
+@pytest.mark.parametrize("seed, width", [(0, 4), (3, 2)])
+def test_gated_delta_net_on_trees_equals_unshared(seed, width):
+    from ps_bridge.kernels.gdn import plan_from_layout, prefix_shared_gated_delta_net, resolve_gdn_backend
+
+    samples = tree_samples(seed)
+    tree = build_layout(samples, share="tree", min_shared=0, pad_multiple=2)
+    flat = build_layout(samples, share=False)
+    assert tree.tree_depth >= 2 and min(tree.host["valid_lengths"]) < width  # nodes shorter than the conv
+    H, K, HV, V = 2, 4, 4, 3
+    D = 2 * H * K + HV * V
+    gen = torch.Generator().manual_seed(seed)
+    dt = torch.float64
+    mixed = torch.randn(tree.num_tokens, D, generator=gen, dtype=dt, requires_grad=True)
+    g = (-torch.rand(tree.num_tokens, HV, generator=gen, dtype=dt) * 0.5).requires_grad_(True)
+    beta = torch.rand(tree.num_tokens, HV, generator=gen, dtype=dt, requires_grad=True)
+    weight = torch.randn(D, width, generator=gen, dtype=dt, requires_grad=True)
+    bias = torch.randn(D, generator=gen, dtype=dt, requires_grad=True)
+    ref = resolve_gdn_backend("torch_ref", torch.device("cpu"))
+
+    def run(layout, inputs):
+        out = prefix_shared_gated_delta_net(
+            *inputs, weight, bias, plan_from_layout(layout), ref, num_key_heads=H, key_head_dim=K, value_head_dim=V,
+        )
+        return _rows(out, layout)
+
+    out_tree = run(tree, (mixed, g, beta))
+    out_flat = run(flat, [_unshared_view(x, tree, flat) for x in (mixed, g, beta)])
+    assert plan_from_layout(tree).depth == tree.tree_depth
+    assert (out_tree - out_flat).abs().max() < 1e-12
+    w = torch.randn(out_flat.shape, generator=gen, dtype=dt)
+    leaves = (mixed, g, beta, weight, bias)
+    for a, b in zip(torch.autograd.grad((out_tree * w).sum(), leaves), torch.autograd.grad((out_flat * w).sum(), leaves)):
+        assert ((a - b).abs().max() / b.abs().max()) < 1e-12
+
+
+def test_fla_refuses_deeper_trees_and_auto_avoids_it():
+    from ps_bridge.kernels.gdn import GDN_BACKENDS, choose_gdn_backend, plan_from_layout, prefix_shared_gated_delta_net
+
+    tree = build_layout(tree_samples(0), share="tree", min_shared=0)
+    x = torch.zeros(tree.num_tokens, 2 * 2 * 4 + 4 * 3)
+    with pytest.raises(ValueError, match="backend 'fla' runs prefix trees of depth <= 1"):
+        prefix_shared_gated_delta_net(
+            x, x[:, :4], x[:, :4], torch.zeros(x.shape[1], 4), None, plan_from_layout(tree), GDN_BACKENDS["fla"],
+            num_key_heads=2, key_head_dim=4, value_head_dim=3,
+        )
+    assert choose_gdn_backend(torch.device("cuda"), tree_depth=2) == "torch_ref"
+    assert choose_gdn_backend(torch.device("cuda"), tree_depth=1) == "fla"
+
+
+def test_parallel_layouts_refuse_deeper_trees():
+    from ps_bridge.parallel import ParallelSettings
+
+    ParallelSettings().check_supported(tree_depth=4)
+    ParallelSettings(tp=2).check_supported(tree_depth=1)
+    for settings_ in (ParallelSettings(tp=2), ParallelSettings(pp=2), ParallelSettings(cp=2), ParallelSettings(ep=2)):
+        with pytest.raises(ValueError, match="prefix trees deeper than one level"):
+            settings_.check_supported(tree_depth=2)
