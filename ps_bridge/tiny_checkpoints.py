@@ -77,7 +77,7 @@ def _perturb_qwen35_norms(model, seed: int) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") and "visual" not in name:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+                p.add_(torch.randn(p.shape, generator=gen).to(p.device) * 0.1)
 
 
 def build_tiny_qwen35(path: str, seed: int = 0, moe: bool = False, conditional: bool = False, **overrides):

@@ -18,10 +18,12 @@ case "$STACK" in
   oldest)
     # the GPU machine's torch stays; transformers travels (Megatron-Bridge 0.5.0 wants 5.8.x) with a
     # tokenizers it accepts (<= 0.23.0; the image has 0.23.2), and
-    # modelopt with what its import needs (Megatron-Bridge 0.5.0 imports it at import time)
+    # modelopt with what its import needs (Megatron-Bridge 0.5.0 imports it at import time; pydantic
+    # is not on the GPU image)
     archive=.whl/gpusite-oldest.tar.xz
     stack=(megatron-core==0.18.0 megatron-bridge==0.5.0 fla-core==0.4.2 verl==0.8.0 transformers==5.8.1 tokenizers==0.22.2
-           nvidia-modelopt==0.43.0 requests==2.34.2 urllib3==2.8.0 pulp==4.2.0 orloge==1.0.0 cpsat-logutils==1.0.0) ;;
+           nvidia-modelopt==0.43.0 requests==2.34.2 urllib3==2.8.0 pulp==4.2.0 orloge==1.0.0 cpsat-logutils==1.0.0
+           pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5) ;;
   *) echo "STACK=$STACK is not a tested stack: use STACK=newest or STACK=oldest" >&2; exit 2 ;;
 esac
 work=$(mktemp -d)
