@@ -5,7 +5,7 @@ Errors a user can fix (missing file, bad JSON, bad token ids, unsupported archit
 backend) exit with status 2 and one line `ps-bridge: error: ...` on stderr. Third-party import
 notices are silenced unless `-v` is given (`ps_bridge.compat.quiet`).
 
-One module per command (`logprobs`, `demo`, `bench`, `verl_check`, `doctor`), each with
+One module per command (`logprobs`, `demo`, `bench`, `verl_check`, `export`, `doctor`), each with
 `add_parser(subparsers)`. `ps-bridge doctor` builds a parser with only its own command: the others'
 arguments import torch and the Megatron stack, whose absence or breakage doctor is there to report.
 """
