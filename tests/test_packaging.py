@@ -53,6 +53,7 @@ IMPORTED = {
     "tokenizers": "stack (transformers)", "fla": "stack (fla-core)", "triton": "stack (torch, CUDA)",
     "flash_attn": "optional (flash-attn)", "torch_npu": "optional (NPU)",
     "verl": "stack (verl)", "tensordict": "stack (verl)", "omegaconf": "stack (verl, Megatron-Bridge)",
+    "einops": "stack (megatron-core, verl)", "safetensors": "stack (transformers)",
 }
 
 
