@@ -18,7 +18,9 @@ import types
 
 
 def _fresh_model_state_for_optimizer(manager) -> None:
-    build = type(manager)._build_optimizer_state_dict
+    build = getattr(type(manager), "_build_optimizer_state_dict", None)
+    if build is None:  # verl 0.8.0's manager (its older checkpoint layout) has no such step: left as is
+        return
 
     def _build_optimizer_state_dict(self, model_sharded_state_dict, metadata, is_loading=False, *args, **kwargs):
         if is_loading and self.should_load_dist_ckpt_model:
