@@ -64,9 +64,11 @@ class PrefixSharedPackedSeqParams(PackedSeqParams):
         # single THD sequence so RoPE is one vectorised op. The real segment boundaries live in
         # `prefix_layout.cu_seqlens` / `cu_seqlens_padded`. Under CP the single sequence is the
         # whole pack too: megatron's THD RoPE then reads this rank's entries of the table at its
-        # load-balanced offsets (`PrefixSharedGPTModel`).
+        # load-balanced offsets (`PrefixSharedGPTModel`). The offsets stay on the host: that RoPE reads
+        # them with `.tolist()` and `.item()` (three per call, query and key, every attention layer),
+        # each a device sync when they are on the GPU (issue 21, docs/never-slower.md).
         T = layout.num_tokens
-        whole = layout.cu_seqlens_padded.new_tensor([0, T])
+        whole = torch.tensor([0, T], dtype=layout.cu_seqlens_padded.dtype)
         return cls(
             qkv_format="thd",
             cu_seqlens_q=whole,

@@ -4,10 +4,13 @@
 #          Qwen3.5-0.8B shape (2048, 512, 8) --groups 4 (its bench default of 8 layers);
 #   small  bench rows of the small shapes (24 layers, --groups 4: a verl update micro-batch of the
 #          issue's settings) that calibrate the sharing rule (ps_bridge/launch_rule.py);
-#   prof   scripts/profile_bench_row.py on Qwen3.5-0.8B (128, 32, 8), 24 layers (host vs GPU time);
+#   prof   scripts/profile_bench_row.py on Qwen3.5-0.8B and Qwen2.5-0.5B (128, 32, 8) x 4 groups, 24 layers
+#          (host vs GPU time per layer, launches, syncs);
 #   verl   `ps-bridge verl-check` at the issue's settings (8 prompts x n = 8, 3 steps, mini-batch of 4
 #          prompts) for the runs given in VERL_RUNS ("model:P:R:mode ...", mode = PS_BRIDGE_SHARING of
-#          the prefix-shared engine: auto, on or off; the stock engine is unaffected).
+#          the prefix-shared engine: auto, on or off; the stock engine is unaffected);
+#   grid   scripts/verl_check_grid.py: the same settings for every "model:P:R" of VERL_GRID (comma-separated)
+#          in one process, the first engine being ours with sharing disabled (sharing on vs off alone).
 # Usage (repository root): STEPS="base small prof verl" VERL_RUNS="qwen3.5-0.8b:128:32:auto" scripts/gpu_small_shapes.sh
 # Everything runs within BUDGET_S seconds (default 560): each step gets what is left. SMALL_MODELS,
 # SMALL_GRID and VERL_LIMIT (seconds per verl-check run, default 200) narrow the steps.
@@ -52,7 +55,11 @@ for s in ${STEPS:-base small prof verl}; do
         --grid "${SMALL_GRID:-128,32,8;512,32,8;128,256,8;512,256,8}" --json "$RES/bench-small.json" ;;
     prof)
       mkdir -p "$RES/prof"
-      step profile 90 python3 scripts/profile_bench_row.py --model qwen3.5-0.8b --layers 24 --row 128,32,8 --out "$RES/prof" ;;
+      step profile 200 python3 scripts/profile_bench_row.py --models "${PROF_MODELS:-qwen3.5-0.8b,qwen2.5-0.5b}" --layers 24 \
+        --row 128,32,8 --groups 4 --out "$RES/prof" ;;
+    grid)  # every (model, P, R) of VERL_GRID in one process, against our engine with sharing off
+      step verl-grid "${GRID_LIMIT:-470}" env PS_BRIDGE_SHARING="${GRID_MODE:-auto}" python3 scripts/verl_check_grid.py \
+        --runs "${VERL_GRID:-qwen3.5-0.8b:128:32,qwen2.5-0.5b:128:32}" --workdir /tmp/verl-check --json "$RES/verl-grid.json" ;;
     verl)
       for run in ${VERL_RUNS:-qwen3.5-0.8b:128:32:auto}; do
         IFS=: read -r model P R mode <<<"$run"
@@ -63,4 +70,4 @@ for s in ${STEPS:-base small prof verl}; do
       done ;;
   esac
 done
-grep -v -i "warn" "$LOG" | grep -E "===|x \(|speed-up|^ *[0-9]+ |qwen|S =|ideal" | tail -80
+grep -v -i "warn" "$LOG" | grep -v "^\[PS\]" | grep -E "===|== |x \(|speed-up|^ *[0-9]+ |qwen|S =|ideal" | tail -${TAIL:-80}

@@ -1,0 +1,91 @@
+"""`ps-bridge verl-check` over a grid of (model, P, R) in one process, against our engine with sharing off.
+
+    PS_BRIDGE_SHARING=auto python3 scripts/verl_check_grid.py --runs qwen3.5-0.8b:128:32,qwen2.5-0.5b:128:32 --json OUT.json
+
+Issue 21's "sharing on vs sharing off": verl-check's second engine is `PrefixSharedMegatronEngine`
+with the sharing rule (`PS_BRIDGE_SHARING`, default auto); its first is verl's stock engine for
+Qwen2.5 (Megatron-Bridge's stock provider, a different model implementation) and our engine with
+sharing disabled for Qwen3.5. This script makes the first engine our engine with sharing disabled for
+every family (`--baseline off`, the default; `stock` keeps verl-check's choice), so both engines run
+the same model code and the ratio is sharing on / sharing off alone. Everything else is verl-check's:
+the issue's settings (8 prompts x n = 8, 3 steps, bf16, `ppo_mini_batch_size=4`, 24 layers) unless
+given. Runs share one process (imports and CUDA set-up once); the JSON is rewritten after each run,
+with, per run, verl-check's document and how many micro-batches the rule ran shared, by pass
+(`fwd+bwd`: the update; `fwd`: old and ref log-probs), all steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import Counter
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", required=True, help="model:P:R,model:P:R,... (catalogue shapes)")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--baseline", choices=("off", "stock"), default="off")
+    parser.add_argument("--workdir", default="/tmp/verl-check")
+    parser.add_argument("--json", required=True)
+    parser.add_argument("overrides", nargs="*", default=["actor_rollout_ref.actor.ppo_mini_batch_size=4"])
+    args = parser.parse_args()
+
+    from ps_bridge.cli.verl_check import _prepare_process
+
+    _prepare_process()  # before verl's engine is imported
+    from ps_bridge.verl import check, engine
+
+    if args.baseline == "off":
+        check.stock_kind = lambda ckpt: "ps-bridge-unshared"
+    decisions = []
+    rule = engine.sharing_for
+
+    def counted(samples, config, *a, **kw):
+        d = rule(samples, config, *a, **kw)
+        import torch
+
+        decisions.append((config.enabled, torch.is_grad_enabled(), d.share))
+        return d
+
+    engine.sharing_for = counted
+    results = []
+    for spec in args.runs.split(","):
+        model, P, R = spec.split(":")
+        settings = check.CheckSettings(
+            model=model, layers=args.layers, prompts=args.prompts, n=args.n, prompt_len=int(P),
+            response_len=int(R), steps=args.steps, dtype=args.dtype, overrides=list(args.overrides),
+            workdir=args.workdir)
+        decisions.clear()
+        t0 = time.perf_counter()
+        try:
+            doc = check.run_check(settings)
+        except Exception as e:  # noqa: BLE001 - one failed run must not lose the others
+            print(f"== {spec}: failed: {type(e).__name__}: {e}", flush=True)
+            results.append({"run": spec, "error": f"{type(e).__name__}: {e}"})
+            continue
+        if args.baseline == "off":
+            doc["config"]["stock_engine"] = "ps-bridge engine with prefix sharing disabled (sharing off)"
+        counts = Counter(("fwd+bwd" if grad else "fwd", "shared" if share else "unshared")
+                         for enabled, grad, share in decisions if enabled)
+        doc["rule_micro_batches"] = {f"{p} {s}": c for (p, s), c in sorted(counts.items())}
+        doc["seconds"] = time.perf_counter() - t0
+        doc["sharing_mode"] = os.environ.get("PS_BRIDGE_SHARING", "auto")
+        print(f"== {spec} ({doc['seconds']:.0f} s) micro-batches by the rule: {doc['rule_micro_batches']}", flush=True)
+        print(check.format_report(doc), flush=True)
+        results.append({"run": spec, "doc": doc})
+        with open(args.json + ".tmp", "w") as f:
+            json.dump(results, f, indent=1, default=lambda o: None if o != o else str(o))
+        os.replace(args.json + ".tmp", args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
