@@ -131,7 +131,8 @@ def merge_all(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
     """Merge attention partials over disjoint key sets of the same queries, in float32.
 
     outs [T, H, D], lses [H, T] fp32 -> (out [T, H, D] in the first out's dtype, lse [H, T] fp32)."""
-    lse = torch.logsumexp(torch.stack(list(lses)), dim=0)
+    # two partials (every level of a depth-one layout): logaddexp, no stacked copy
+    lse = torch.logaddexp(lses[0], lses[1]) if len(lses) == 2 else torch.logsumexp(torch.stack(list(lses)), dim=0)
     acc = torch.promote_types(outs[0].dtype, torch.float32)  # bf16 partials are merged in float32
     total = None
     for o, l in zip(outs, lses):
