@@ -84,8 +84,12 @@ def test_merge_partials_equals_softmax_over_union():
 @pytest.mark.parametrize("kind,pad", LAYOUTS)
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (2, 2, 128), (4, 1, 256)])
 def test_flash_designs_on_cpu_match_reference(backend, kind, pad, hq, hkv, d):
-    layout = make_layout(kind, pad, seed=hq * d + pad)
-    q, k, v = qkv(layout, hq, hkv, d, torch.float64)
+    check_float64_against_reference(backend, make_layout(kind, pad, seed=hq * d + pad), hq, hkv, d)
+
+
+def check_float64_against_reference(backend, layout, hq, hkv, d, seed=0):
+    """Outputs (valid positions) and q/k/v gradients equal torch_ref's in float64 (CPU flash op)."""
+    q, k, v = qkv(layout, hq, hkv, d, torch.float64, seed=seed)
     grad_out = torch.randn_like(q)
     out, grads = run(backend, q, k, v, layout, grad_out)
     ref, ref_grads = run("torch_ref", q, k, v, layout, grad_out)
@@ -108,7 +112,9 @@ def test_cascade_backward_from_merged_output_matches_autograd_through_merge():
     dq, dk, dv = cascade.cascade_backward(dout, q, k, v, out, lse, plan, scale, kernel, aux)
 
     qa, ka, va = (x.clone().requires_grad_(True) for x in (q, k, v))
-    e = plan.prompt_block_end
+    [level] = plan.levels  # one level: the responses against the prompts
+    e = level.queries[0]
+    assert e == layout.prompt_block_end and level.ancestors[0].keys == (0, e)
 
     def dense_partial(qs, ks, vs, call):
         # the same partial written with plain differentiable math, one batch element at a time
@@ -129,7 +135,7 @@ def test_cascade_backward_from_merged_output_matches_autograd_through_merge():
         return torch.cat(outs), torch.cat(lses, 1)
 
     o1, l1 = dense_partial(qa, ka, va, plan.segments)
-    o2, l2 = dense_partial(qa[e:], ka[:e], va[:e], plan.cross)
+    o2, l2 = dense_partial(qa[e:], ka[:e], va[:e], level.ancestors[0].call)
     merged, _ = cascade.merge_partials(o1[e:], l1[:, e:], o2, l2)
     full = torch.cat([o1[:e], merged])
     torch.testing.assert_close(full, out, rtol=1e-10, atol=1e-10)
@@ -158,9 +164,95 @@ def test_cascade_copies_no_key_value():
         assert kk.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
         assert vv.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
     # the cross call reads exactly the prompts' valid keys: padding is a keys-only batch element
-    cross = plan.cross
+    cross = plan.levels[0].ancestors[0].call
     read = sum(b - a for a, b, qa, qb in zip(cross.cu_k, cross.cu_k[1:], cross.cu_q, cross.cu_q[1:]) if qb > qa)
     assert read == sum(layout.host["valid_lengths"][: layout.num_prompt_segments])
+
+
+# ---- the cascade on prefix trees -----------------------------------------------------------------
+
+
+def tree_layout(seed, pad, min_shared=0):
+    from tree_cases import tree_samples
+
+    return build_layout(tree_samples(seed), share="tree", min_shared=min_shared, pad_multiple=pad)
+
+
+@pytest.mark.parametrize("seed,pad", [(0, 1), (1, 3), (3, 2), (6, 4)])
+def test_cascade_on_trees_matches_reference(seed, pad):
+    """Random trees (a system prompt shared across prompts, depth up to 5, nodes of 1-3 tokens
+    between long ones, samples ending inside nodes, identical samples): outputs and q/k/v gradients
+    of the tree cascade (torch's CPU flash op, float64) equal torch_ref's."""
+    layout = tree_layout(seed, pad)
+    assert layout.tree_depth >= 2
+    check_float64_against_reference("flash_atten_gpu", layout, 4, 2, 32, seed=seed)
+
+
+def test_cascade_on_a_tree_launches_per_level_pair_and_copies_nothing():
+    """Launches grow with the depth (1 + D (D + 1) / 2), not with the node count; every call reads
+    views of the packed q/k/v (no copy); each ancestor call reads each ancestor level's valid keys
+    once (a node's keys are one batch element, whatever its descendants)."""
+
+    class Recording(varlen.CpuFlashKernel):
+        def __init__(self):
+            self.seen = []
+
+        def forward(self, q, k, v, call, scale):
+            self.seen.append((q, k, v, call))
+            return super().forward(q, k, v, call, scale)
+
+    layout = tree_layout(3, 2)
+    D = layout.tree_depth
+    assert D >= 3 and layout.num_segments > 1 + D * (D + 1) // 2
+    q, k, v = qkv(layout, 4, 2, 16, torch.float32)
+    plan = cascade.cascade_plan(layout)
+    kernel = Recording()
+    cascade.cascade_forward(q, k, v, plan, 0.25, kernel)
+    assert plan.num_calls == len(kernel.seen) == 1 + D * (D + 1) // 2
+    for qq, kk, vv, _ in kernel.seen:
+        for view, packed in ((qq, q), (kk, k), (vv, v)):
+            assert view.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
+    host = layout.host
+    offsets, valid = host["cu_seqlens_padded"], host["valid_lengths"]
+    for d, level in enumerate(plan.levels, start=1):
+        assert level.queries == (offsets[layout.level_offsets[d]], offsets[layout.level_offsets[d + 1]])
+        for a, x in enumerate(level.ancestors):
+            lo, hi = layout.level_offsets[a], layout.level_offsets[a + 1]
+            assert x.keys == (offsets[lo], offsets[hi])
+            call = x.call
+            read = [(ka, kb) for ka, kb, qa, qb in zip(call.cu_k, call.cu_k[1:], call.cu_q, call.cu_q[1:]) if qb > qa]
+            base = offsets[lo]
+            node_keys = {(offsets[s] - base, offsets[s] + valid[s] - base) for s in range(lo, hi)}
+            assert len(set(read)) == len(read) and set(read) <= node_keys  # a node's valid keys, once
+            assert call.total_q == level.queries[1] - level.queries[0]
+
+
+def test_cascade_on_a_depth_one_layout_is_the_two_call_cascade():
+    layout = make_layout("shared", 4, seed=2)
+    plan = cascade.cascade_plan(layout)
+    assert plan.num_calls == 2 and len(plan.levels) == 1
+    assert plan.levels[0].queries[0] == layout.prompt_block_end
+    assert cascade.cascade_plan(make_layout("unshared", 2)).num_calls == 1
+
+
+def test_auto_picks_the_cascade_on_trees_where_flash_takes_the_inputs():
+    from ps_bridge.kernels.attention import choose_attention_backend
+
+    for depth in (0, 1, 2, 5):
+        assert choose_attention_backend(torch.device("cuda"), torch.bfloat16, 128, depth) == "flash_atten_gpu"
+        assert choose_attention_backend(torch.device("cuda"), torch.float32, 128, depth) == "torch_ref"
+        assert choose_attention_backend(torch.device("cpu"), torch.float64, 64, depth) == "torch_ref"
+    layout = tree_layout(0, 1)
+    q, k, v = qkv(layout, 2, 1, 8, torch.float32)
+    assert torch.equal(BACKENDS["auto"](q, k, v, layout, 0.3), BACKENDS["torch_ref"](q, k, v, layout, 0.3))
+
+
+@pytest.mark.parametrize("backend", ["flash_atten_gpu_expand", "flash_atten_npu"])
+def test_expand_designs_refuse_deeper_trees_naming_the_backend(backend):
+    layout = tree_layout(0, 1)
+    q = torch.zeros(layout.num_tokens, 2, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"backend '{backend}' runs prefix trees of depth <= 1.*'flash_atten_gpu'"):
+        BACKENDS[backend](q, q, q, layout, 1.0)
 
 
 def test_expand_plan_gathers_prompt_once_per_response():
@@ -272,6 +364,18 @@ def gpu_layout(kind, pad, seed):
 @pytest.mark.parametrize("hq,hkv,d", HEAD_CONFIGS)
 def test_gpu_flash_bf16_matches_fp32_reference(backend, kind, pad, hq, hkv, d):
     check_bf16_against_fp32_reference(backend, gpu_layout(kind, pad, seed=d + pad), hq, hkv, d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv,d", HEAD_CONFIGS)
+def test_gpu_cascade_on_trees_bf16_matches_fp32_reference(hq, hkv, d):
+    """The tree cascade on the GPU's flash kernels (bf16) against the float32 reference: a tree of
+    depth >= 3 mixing long nodes (a system prompt, a search tree) with nodes of 1-3 tokens."""
+    from test_bf16_vs_fp32_gpu import gpu_tree_samples
+
+    layout = build_layout(gpu_tree_samples(50, seed=d), share="tree", min_shared=0, pad_multiple=8).to("cuda")
+    assert layout.tree_depth >= 3
+    check_bf16_against_fp32_reference("flash_atten_gpu", layout, hq, hkv, d)
 
 
 @pytest.mark.gpu

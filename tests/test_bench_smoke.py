@@ -119,3 +119,35 @@ def test_bench_rejects_bad_arguments(capsys):
 def test_ideal_speedup_examples():
     assert bench.ideal_speedup(2048, 512, 8) == pytest.approx(3.333, abs=1e-3)
     assert bench.ideal_speedup(512, 4096, 8) == pytest.approx(8 * 4608 / (512 + 8 * 4096))
+
+
+def test_bench_tree_rows_report_trie_tokens_and_flop_ratio(capsys):
+    """`--trees system,chain,search` (tiny sizes under --smoke): each row is shared as a token trie
+    and reports its trie tokens, S, F (bench/flops.py on the layouts it timed), x / S and x / F;
+    float32 on the CPU, its log-probs equal the unshared run's."""
+    from ps_bridge.bench.flops import flop_shape, layout_flop_ratio
+    from ps_bridge.layout import build_layout
+
+    argv = ["--smoke", "--no-progress", "--models", "tiny-qwen2.5", "--trees", "system,chain,search", "--json", "-"]
+    assert bench.run_bench(parse(argv)) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(out[out.index("{"):])["rows"]
+    assert [r["tree"] for r in rows] == ["system", "chain", "search"]  # no grid rows without --grid
+    assert "x/F" in out and "| system |" in out
+    vocab = bench.MODEL_SHAPES["tiny-qwen2.5"].dims["vocab_size"]
+    shape = flop_shape(bench.MODEL_SHAPES["tiny-qwen2.5"])
+    for r, depth in zip(rows, (2, 1, 3)):
+        assert r["error"] is None and r["tree_depth"] == depth
+        samples = bench.TREE_SHAPES[r["tree"]].samples(vocab, 1234, smoke=True)
+        trie = build_layout(samples, share="tree", prompt_values=False)
+        unshared = build_layout(samples, share=False)
+        assert r["tokens_shared"] == trie.tokens_shared < r["tokens_unshared"] == unshared.tokens_unshared
+        assert r["nodes"] == trie.num_segments
+        assert r["ideal_speedup"] == pytest.approx(unshared.tokens_unshared / trie.tokens_shared)
+        assert r["flop_ratio"] == pytest.approx(layout_flop_ratio(shape, trie, unshared)) and r["flop_ratio"] > 1
+        assert r["max_logprob_diff"] < 1e-4
+
+
+def test_bench_rejects_unknown_tree_shapes(capsys):
+    assert bench.run_bench(parse(["--smoke", "--trees", "forest"])) == 2
+    assert "unknown tree shape 'forest'" in capsys.readouterr().err

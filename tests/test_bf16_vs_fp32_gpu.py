@@ -63,7 +63,21 @@ def fp32_reference(loaded, hf_path, samples, weights):
         return run(twin, samples, False, [w.float() for w in weights])
 
 
-def check_against_fp32(loaded, hf_path, samples, backends, label):
+def gpu_tree_samples(vocab: int, seed: int = 0):
+    """A micro-batch that is a prefix tree of depth >= 3 at the default sharing threshold: a system
+    prompt shared across prompts with n responses, step-wise trajectories, a search tree (nodes
+    longer than fla's 64-token chunks and shorter), and a random tree with nodes of 1-3 tokens
+    between long ones (tree_cases)."""
+    from tree_cases import tree_samples
+    from ps_bridge.bench.catalog import chain_samples, search_samples, system_samples
+
+    return (system_samples(vocab, seed, system=120, prompts=3, prompt=30, n=3, response=45)
+            + chain_samples(vocab, seed + 1, prompt=80, trajectories=2, turns=3, observation=20, response=25)
+            + search_samples(vocab, seed + 2, prompt=70, depth=3, branching=2, node=33)
+            + tree_samples(seed, vocab=min(vocab, 16)))
+
+
+def check_against_fp32(loaded, hf_path, samples, backends, label, share=True):
     device = loaded.device
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(len(s.response), generator=gen).to(device) for s in samples]
@@ -71,8 +85,8 @@ def check_against_fp32(loaded, hf_path, samples, backends, label):
     for backend in backends:
         loaded.config.backend = backend  # read by the attention modules at every call
         unshared = relative_errors(*run(loaded, samples, False, weights), ref_lp, ref_grads)
-        shared = relative_errors(*run(loaded, samples, True, weights), ref_lp, ref_grads)
-        print(f"\n[{label} bf16 vs fp32, {backend}] log-prob rel err shared {shared[0]:.3e} / unshared "
+        shared = relative_errors(*run(loaded, samples, share, weights), ref_lp, ref_grads)
+        print(f"\n[{label} bf16 vs fp32, {backend}, share={share}] log-prob rel err shared {shared[0]:.3e} / unshared "
               f"{unshared[0]:.3e}; gradient rel err shared {shared[1]:.3e} / unshared {unshared[1]:.3e}; "
               f"worst parameter shared {shared[2]:.3e} / unshared {unshared[2]:.3e}")
         assert unshared[0] < 2e-2 and unshared[1] < 5e-2  # bf16 itself is sane
@@ -80,27 +94,43 @@ def check_against_fp32(loaded, hf_path, samples, backends, label):
         assert shared[1] <= WORSE_THAN_UNSHARED * unshared[1] + 1e-6
 
 
-def test_qwen2_bf16_shared_is_as_close_to_fp32_as_unshared(tmp_path):
-    """Head dim 128 (the real Qwen2.5 one), GQA 4:1, uneven groups: every GPU attention backend."""
+def batch_for(vocab: int, kind: str, **grpo):
+    """(samples, share, label suffix): GRPO-like groups shared one level, or a prefix tree of depth
+    >= 3 (`gpu_tree_samples`) shared as a token trie."""
+    from ps_bridge.tiny_checkpoints import grpo_like_samples
+
+    if kind == "tree":
+        samples = gpu_tree_samples(vocab)
+        assert build_layout(samples, share="tree").tree_depth >= 3
+        return samples, "tree", " tree"
+    return grpo_like_samples(vocab, **grpo), True, ""
+
+
+@pytest.mark.parametrize("kind", ["groups", "tree"])
+def test_qwen2_bf16_shared_is_as_close_to_fp32_as_unshared(tmp_path, kind):
+    """Head dim 128 (the real Qwen2.5 one), GQA 4:1, uneven groups: every GPU attention backend; on
+    a prefix tree the tree cascade (any depth: the backends that run trees on the flash kernels)."""
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.runtime import load_model
-    from ps_bridge.tiny_checkpoints import build_tiny_qwen2, grpo_like_samples
+    from ps_bridge.tiny_checkpoints import build_tiny_qwen2
 
     build_tiny_qwen2(str(tmp_path), vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
                      num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=1024)
     loaded = load_model(str(tmp_path), PrefixSharingConfig(backend="flash_atten_gpu"), dtype=torch.bfloat16)
-    samples = grpo_like_samples(2048, num_prompts=3, n=4, prompt_len=(150, 400), response_len=(1, 120))
-    check_against_fp32(loaded, str(tmp_path), samples, ["flash_atten_gpu", "flash_atten_gpu_expand", "flex"], "qwen2.5")
+    samples, share, suffix = batch_for(2048, kind, num_prompts=3, n=4, prompt_len=(150, 400), response_len=(1, 120))
+    backends = ["flash_atten_gpu"] if kind == "tree" else ["flash_atten_gpu", "flash_atten_gpu_expand", "flex"]
+    check_against_fp32(loaded, str(tmp_path), samples, backends, "qwen2.5" + suffix, share=share)
 
 
-def test_qwen35_bf16_shared_is_as_close_to_fp32_as_unshared(tmp_path):
-    """Gated DeltaNet through fla (bf16) and gated attention through the cascade, against the
-    float32 twin with torch_ref kernels."""
+@pytest.mark.parametrize("kind", ["groups", "tree"])
+def test_qwen35_bf16_shared_is_as_close_to_fp32_as_unshared(tmp_path, kind):
+    """Gated DeltaNet through fla (bf16; on a tree one call per level) and gated attention through
+    the cascade, against the float32 twin with torch_ref kernels."""
     from gdn_cases import tiny_qwen35_gpu_gdn_heads
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.kernels.gdn.fla import hopper_backward_problem
     from ps_bridge.runtime import load_model
-    from ps_bridge.tiny_checkpoints import build_tiny_qwen35, grpo_like_samples
+    from ps_bridge.tiny_checkpoints import build_tiny_qwen35
 
     problem = hopper_backward_problem(torch.device("cuda"))
     if problem:
@@ -110,8 +140,9 @@ def test_qwen35_bf16_shared_is_as_close_to_fp32_as_unshared(tmp_path):
     build_tiny_qwen35(str(tmp_path), **tiny_qwen35_gpu_gdn_heads())
     loaded = load_model(str(tmp_path), PrefixSharingConfig(backend="flash_atten_gpu", gdn_backend="fla"),
                         dtype=torch.bfloat16)
-    samples = grpo_like_samples(loaded.vocab_size, num_prompts=3, n=4, prompt_len=(20, 90), response_len=(1, 40))
-    check_against_fp32(loaded, str(tmp_path), samples, ["flash_atten_gpu"], "qwen3.5")
+    samples, share, suffix = batch_for(loaded.vocab_size, kind, num_prompts=3, n=4, prompt_len=(20, 90),
+                                       response_len=(1, 40))
+    check_against_fp32(loaded, str(tmp_path), samples, ["flash_atten_gpu"], "qwen3.5" + suffix, share=share)
 
 
 def test_qwen35_moe_bf16_shared_is_as_close_to_fp32_as_unshared(tmp_path):

@@ -80,6 +80,50 @@ def test_fla_matches_torch_ref(dtype):
     assert grad_diff < TOLERANCE[dtype]
 
 
+def run_on_tree(layout, backend, leaves, device):
+    """The prefix-shared GDN on a tree pack from per-token leaves (mixed, g, beta, conv weight and
+    bias, cast once); the output and every leaf's gradient, in float32."""
+    mixed, g, beta, weight, bias = leaves
+    H, K, HV, V = (GPU_GDN_HEADS[x] for x in ("H", "K", "HV", "V"))
+    out = prefix_shared_gated_delta_net(
+        mixed, g.float(), beta, weight, bias, plan_from_layout(layout, device), backend,
+        num_key_heads=H, key_head_dim=K, value_head_dim=V)
+    w = torch.randn(out.shape, generator=torch.Generator(device=device).manual_seed(0), device=device)
+    valid = layout.valid.to(device)[:, None, None]
+    grads = torch.autograd.grad((out.float() * w * valid).sum(), leaves)
+    return out.float()[layout.valid.to(device)], [x.float() for x in grads]
+
+
+# ids name the dtype: scripts/gpu_checks.sh selects the float32 and the bfloat16 GDN tests by them
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_fla_matches_torch_ref_on_trees(dtype):
+    """fla on a prefix tree of depth >= 3 (one call per level, each node from its parent's final
+    state; conv states gathered along ancestor paths shorter than the conv window): outputs and
+    every input gradient (the parents' state gradients summed over their children) against torch_ref."""
+    from test_bf16_vs_fp32_gpu import gpu_tree_samples
+
+    device = torch.device("cuda")
+    skip_if_backward_refused(device)
+    layout = build_layout(gpu_tree_samples(100, seed=1), share="tree", min_shared=0, pad_multiple=8)
+    assert layout.tree_depth >= 3 and min(layout.host["valid_lengths"]) < 4
+    H, K, HV, V = (GPU_GDN_HEADS[x] for x in ("H", "K", "HV", "V"))
+    D, W, T = 2 * H * K + HV * V, 4, layout.num_tokens
+    gen = torch.Generator().manual_seed(2)
+    base = [torch.randn(T, D, generator=gen), -torch.rand(T, HV, generator=gen) * 0.5, torch.rand(T, HV, generator=gen),
+            torch.randn(D, W, generator=gen) * 0.5, torch.randn(D, generator=gen) * 0.1]
+    results = {}
+    for name in ("torch_ref", "fla"):
+        leaves = [x.to(device=device, dtype=dtype).requires_grad_(True) for x in base]
+        results[name] = run_on_tree(layout, resolve_gdn_backend(name, device), leaves, device)
+    (out_ref, g_ref), (out_fla, g_fla) = results["torch_ref"], results["fla"]
+    out_diff = rel(out_fla, out_ref)
+    grad_diff = max(rel(a, b) for a, b in zip(g_fla, g_ref))
+    print(f"\n[fla vs torch_ref on a tree of depth {layout.tree_depth}, {layout.num_segments} nodes, {dtype}] "
+          f"output rel diff {out_diff:.3e}, worst gradient rel diff {grad_diff:.3e}")
+    assert out_diff < TOLERANCE[dtype]
+    assert grad_diff < TOLERANCE[dtype]
+
+
 def test_model_fla_matches_torch_ref_and_sharing_is_exact(tmp_path):
     """Tiny Qwen3.5 on the GPU (fp32): fla vs torch_ref log-probs and gradients, and with fla,
     prefix-shared == unshared log-probs."""

@@ -224,7 +224,7 @@ def test_one_level_backends_run_depth_one_tries(backend):
         torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("backend", ["flash_atten_gpu", "flash_atten_gpu_expand", "flash_atten_npu"])
+@pytest.mark.parametrize("backend", ["flash_atten_gpu_expand", "flash_atten_npu"])
 def test_one_level_backends_refuse_deeper_trees(backend):
     from ps_bridge.kernels.attention import get_attention_backend, resolve_attention_backend
 
@@ -233,7 +233,7 @@ def test_one_level_backends_refuse_deeper_trees(backend):
     with pytest.raises(ValueError, match=f"backend '{backend}' runs prefix trees of depth <= 1"):
         get_attention_backend(backend)(q, q, q, tree, 1.0)
     assert resolve_attention_backend("auto", q, tree.tree_depth).name == "torch_ref"
-    assert resolve_attention_backend("auto", q.cuda() if torch.cuda.is_available() else q, tree.tree_depth).name in ("flex", "torch_ref")
+    assert resolve_attention_backend("auto", q.cuda() if torch.cuda.is_available() else q, tree.tree_depth).name in ("flash_atten_gpu", "torch_ref")
 
 
 @pytest.mark.parametrize("seed, width", [(0, 4), (3, 2)])
@@ -271,18 +271,12 @@ def test_gated_delta_net_on_trees_equals_unshared(seed, width):
         assert ((a - b).abs().max() / b.abs().max()) < 1e-12
 
 
-def test_fla_refuses_deeper_trees_and_auto_avoids_it():
-    from ps_bridge.kernels.gdn import GDN_BACKENDS, choose_gdn_backend, plan_from_layout, prefix_shared_gated_delta_net
+def test_auto_picks_fla_on_trees_on_cuda():
+    """fla runs trees of any depth (one call per level; tests/test_gdn_fla_gpu.py on a GPU)."""
+    from ps_bridge.kernels.gdn import choose_gdn_backend
 
-    tree = build_layout(tree_samples(0), share="tree", min_shared=0)
-    x = torch.zeros(tree.num_tokens, 2 * 2 * 4 + 4 * 3)
-    with pytest.raises(ValueError, match="backend 'fla' runs prefix trees of depth <= 1"):
-        prefix_shared_gated_delta_net(
-            x, x[:, :4], x[:, :4], torch.zeros(x.shape[1], 4), None, plan_from_layout(tree), GDN_BACKENDS["fla"],
-            num_key_heads=2, key_head_dim=4, value_head_dim=3,
-        )
-    assert choose_gdn_backend(torch.device("cuda"), tree_depth=2) == "torch_ref"
-    assert choose_gdn_backend(torch.device("cuda"), tree_depth=1) == "fla"
+    assert choose_gdn_backend(torch.device("cuda"), tree_depth=3) == "fla"
+    assert choose_gdn_backend(torch.device("cpu"), tree_depth=3) == "torch_ref"
 
 
 def test_parallel_layouts_refuse_deeper_trees():

@@ -10,8 +10,14 @@ times, on the *same* micro-batch packed shared and unshared:
 
 Timing is with CUDA events after warm-up, median of repeats; the micro-batch's layout is built
 before timing (verl prepares it on the host while the GPU works). Peak memory is torch's peak
-allocated bytes during one actor step. The ideal speed-up is the token ratio S = n(P+R)/(P+nR);
-tokens/s counts the micro-batch's unshared tokens n(P+R), so it is comparable between the modes.
+allocated bytes during one actor step. The ideal speed-up is the token ratio S = n(P+R)/(P+nR)
+(unshared over shared tokens); F, beside it, is the model-FLOP ratio (`flops.py`: with the output
+layer on read positions only, the speed-up can exceed S, and F bounds it); tokens/s counts the
+micro-batch's unshared tokens n(P+R), so it is comparable between the modes.
+
+`--trees system,chain,search` adds rows shaped like prefix trees (`catalog.TREE_SHAPES`: a system
+prompt shared across prompts, step-wise multi-turn trajectories, a search tree), shared as a token
+trie; each reports its trie tokens, S, F, x / S and x / F.
 
 Model shapes are table entries (`catalog.MODEL_SHAPES`), built by their family's HF-config builder
 (`catalog.FAMILIES`): a new family adds one builder and its shapes.
@@ -25,8 +31,8 @@ This module only re-exports their public names.
 """
 
 from ps_bridge.bench.catalog import (
-    DEFAULT_GRID, DEFAULT_MODELS, FAMILIES, MODEL_SHAPES, SMOKE_GRID, ModelShape, ideal_speedup, make_samples,
-    qwen2_hf_config, qwen35_hf_config, response_row_mask,
+    DEFAULT_GRID, DEFAULT_MODELS, FAMILIES, MODEL_SHAPES, SMOKE_GRID, TREE_SHAPES, ModelShape, TreeShape,
+    ideal_speedup, make_samples, qwen2_hf_config, qwen35_hf_config, response_row_mask,
 )
 from ps_bridge.bench.fp32_reference import Fp32Reference
 from ps_bridge.bench.report import RowResult, environment, format_table, write_plot
@@ -36,7 +42,8 @@ from ps_bridge.bench.timing import (
 )
 
 __all__ = [
-    "DEFAULT_GRID", "DEFAULT_MODELS", "FAMILIES", "MODEL_SHAPES", "SMOKE_GRID", "ModelShape", "ideal_speedup",
+    "DEFAULT_GRID", "DEFAULT_MODELS", "FAMILIES", "MODEL_SHAPES", "SMOKE_GRID", "TREE_SHAPES", "ModelShape",
+    "TreeShape", "ideal_speedup",
     "make_samples", "qwen2_hf_config", "qwen35_hf_config", "response_row_mask", "Fp32Reference", "RowResult",
     "environment", "format_table", "write_plot", "add_bench_arguments", "run_bench", "run_row",
     "UNSHARED_SPLITS", "ModeResult", "run_actor_step", "run_mode", "run_unshared", "split_in_order",

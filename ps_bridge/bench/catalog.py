@@ -171,3 +171,97 @@ def response_row_mask(layout) -> torch.Tensor:
         R = int(layout.sample_response_length[i])
         mask[offsets[i] + P - 1 : offsets[i] + P - 1 + R] = True
     return mask
+
+
+# ---- prefix-tree rows (`--trees`): micro-batches shaped like the workloads that share at several levels ----
+
+
+def _tokens(g: torch.Generator, vocab: int, n: int) -> list:
+    return torch.randint(vocab, (n,), generator=g).tolist()
+
+
+def system_samples(vocab: int, seed: int, system: int, prompts: int, prompt: int, n: int, response: int):
+    """A system prompt of `system` tokens shared by `prompts` prompts of `prompt` tokens after it,
+    each with `n` responses of `response` tokens (a tree of depth 2)."""
+    from ps_bridge.layout import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    head = _tokens(g, vocab, system)
+    samples = []
+    for _ in range(prompts):
+        p = head + _tokens(g, vocab, prompt)
+        samples += [Sample(p, _tokens(g, vocab, response)) for _ in range(n)]
+    return samples
+
+
+def chain_samples(vocab: int, seed: int, prompt: int, trajectories: int, turns: int, observation: int, response: int):
+    """Multi-turn trajectories trained step-wise: a prompt of `prompt` tokens shared by
+    `trajectories` trajectories of `turns` turns (an observation, then a response); each turn is a
+    sample whose prompt is the whole trajectory so far and whose response is the turn's response
+    (the samples of one trajectory are one path of the tree: depth 1)."""
+    from ps_bridge.layout import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    head = _tokens(g, vocab, prompt)
+    samples = []
+    for _ in range(trajectories):
+        so_far = list(head)
+        for _ in range(turns):
+            so_far += _tokens(g, vocab, observation)
+            r = _tokens(g, vocab, response)
+            samples.append(Sample(list(so_far), r))
+            so_far += r
+    return samples
+
+
+def search_samples(vocab: int, seed: int, prompt: int, depth: int, branching: int, node: int):
+    """A search tree: a prompt of `prompt` tokens, then `depth` levels of `branching` children of
+    `node` tokens each; one sample per node, its prompt the path above the node and its response the
+    node's tokens (a tree of depth `depth`)."""
+    from ps_bridge.layout import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    frontier = [_tokens(g, vocab, prompt)]
+    for _ in range(depth):
+        children = []
+        for path in frontier:
+            for _ in range(branching):
+                r = _tokens(g, vocab, node)
+                samples.append(Sample(list(path), r))
+                children.append(path + r)
+        frontier = children
+    return samples
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """A named prefix-tree micro-batch (`--trees NAME`): its builder and sizes, and tiny sizes for
+    `--smoke`."""
+
+    build: Callable
+    sizes: dict
+    smoke_sizes: dict
+    description: str
+
+    def samples(self, vocab: int, seed: int, smoke: bool = False) -> list:
+        return self.build(vocab, seed, **(self.smoke_sizes if smoke else self.sizes))
+
+
+TREE_SHAPES: Dict[str, TreeShape] = {
+    "system": TreeShape(
+        system_samples, dict(system=4096, prompts=16, prompt=256, n=8, response=512),
+        dict(system=20, prompts=3, prompt=16, n=2, response=5),
+        "system prompt 4096 shared by 16 prompts of 256, n = 8, R = 512",
+    ),
+    "chain": TreeShape(
+        chain_samples, dict(prompt=2048, trajectories=4, turns=8, observation=512, response=256),
+        dict(prompt=16, trajectories=2, turns=3, observation=4, response=3),
+        "prompt 2048 shared by 4 trajectories of 8 turns (observation 512 + response 256), a sample per turn",
+    ),
+    "search": TreeShape(
+        search_samples, dict(prompt=2048, depth=3, branching=4, node=1024),
+        dict(prompt=16, depth=3, branching=2, node=16),
+        "prompt 2048, depth 3, branching 4, nodes of 1024, a sample per node",
+    ),
+}

@@ -137,9 +137,17 @@ def model_flops(shape: FlopShape, layout: PackedPrefixLayout) -> float:
     return total
 
 
+def layout_flop_ratio(shape: FlopShape, shared: PackedPrefixLayout, unshared: PackedPrefixLayout) -> float:
+    """F of two layouts of the same samples: `model_flops(unshared) / model_flops(shared)` (the
+    bench passes the layouts it times)."""
+    if unshared.shared or unshared.tokens_unshared != shared.tokens_unshared:
+        raise ValueError("layout_flop_ratio needs an unshared layout (share=False) of the shared layout's samples")
+    return model_flops(shape, unshared) / model_flops(shape, shared)
+
+
 def flop_ratio(shape: FlopShape, samples: Sequence[Sample], share="tree", pad_multiple: int = 1, **layout_options) -> float:
     """F: FLOPs of the unshared computation (every sample its own sequence, the output layer on
     every position) over those of the shared one (`share`, the output layer on read positions)."""
     shared = build_layout(samples, share=share, pad_multiple=pad_multiple, prompt_values=False, **layout_options)
     unshared = build_layout(samples, share=False, pad_multiple=pad_multiple)
-    return model_flops(shape, unshared) / model_flops(shape, shared)
+    return layout_flop_ratio(shape, shared, unshared)

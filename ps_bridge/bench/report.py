@@ -42,20 +42,33 @@ class RowResult:
     unshared_max_err_fp32: Optional[float] = None
     # the processes of the run: world_size, cp, ep, data_parallel, groups_per_rank (EP: each rank's whole groups)
     parallel: Optional[dict] = None
+    # a tree row (`--trees`): the shape's name (P = R = n = 0); the shared layout's tree depth and node count
+    tree: Optional[str] = None
+    tree_depth: Optional[int] = None
+    nodes: Optional[int] = None
+    # F: model FLOPs of the unshared computation over those of the shared one (bench/flops.py)
+    flop_ratio: Optional[float] = None
 
     @classmethod
-    def failed(cls, model: str, layers: int, backend: str, P: int, R: int, n: int, groups: int, error: str) -> "RowResult":
+    def failed(cls, model: str, layers: int, backend: str, P: int, R: int, n: int, groups: int, error: str,
+               tree: Optional[str] = None) -> "RowResult":
         """A row that raised (the other rows still run): only its coordinates and the error."""
         def no_mode():
             return ModeResult(0, math.nan, math.nan, None, None)
 
-        return cls(model, layers, backend, P, R, n, groups, 0, 0, ideal_speedup(P, R, n), math.nan, math.nan, None,
-                   no_mode(), no_mode(), math.nan, math.nan, math.nan, error=error)
+        ideal = math.nan if tree else ideal_speedup(P, R, n)
+        return cls(model, layers, backend, P, R, n, groups, 0, 0, ideal, math.nan, math.nan, None,
+                   no_mode(), no_mode(), math.nan, math.nan, math.nan, error=error, tree=tree)
+
+    @property
+    def coordinates(self) -> tuple:
+        """The table's P, R, n cells: the numbers, or the tree shape's name."""
+        return (self.tree, "-", "-") if self.tree else (str(self.P), str(self.R), str(self.n))
 
 
 def format_table(results: Sequence[RowResult]) -> str:
-    head = ("model", "layers", "backend", "P", "R", "n", "tok unsh", "tok sh", "ideal S", "actor x",
-            "x/S", "logprob x", "peak unsh GiB", "peak sh GiB", "peak ratio", "tok/s unsh", "tok/s sh",
+    head = ("model", "layers", "backend", "P", "R", "n", "tok unsh", "tok sh (trie)", "ideal S", "F", "actor x",
+            "x/S", "x/F", "logprob x", "peak unsh GiB", "peak sh GiB", "peak ratio", "tok/s unsh", "tok/s sh",
             "max |dlogp|")
     with_fp32 = any(r.shared_rel_err_fp32 is not None for r in results)
     if with_fp32:
@@ -63,7 +76,7 @@ def format_table(results: Sequence[RowResult]) -> str:
     lines = []
     for r in results:
         if r.error:
-            line = (r.model, str(r.layers), r.backend, str(r.P), str(r.R), str(r.n)) + ("-",) * 11 + (f"ERROR {r.error}",)
+            line = (r.model, str(r.layers), r.backend) + r.coordinates + ("-",) * 13 + (f"ERROR {r.error}",)
             lines.append(line + ("-",) * 4 if with_fp32 else line)
             continue
         missing = "OOM" if r.unshared_out_of_memory else "-"  # what a value that needs the unshared run shows
@@ -72,9 +85,10 @@ def format_table(results: Sequence[RowResult]) -> str:
             return missing if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
         lines.append((
-            r.model, str(r.layers), r.backend, str(r.P), str(r.R), str(r.n),
-            str(r.tokens_unshared), str(r.tokens_shared), f"{r.ideal_speedup:.2f}", cell(r.actor_speedup, ".2f"),
-            cell(r.actor_speedup / r.ideal_speedup, ".2f"), cell(r.logprob_speedup, ".2f"),
+            r.model, str(r.layers), r.backend, *r.coordinates,
+            str(r.tokens_unshared), str(r.tokens_shared), f"{r.ideal_speedup:.2f}", cell(r.flop_ratio, ".2f"),
+            cell(r.actor_speedup, ".2f"), cell(r.actor_speedup / r.ideal_speedup, ".2f"),
+            cell(r.actor_speedup / r.flop_ratio if r.flop_ratio else None, ".2f"), cell(r.logprob_speedup, ".2f"),
             cell(r.unshared.actor_peak_mib and r.unshared.actor_peak_mib / 1024, ".2f"),
             cell(r.shared.actor_peak_mib and r.shared.actor_peak_mib / 1024, ".2f"),
             cell(r.actor_peak_ratio, ".2f"), cell(r.unshared_tokens_per_s, ",.0f"),
@@ -98,11 +112,11 @@ def write_plot(results: Sequence[RowResult], path: str) -> None:
     except ImportError:
         raise RuntimeError("--plot needs matplotlib (pip install matplotlib)") from None
     ok = [r for r in results if not r.error and not r.unshared_out_of_memory]
-    labels = [f"{r.model}\n{r.backend}\nP={r.P} R={r.R} n={r.n}" for r in ok]
+    labels = [f"{r.model}\n{r.backend}\n" + (r.tree or f"P={r.P} R={r.R} n={r.n}") for r in ok]
     x = range(len(ok))
     width = 0.27
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(ok)), 4.8))
-    ax.bar([i - width for i in x], [r.ideal_speedup for r in ok], width, label="ideal S = n(P+R)/(P+nR)", color="#bbbbbb")
+    ax.bar([i - width for i in x], [r.ideal_speedup for r in ok], width, label="ideal S = unshared / shared tokens", color="#bbbbbb")
     ax.bar(list(x), [r.actor_speedup for r in ok], width, label="actor step (fwd+bwd)", color="#1f77b4")
     ax.bar([i + width for i in x], [r.logprob_speedup for r in ok], width, label="log-prob pass (fwd)", color="#ff7f0e")
     ax.axhline(1.0, color="black", linewidth=0.8)

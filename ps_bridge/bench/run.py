@@ -8,13 +8,14 @@ import json
 import math
 import sys
 from functools import partial
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from ps_bridge.bench.catalog import (
-    DEFAULT_GRID, DEFAULT_MODELS, FAMILIES, MODEL_SHAPES, SMOKE_GRID, ideal_speedup, make_samples,
+    DEFAULT_GRID, DEFAULT_MODELS, FAMILIES, MODEL_SHAPES, SMOKE_GRID, TREE_SHAPES, ideal_speedup, make_samples,
 )
+from ps_bridge.bench.flops import flop_shape, layout_flop_ratio
 from ps_bridge.bench.fp32_reference import Fp32Reference, row_errors
 from ps_bridge.bench.report import RowResult, environment, format_table, payload, write_plot
 from ps_bridge.bench.timing import UNSHARED_SPLITS, ModeResult, run_mode, run_unshared
@@ -51,6 +52,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decoder layers of every model (default: each shape's bench default, printed)")
     parser.add_argument("--grid", type=_parse_grid, default=None,
                         help="rows 'P,R,n;P,R,n;...' (default: 2048,512,8;4096,256,16;1024,1024,8;512,4096,8)")
+    parser.add_argument("--trees", type=_parse_list, default=None,
+                        help="comma-separated prefix-tree rows by name (" + "; ".join(
+                            f"{k}: {v.description}" for k, v in TREE_SHAPES.items())
+                        + "), shared as a token trie; tiny sizes with --smoke. Without --grid only these rows run")
     parser.add_argument("--groups", type=int, default=1, help="prompts (groups of n responses) per micro-batch")
     parser.add_argument("--backends", type=_parse_list, default=["auto"],
                         help="comma-separated attention backends to time prefix-shared (default auto); "
@@ -137,16 +142,30 @@ def world_layout(args) -> dict:
                 groups_per_rank=args.groups // dp)
 
 
-def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, reference=None) -> List[RowResult]:
+def row_batch(P: int, R: int, n: int, tree: Optional[str], args, vocab: int):
+    """A row's micro-batch and how it is shared: `groups` prompts of P tokens with n responses of R
+    (one level), or the named tree shape (`catalog.TREE_SHAPES`, tiny under --smoke) shared as a
+    token trie at the default threshold."""
+    if tree is None:
+        return make_samples(P, R, n, args.groups, vocab, args.seed), True
+    return TREE_SHAPES[tree].samples(vocab, args.seed, smoke=args.smoke), "tree"
+
+
+def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, reference=None,
+            tree: Optional[str] = None) -> List[RowResult]:
+    """One row: a grid row (P, R, n) or, with `tree`, a named tree shape (P = R = n = 0)."""
     from ps_bridge.forward import cp_total_multiple
     from ps_bridge.layout import build_layout
 
-    batch = make_samples(P, R, n, args.groups, loaded.vocab_size, args.seed)
+    batch, share = row_batch(P, R, n, tree, args, loaded.vocab_size)
     samples = _data_parallel_share(batch)  # under EP this rank's whole groups; the row counts the whole batch
-    pack = partial(build_layout, share=True, vocab_size=loaded.vocab_size, total_multiple=cp_total_multiple(),
+    pack = partial(build_layout, share=share, vocab_size=loaded.vocab_size, total_multiple=cp_total_multiple(),
                    prompt_values=loaded.config.layout_prompt_values)
     shared_layout = pack(samples)
     whole = shared_layout if len(samples) == len(batch) else pack(batch)  # the whole batch's token counts
+    # F: the unshared computation's model FLOPs over those of the shared one that is timed
+    flops = layout_flop_ratio(flop_shape(MODEL_SHAPES[model_name], layers), whole,
+                              build_layout(batch, share=False, vocab_size=loaded.vocab_size))
     common = dict(warmup=args.warmup, repeats=args.repeats, chunk=args.logprob_chunk, progress=progress,
                   max_tokens=args.max_tokens_per_gpu)
     if args.shared_only:
@@ -173,7 +192,7 @@ def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, refer
                 P=P, R=R, n=n, groups=args.groups,
                 tokens_unshared=whole.tokens_unshared,
                 tokens_shared=whole.tokens_shared,
-                ideal_speedup=ideal_speedup(P, R, n),
+                ideal_speedup=ideal_speedup(P, R, n) if tree is None else whole.tokens_unshared / whole.tokens_shared,
                 actor_speedup=base.actor_ms / shared.actor_ms,
                 logprob_speedup=base.logprob_ms / shared.logprob_ms,
                 actor_peak_ratio=(shared.actor_peak_mib / base.actor_peak_mib) if base.actor_peak_mib else None,
@@ -184,6 +203,10 @@ def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, refer
                 max_logprob_diff=float((rows - base_rows).abs().max()) if base_rows is not None else math.nan,
                 unshared_out_of_memory=base_rows is None and not args.shared_only,
                 parallel=world_layout(args),
+                tree=tree,
+                tree_depth=whole.tree_depth,
+                nodes=whole.num_segments,
+                flop_ratio=flops,
                 **fp32,
             )
         )
@@ -228,7 +251,14 @@ def run_bench(args: argparse.Namespace) -> int:
     models = args.models or (
         (["tiny-qwen3.5-moe"] if args.ep > 1 else ["tiny-qwen2.5", "tiny-qwen3.5"]) if args.smoke else list(DEFAULT_MODELS)
     )
-    grid = args.grid or list(SMOKE_GRID if args.smoke else DEFAULT_GRID)
+    trees = args.trees or []
+    grid = args.grid or ([] if trees else list(SMOKE_GRID if args.smoke else DEFAULT_GRID))
+    for name in trees:
+        if name not in TREE_SHAPES:
+            return _error(f"unknown tree shape {name!r} (--trees); known: {', '.join(TREE_SHAPES)}")
+    if trees and (args.cp > 1 or args.ep > 1):
+        return _error("--trees runs on one GPU (parallel layouts refuse prefix trees deeper than one level): "
+                      "drop --cp/--ep or --trees")
     for name in models:
         if name not in MODEL_SHAPES:
             return _error(f"unknown model shape {name!r}; known: {', '.join(MODEL_SHAPES)}")
@@ -276,7 +306,7 @@ def run_bench(args: argparse.Namespace) -> int:
         flush=True)
 
     steps_per_row = 1 + len(args.backends)
-    total = len(models) * len(grid) * steps_per_row * (warmup + repeats)
+    total = len(models) * (len(grid) + len(trees)) * steps_per_row * (warmup + repeats)
     progress_bar = None
     if not args.no_progress and report:
         from tqdm import tqdm
@@ -310,19 +340,20 @@ def run_bench(args: argparse.Namespace) -> int:
                 f"{head_dim}, vocab {shape.dims['vocab_size']}, random weights")
         model_info.append(info)
         say(info)
-        for P, R, n in grid:
+        for P, R, n, tree in [(P, R, n, None) for P, R, n in grid] + [(0, 0, 0, t) for t in trees]:
+            label = tree or f"({P}, {R}, {n})"
             try:
-                row = run_row(loaded, name, layers, args.backends, P, R, n, args, progress, reference)
+                row = run_row(loaded, name, layers, args.backends, P, R, n, args, progress, reference, tree=tree)
             except Exception as e:  # keep the other rows (an OOM on one shape is a result too)
                 msg = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-                row = [RowResult.failed(name, layers, b, P, R, n, args.groups, msg) for b in args.backends]
+                row = [RowResult.failed(name, layers, b, P, R, n, args.groups, msg, tree=tree) for b in args.backends]
                 if cuda:
                     torch.cuda.empty_cache()
             results += row
             say(format_table(row).splitlines()[-1] if len(row) == 1 else "\n".join(format_table(row).splitlines()[2:]))
             write_json()
             if args.stop_on_failure and any(r.error for r in row):
-                say(f"stopping after the failed row ({P}, {R}, {n}) (--stop-on-failure)")
+                say(f"stopping after the failed row {label} (--stop-on-failure)")
                 break
         del loaded, reference
         if cuda:
@@ -338,7 +369,7 @@ def run_bench(args: argparse.Namespace) -> int:
     print(format_table(results))
     for r in results:
         if r.unshared.micro_batches > 1:
-            print(f"{r.model} ({r.P}, {r.R}, {r.n}): the unshared batch did not fit in GPU memory at once and ran as "
+            print(f"{r.model} {r.tree or (r.P, r.R, r.n)}: the unshared batch did not fit in GPU memory at once and ran as "
                   f"{r.unshared.micro_batches} micro-batches (gradient accumulation); the shared one ran as one.")
     if any(r.unshared_out_of_memory for r in results):
         print(f"OOM: the unshared batch did not fit in GPU memory even as {max(UNSHARED_SPLITS)} micro-batches; "

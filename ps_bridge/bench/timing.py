@@ -151,7 +151,7 @@ def split_in_order(samples: list, parts: int) -> List[list]:
 
 
 # The unshared micro-batch is split into this many micro-batches when it does not fit at once.
-UNSHARED_SPLITS = (1, 2, 4, 8)
+UNSHARED_SPLITS = (1, 2, 4, 8, 16)
 
 
 def run_unshared(loaded, samples: list, backend: str, **timing) -> Tuple[Optional[ModeResult], Optional[torch.Tensor], list]:

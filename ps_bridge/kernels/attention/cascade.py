@@ -1,20 +1,30 @@
-"""`flash_atten_gpu`: prefix-shared attention as a cascade of varlen flash calls, copying no key/value.
+"""`flash_atten_gpu`: prefix-shared attention on a prefix tree as a cascade of varlen flash calls,
+copying no key/value.
 
-It runs on the packed layout of ps_bridge.layout: all prompt segments first (the *prompt block*),
-then the responses group by group (the *response block*), each segment padded at its end.
+It runs on the packed layout of ps_bridge.layout: one segment per tree node, packed level by level
+(all roots, then their children, ...), depth first inside a level, each segment padded at its end.
+Two facts of that order make every call a plain varlen call over contiguous views of q, k and v:
+each level is one contiguous *block* of the pack, and inside a level the descendants of any node
+form one contiguous *run*. A token attends causally inside its own node and to every valid token of
+its ancestors; the ancestors of a level-d node are one node per level a < d. So:
 
-  1. one causal call over every segment of the pack, with the padded segment offsets: a prompt
-     token sees its prompt causally, a response token its own response causally (padding sits at
-     segment ends, so no valid query ever sees it);
-  2. one non-causal call of the response block's queries against their prompt's keys, one batch
-     element per group: the queries of all responses of group g are contiguous, and so are the keys
-     of prompt g. Prompt padding is skipped with an extra batch element that has keys and no
-     queries, so neither a copy nor a `seqused_k` (which torch's backward lacks) is needed;
-  3. the two partial results of each response token are merged by their log-sum-exp.
-  Backward: each partial's flash backward is run with the *merged* output and log-sum-exp and the
-  gradients are summed. That is exact: a flash backward rebuilds the probabilities as
-  exp(scores - lse) and the row term from (dout * out), so with the merged values each call yields
-  its share of the true gradient, and no gradient through the log-sum-exp is needed.
+  1. one causal call over every segment of the pack, with the padded segment offsets: each token
+     sees its own node causally (padding sits at segment ends, so no valid query ever sees it);
+  2. for each level d >= 1 and each ancestor level a < d, one non-causal call of level d's block of
+     queries against level a's block of keys: batch element A pairs the run of A's level-d
+     descendants (queries) with A's valid keys, for every level-a node A in pack order (both
+     sequences of offsets are non-decreasing because both levels go depth first). A node's padding,
+     and a node without level-d descendants, are batch elements with keys and no queries, so
+     neither a copy nor a `seqused_k` (which torch's backward lacks) is needed;
+  3. each level's partial results (its own causal call and one per ancestor level) are merged by
+     their log-sum-exp, in float32, once per level.
+  A depth-one layout (prompts, responses) is the old two-call cascade exactly. Kernel launches per
+  layer: 1 + D (D + 1) / 2 for a tree of depth D, whatever its node count; no key/value (or query)
+  is copied: every call reads views of the packed tensors.
+  Backward: each call's flash backward is run with the *merged* output and log-sum-exp of its
+  queries and the gradients are summed. That is exact: a flash backward rebuilds the probabilities
+  as exp(scores - lse) and the row term from (dout * out), so with the merged values each call
+  yields its share of the true gradient, and no gradient through the log-sum-exp is needed.
 
 Kernels come from ps_bridge.kernels.attention.varlen: flash-attn if installed, else torch's own
 CUDA flash kernels; on a CPU torch's CPU flash op (slow, used by the tests).
@@ -23,7 +33,7 @@ CUDA flash kernels; on a CPU torch's CPU flash op (slow, used by the tests).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -32,10 +42,30 @@ from ps_bridge.layout import PackedPrefixLayout
 
 
 @dataclass
+class AncestorCall:
+    """Queries of one level's block against the keys of one ancestor level's block."""
+
+    call: VarlenCall  # non-causal; offsets relative to the two blocks
+    keys: Tuple[int, int]  # packed range [start, end) of the ancestor level's block
+
+
+@dataclass
+class LevelCalls:
+    """The calls a level d >= 1 adds to its own causal partial: one per ancestor level."""
+
+    queries: Tuple[int, int]  # packed range [start, end) of level d's block
+    ancestors: List[AncestorCall]
+
+
+@dataclass
 class CascadePlan:
     segments: VarlenCall  # causal, every segment of the pack
-    cross: Optional[VarlenCall]  # response block's queries vs prompt block's keys; None without responses
-    prompt_block_end: int
+    levels: List[LevelCalls]  # levels 1 .. depth (empty when nothing is shared)
+
+    @property
+    def num_calls(self) -> int:
+        """Varlen kernel launches per layer (forward; the backward runs as many)."""
+        return 1 + sum(len(level.ancestors) for level in self.levels)
 
     def forward(self, q, k, v, scale, kernel):
         return cascade_forward(q, k, v, self, scale, kernel)
@@ -52,75 +82,106 @@ def cascade_plan(layout: PackedPrefixLayout) -> CascadePlan:
 def _build_cascade_plan(layout: PackedPrefixLayout) -> CascadePlan:
     host = layout.host
     offsets = host["cu_seqlens_padded"]
-    seg_group = host["segment_group"]
-    num_prompts = layout.num_prompt_segments
     segments = VarlenCall(cu_q=list(offsets), cu_k=list(offsets), causal=True)
-    block_end = offsets[num_prompts]
-    cross = None
-    if len(offsets) - 1 > num_prompts:
-        # response range of each group inside the response block (responses are stored group by group)
-        first: dict = {}
-        last: dict = {}
-        for s in range(num_prompts, len(offsets) - 1):
-            g = seg_group[s]
-            first.setdefault(g, offsets[s] - block_end)
-            last[g] = offsets[s + 1] - block_end
-        cu_q: List[int] = [0]
-        cu_k: List[int] = [0]
-        for p in range(num_prompts):
-            g = seg_group[p]
-            q_start, q_end = (first[g], last[g]) if g in first else (cu_q[-1], cu_q[-1])
-            if q_start != cu_q[-1]:
-                raise AssertionError("response block is not stored group by group in prompt order")
-            valid_end = offsets[p] + host["valid_lengths"][p]
+    level_offsets = host["level_offsets"]
+    parent = host["segment_parent"]
+    valid = host["valid_lengths"]
+    levels: List[LevelCalls] = []
+    for d in range(1, len(level_offsets) - 1):
+        lo, hi = level_offsets[d], level_offsets[d + 1]
+        ancestor = list(range(lo, hi))  # each level-d segment's ancestor at level a, walking up
+        calls: List[AncestorCall] = []
+        for a in range(d - 1, -1, -1):
+            ancestor = [parent[s] for s in ancestor]
+            calls.append(_ancestor_call(ancestor, offsets, valid, level_offsets[a], level_offsets[a + 1], lo))
+        levels.append(LevelCalls(queries=(offsets[lo], offsets[hi]), ancestors=calls[::-1]))
+    return CascadePlan(segments=segments, levels=levels)
+
+
+def _ancestor_call(ancestor: Sequence[int], offsets: Sequence[int], valid: Sequence[int], a_lo: int, a_hi: int,
+                   d_lo: int) -> AncestorCall:
+    """The call of level d's queries (segments `d_lo ..`, whose level-a ancestors are `ancestor`)
+    against level a's keys (segments `a_lo .. a_hi`): one batch element per level-a node."""
+    if any(x > y for x, y in zip(ancestor, ancestor[1:])):
+        raise AssertionError("a level's descendants of one node are not one run: the pack is not depth first inside a level")
+    q_base, k_base = offsets[d_lo], offsets[a_lo]
+    run_end: dict = {}  # level-a node -> end of its descendants' run in level d
+    for i, A in enumerate(ancestor):
+        run_end[A] = offsets[d_lo + i + 1] - q_base
+    cu_q: List[int] = [0]
+    cu_k: List[int] = [0]
+
+    def add(q_end: int, k_end: int) -> None:
+        if q_end == cu_q[-1] and len(cu_q) > 1 and cu_q[-2] == cu_q[-1]:
+            cu_k[-1] = k_end  # consecutive keys-only elements are one
+        else:
             cu_q.append(q_end)
-            cu_k.append(valid_end)
-            if offsets[p + 1] > valid_end:  # prompt padding: keys with no queries
-                cu_q.append(q_end)
-                cu_k.append(offsets[p + 1])
-        cross = VarlenCall(cu_q=cu_q, cu_k=cu_k, causal=False)
-    return CascadePlan(segments=segments, cross=cross, prompt_block_end=block_end)
+            cu_k.append(k_end)
+
+    for A in range(a_lo, a_hi):
+        q_end = run_end.get(A, cu_q[-1])
+        valid_end = offsets[A] + valid[A] - k_base
+        add(q_end, valid_end)
+        if offsets[A + 1] - k_base > valid_end:  # padding: keys with no queries
+            add(q_end, offsets[A + 1] - k_base)
+    return AncestorCall(call=VarlenCall(cu_q=cu_q, cu_k=cu_k, causal=False), keys=(k_base, offsets[a_hi]))
+
+
+def merge_all(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
+    """Merge attention partials over disjoint key sets of the same queries, in float32.
+
+    outs [T, H, D], lses [H, T] fp32 -> (out [T, H, D] in the first out's dtype, lse [H, T] fp32)."""
+    # two partials (every level of a depth-one layout): logaddexp, no stacked copy
+    lse = torch.logaddexp(lses[0], lses[1]) if len(lses) == 2 else torch.logsumexp(torch.stack(list(lses)), dim=0)
+    acc = torch.promote_types(outs[0].dtype, torch.float32)  # bf16 partials are merged in float32
+    total = None
+    for o, l in zip(outs, lses):
+        term = torch.exp(l - lse).transpose(0, 1).unsqueeze(-1) * o.to(acc)
+        total = term if total is None else total + term
+    return total.to(outs[0].dtype), lse
 
 
 def merge_partials(out_a, lse_a, out_b, lse_b):
-    """Merge two attention partials over disjoint key sets of the same queries.
-
-    out_* [T, H, D], lse_* [H, T] fp32 -> (out [T, H, D] in out_a's dtype, lse [H, T] fp32)."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    w_a = torch.exp(lse_a - lse).transpose(0, 1).unsqueeze(-1)
-    w_b = torch.exp(lse_b - lse).transpose(0, 1).unsqueeze(-1)
-    acc = torch.promote_types(out_a.dtype, torch.float32)  # bf16 partials are merged in float32
-    out = (w_a * out_a.to(acc) + w_b * out_b.to(acc)).to(out_a.dtype)
-    return out, lse
+    """Two partials (`merge_all` of two)."""
+    return merge_all([out_a, out_b], [lse_a, lse_b])
 
 
 def cascade_forward(q, k, v, plan: CascadePlan, scale: float, kernel: VarlenKernel):
     """-> (out, merged lse, aux of each call)."""
     out, lse, aux_seg = kernel.forward(q, k, v, plan.segments, scale)
-    aux_cross = None
-    if plan.cross is not None:
-        e = plan.prompt_block_end
-        out_x, lse_x, aux_cross = kernel.forward(q[e:], k[:e], v[:e], plan.cross, scale)
-        merged, merged_lse = merge_partials(out[e:], lse[:, e:], out_x, lse_x)
-        out[e:] = merged  # the kernel's fresh output buffers: updating them in place saves a copy
-        lse[:, e:] = merged_lse
-    return out, lse, (aux_seg, aux_cross)
+    aux_levels = []
+    for level in plan.levels:
+        qs, qe = level.queries
+        outs, lses, auxes = [out[qs:qe]], [lse[:, qs:qe]], []
+        for x in level.ancestors:
+            ks, ke = x.keys
+            o, l, aux = kernel.forward(q[qs:qe], k[ks:ke], v[ks:ke], x.call, scale)
+            outs.append(o), lses.append(l), auxes.append(aux)
+        merged, merged_lse = merge_all(outs, lses)
+        out[qs:qe] = merged  # the kernel's fresh output buffers: updating them in place saves a copy
+        lse[:, qs:qe] = merged_lse
+        aux_levels.append(auxes)
+    return out, lse, (aux_seg, aux_levels)
 
 
 def cascade_backward(dout, q, k, v, out, lse, plan: CascadePlan, scale: float, kernel: VarlenKernel, aux):
-    aux_seg, aux_cross = aux
+    aux_seg, aux_levels = aux
     dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, plan.segments, scale, aux_seg)
-    if plan.cross is not None:
-        e = plan.prompt_block_end
-        dq_x, dk_x, dv_x = kernel.backward(
-            dout[e:], q[e:], k[:e], v[:e], out[e:], lse[:, e:].contiguous(), plan.cross, scale, aux_cross
-        )
-        dq[e:] += dq_x
-        dk[:e] += dk_x
-        dv[:e] += dv_x
+    for level, auxes in zip(plan.levels, aux_levels):
+        qs, qe = level.queries
+        level_lse = lse[:, qs:qe].contiguous()
+        for x, aux_x in zip(level.ancestors, auxes):
+            ks, ke = x.keys
+            dq_x, dk_x, dv_x = kernel.backward(
+                dout[qs:qe], q[qs:qe], k[ks:ke], v[ks:ke], out[qs:qe], level_lse, x.call, scale, aux_x
+            )
+            dq[qs:qe] += dq_x
+            dk[ks:ke] += dk_x
+            dv[ks:ke] += dv_x
     return dq, dk, dv
 
 
 def prefix_shared_attention_cascade(q, k, v, layout: PackedPrefixLayout, softmax_scale: float) -> torch.Tensor:
     check_shapes(q, k, v, layout)
     return PlannedAttention.apply(q, k, v, cascade_plan(layout), float(softmax_scale), kernel_for(q.device))
+

@@ -40,19 +40,18 @@ class AttentionBackend(Backend):
             raise ValueError(
                 f"the {OP} backend {self.name!r} runs prefix trees of depth <= {self.max_tree_depth} "
                 f"(prompts and their responses); this micro-batch's tree has depth {depth}: use backend "
-                "'torch_ref' or 'flex' (or 'auto', which picks one of them for deeper trees), or build "
+                "'flash_atten_gpu' (the cascade, any depth), 'flex' or 'torch_ref' (or 'auto'), or build "
                 "the layout with share=True (one level) or a max_depth of 1"
             )
 
 
 def choose_attention_backend(device: torch.device, dtype: torch.dtype, head_dim: int, tree_depth: int = 1) -> str:
-    """`auto`'s choice: the cascade where the CUDA flash kernels take the inputs (fp16/bf16, a head
-    dim that is a multiple of 8 up to 256), else the reference (CPU, float32 exactness runs). The
-    cascade copies no key/value and was fastest or within a few percent of the fastest in the
-    measurements (docs/design.md section 4, BENCHMARKS.md). Trees deeper than one level: `flex` on
-    CUDA (compiled; not run on a GPU in this round), the reference elsewhere."""
-    if tree_depth > 1:
-        return "flex" if torch.device(device).type == "cuda" else "torch_ref"
+    """`auto`'s choice, for a prefix tree of any depth: the cascade where the CUDA flash kernels take
+    the inputs (fp16/bf16, a head dim that is a multiple of 8 up to 256), else the reference (CPU,
+    float32 exactness runs). The cascade copies no key/value and was fastest or within a few percent
+    of the fastest in the measurements (docs/design.md section 4, BENCHMARKS.md); on trees its
+    launches grow with the depth only (cascade.py). `tree_depth` does not change the choice (every
+    candidate runs any depth); it is kept for callers that pass it."""
     return "flash_atten_gpu" if flash_takes(device, dtype, head_dim) else "torch_ref"
 
 
@@ -68,8 +67,10 @@ BACKENDS: Dict[str, AttentionBackend] = {
             None, None, prefix_shared_attention_torch_ref,
         ),
         AttentionBackend(
-            "flash_atten_gpu", "cascade of varlen flash calls, no key/value copies (CPU: torch's CPU op, for tests)",
-            ("cuda", "cpu"), FLASH_DTYPES, prefix_shared_attention_cascade, 1,
+            "flash_atten_gpu",
+            "cascade of varlen flash calls, launches growing with the tree's depth, no key/value copies "
+            "(CPU: torch's CPU op, for tests)",
+            ("cuda", "cpu"), FLASH_DTYPES, prefix_shared_attention_cascade,
         ),
         AttentionBackend(
             "flash_atten_gpu_expand", "one varlen flash call over gathered [prompt; response] keys/values",

@@ -1,11 +1,12 @@
 """The `fla` Gated DeltaNet backend: fla-core's Triton kernels (GPU), `causal_conv1d` and `chunk_gated_delta_rule`.
 
-One call covers a whole varlen block (all prompts, or all responses) with per-sequence initial and
-final states. CPU copies of `cu_seqlens` are passed so fla does not sync the device to read them.
+One call covers a whole varlen block (one level of the prefix tree: all roots, or all nodes of one
+depth, `forked.py`) with per-sequence initial and final states, so trees of any depth run here.
+CPU copies of `cu_seqlens` are passed so fla does not sync the device to read them.
 They, and the delta rule's chunk index, are made once per plan and handed to fla as the same objects
 on every layer (`_per_plan`): fla memoizes its varlen helpers by argument identity, so a fresh CPU
 tensor per call made every call recompute them (host work, a host-to-device copy of the chunk index
-per call, twice per layer on the shared path: prompts, then responses).
+per call, once per tree level and layer on the shared path).
 q/k keep their H key heads: fla applies grouped value heads natively with the same head mapping as
 `repeat_interleave` (value head j reads key head j // (HV / H)), which the GPU test checks.
 """

@@ -92,13 +92,6 @@ def prefix_shared_gated_delta_net(
 
     mixed_qkv `[N, 2*H*K + HV*V]` (conv input, channels q|k|v), g (log decay) and beta `[N, HV]`,
     conv_weight `[D, W]`. Returns `[N, HV, V]`, zero at padding positions."""
-    max_depth = getattr(backend, "max_tree_depth", None)
-    if max_depth is not None and plan.depth > max_depth:
-        raise ValueError(
-            f"the Gated DeltaNet backend {backend.name!r} runs prefix trees of depth <= {max_depth} so far; this "
-            f"micro-batch's tree has depth {plan.depth}: use gdn_backend='torch_ref' (or 'auto', which picks it "
-            "for deeper trees), or share one level only (share=True, or a tree max_depth of 1)"
-        )
     if mixed_qkv.shape[0] != plan.num_input_tokens:
         raise ValueError(
             f"Gated DeltaNet received {mixed_qkv.shape[0]} tokens but the plan describes {plan.num_input_tokens}"

@@ -10,7 +10,7 @@ with `choose_gdn_backend` (see `resolve_gdn_backend`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict
 
 import torch
 
@@ -24,14 +24,12 @@ OP = "Gated DeltaNet"
 class GDNBackend(Backend):
     causal_conv1d: Callable
     gated_delta_rule: Callable
-    # the deepest prefix tree it runs (None: any); a deeper one is refused with a clear message
-    max_tree_depth: Optional[int] = None
 
 
 def choose_gdn_backend(device: torch.device, tree_depth: int = 1) -> str:
-    """`auto`'s choice: fla's Triton kernels on CUDA, the reference elsewhere; the reference for
-    trees deeper than one level (fla's per-level calls are not run on a GPU yet)."""
-    return "fla" if torch.device(device).type == "cuda" and tree_depth <= 1 else "torch_ref"
+    """`auto`'s choice: fla's Triton kernels on CUDA, the reference elsewhere. Both run prefix trees
+    of any depth (one call per tree level, `forked.py`); `tree_depth` does not change the choice."""
+    return "fla" if torch.device(device).type == "cuda" else "torch_ref"
 
 
 def _auto_causal_conv1d(x, *args):
@@ -51,7 +49,7 @@ GDN_BACKENDS: Dict[str, GDNBackend] = {
         ),
         GDNBackend(
             "fla", "fla-core's Triton kernels (causal_conv1d, chunk_gated_delta_rule)",
-            ("cuda",), None, fla.causal_conv1d, fla.gated_delta_rule, 1,
+            ("cuda",), None, fla.causal_conv1d, fla.gated_delta_rule,
         ),
         GDNBackend(AUTO, "fla on CUDA, torch_ref elsewhere", None, None, _auto_causal_conv1d, _auto_gated_delta_rule),
     )
