@@ -64,7 +64,19 @@ def ep_micro_batches() -> List[List[Sample]]:
     return [groups[:7], groups[7:]]
 
 
-MICRO_BATCHES = {"parallel": parallel_micro_batches, "cp": cp_micro_batches, "ep": ep_micro_batches}
+def tree_micro_batches() -> List[List[Sample]]:
+    """Prefix trees (`tree_cases.tree_samples`: a system prompt shared across prompts, depth up to 4,
+    nodes of 1-3 tokens between long ones, samples that are prefixes of others, identical samples):
+    one tree (depth 4, one root shared by all 17 samples) split across two micro-batches, and a
+    second tree (depth 3) whole."""
+    from tree_cases import tree_samples
+
+    first = tree_samples(0)
+    return [first[:8], first[8:], tree_samples(2)]
+
+
+MICRO_BATCHES = {"parallel": parallel_micro_batches, "cp": cp_micro_batches, "ep": ep_micro_batches,
+                 "tree": tree_micro_batches}
 
 
 def micro_batch_weights(micro_batches) -> List[List[torch.Tensor]]:
