@@ -75,8 +75,18 @@ def tree_micro_batches() -> List[List[Sample]]:
     return [first[:8], first[8:], tree_samples(2)]
 
 
+def tree_ep_micro_batches() -> List[List[Sample]]:
+    """For a data-parallel split of trees: `tree_micro_batches` (a root shared by every sample: split
+    below it, computed on both ranks), then two trees of depth 3 and 4 with disjoint tokens in one
+    micro-batch (each rank gets one whole)."""
+    from tree_cases import tree_samples
+
+    other = [Sample([t + 16 for t in s.prompt], [t + 16 for t in s.response]) for s in tree_samples(10)]
+    return tree_micro_batches() + [tree_samples(2) + other]
+
+
 MICRO_BATCHES = {"parallel": parallel_micro_batches, "cp": cp_micro_batches, "ep": ep_micro_batches,
-                 "tree": tree_micro_batches}
+                 "tree": tree_micro_batches, "tree_ep": tree_ep_micro_batches}
 
 
 def micro_batch_weights(micro_batches) -> List[List[torch.Tensor]]:

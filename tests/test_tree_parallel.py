@@ -4,7 +4,8 @@ per data-parallel rank, a root shared by the whole micro-batch computed on both 
 
 The micro-batches are random trees (`parallel_cases.tree_micro_batches`: a system prompt shared
 across prompts, depth up to 4, samples that are prefixes of others, identical samples, one tree
-split across two micro-batches), packed with `share="tree"` at threshold 0. Every run must give the
+split across two micro-batches; under EP also two deep trees in one micro-batch, one per rank,
+`tree_ep_micro_batches`), packed with `share="tree"` at threshold 0. Every run must give the
 log-probs of Hugging Face (2e-5) and of the single-rank unshared run (1e-5, forward+backward and
 forward only) and every HF-named parameter gradient of the single-rank unshared run (1e-5
 relative), for Qwen2.5, Qwen3.5 dense and MoE (under EP the load-balancing loss too: each rank's
@@ -21,8 +22,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from parallel_cases import (  # noqa: E402
-    WORKER, aux_by_micro_batch, max_logprob_diff, micro_batch_weights, recorded_aux_losses, relative_grad_diffs,
-    torchrun, tree_micro_batches,
+    MICRO_BATCHES, WORKER, aux_by_micro_batch, max_logprob_diff, micro_batch_weights, recorded_aux_losses,
+    relative_grad_diffs, torchrun,
 )
 
 # name: (architecture, worker flags); every case runs on 2 processes
@@ -36,7 +37,7 @@ CASES = {
     "qwen3.5-moe_tp2_sp": ("qwen3.5-moe", ["--tp", "2", "--sp"]),
     "qwen3.5-moe_pp2": ("qwen3.5-moe", ["--pp", "2"]),
     "qwen3.5-moe_cp2": ("qwen3.5-moe", ["--cp", "2"]),
-    "qwen3.5-moe_ep2": ("qwen3.5-moe", ["--ep", "2"]),
+    "qwen3.5-moe_ep2": ("qwen3.5-moe", ["--ep", "2"]),  # on `tree_ep` micro-batches (two roots in the last)
 }
 DEFAULT_SUITE = {"qwen2.5_cp2"}
 
@@ -44,7 +45,7 @@ DEFAULT_SUITE = {"qwen2.5_cp2"}
 @pytest.fixture(scope="module")
 def tree_reference(tmp_path_factory):
     """(checkpoint path, single-rank unshared log-probs / gradients / aux losses, HF log-probs) on
-    the tree micro-batches, per architecture, built once."""
+    the tree micro-batches (`cases`: `tree` or `tree_ep`), per architecture, built once."""
     from transformers import AutoModelForCausalLM
 
     from ps_bridge.compare import hf_logprobs
@@ -56,27 +57,27 @@ def tree_reference(tmp_path_factory):
 
     cache = {}
 
-    def get(arch):
-        if arch not in cache:
+    def get(arch, cases):
+        if (arch, cases) not in cache:
             path = str(tmp_path_factory.mktemp(arch))
             TINY_BUILDERS[arch](path)
             loaded = load_model(path, PrefixSharingConfig(enabled=True))
-            micro_batches = tree_micro_batches()
+            micro_batches = MICRO_BATCHES[cases]()
             loaded.model.zero_grad(set_to_none=True)
             with recorded_aux_losses() as records:
                 logprobs = logprob_pass(loaded, micro_batches, share=False, loss_weights=micro_batch_weights(micro_batches))
             grads = hf_named_gradients(loaded.bridge, loaded.model)
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-            cache[arch] = (path, dict(logprobs=logprobs, grads=grads, aux=aux_by_micro_batch(records)),
+            cache[(arch, cases)] = (path, dict(logprobs=logprobs, grads=grads, aux=aux_by_micro_batch(records)),
                            [hf_logprobs(hf, mb) for mb in micro_batches])
-        return cache[arch]
+        return cache[(arch, cases)]
 
     return get
 
 
 def check_tree_logs(stderr: str) -> None:
     """Both ranks packed prefix trees: each rank's `[PS][prepare]` layout lines include depth >= 2
-    (the second half of a split tree may be shallower)."""
+    (the second half of a split tree, a rank's part under EP, may be shallower)."""
     for rank in range(2):
         depths = [int(m.group(1)) for m in re.finditer(
             rf"\[PS\]\[prepare\]\[global_rank={rank} [^\]]*\][^\n]* packed_batch_layout: [^\n]* depth=(\d+),", stderr)]
@@ -86,9 +87,10 @@ def check_tree_logs(stderr: str) -> None:
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in DEFAULT_SUITE else [pytest.mark.slow]) for n in CASES])
 def test_tree_parallel_run_equals_single_rank_unshared_and_hf(name, tree_reference, tmp_path):
     arch, flags = CASES[name]
-    path, ref, hf = tree_reference(arch)
+    cases = "tree_ep" if "--ep" in flags else "tree"
+    path, ref, hf = tree_reference(arch, cases)
     out = tmp_path / "result.pt"
-    proc = torchrun(2, [WORKER, "--hf-path", path, "--out", str(out), "--cases", "tree", "--tree", *flags], timeout=900)
+    proc = torchrun(2, [WORKER, "--hf-path", path, "--out", str(out), "--cases", cases, "--tree", *flags], timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = torch.load(out)
     logprob_diff = max_logprob_diff(got["logprobs"], ref["logprobs"])
