@@ -64,8 +64,8 @@ class PrefixSharingConfig:
                   `PS_BRIDGE_SHARING=auto|on|off`.
     tree:         with sharing on, share every common prefix (the token radix tree: a system prompt
                   shared across prompts, a sample that is a prefix of another's, ...) instead of
-                  identical prompts only. Runs with every parallel size 1, `torch_ref` or `flex`
-                  attention and `torch_ref` Gated DeltaNet so far (see docs/tree.md).
+                  identical prompts only. Runs under TP, SP, PP, CP and EP with `torch_ref` or
+                  `flex` attention and `torch_ref` Gated DeltaNet so far (see docs/tree.md).
     tree_min_shared: the shortest common run a tree shares (None: `layout.DEFAULT_MIN_SHARED`).
     tree_max_depth:  the tree's depth limit (None: none; 1 is one level of sharing).
     """

@@ -132,9 +132,10 @@ class MicroBatchCounts:
 
     @classmethod
     def of(cls, samples: Sequence, prompt_values: bool = False, tree: bool = False,
-           min_shared: Optional[int] = None, max_depth: Optional[int] = None) -> "MicroBatchCounts":
+           min_shared: Optional[int] = None, max_depth: Optional[int] = None, trie=None) -> "MicroBatchCounts":
         """Counts of the packing sharing would run: identical prompts (`tree=False`), or the prefix tree
-        (`tree=True`: `tokens_shared` is the trie's tokens, as `build_layout(share="tree")` stores them)."""
+        (`tree=True`: `tokens_shared` is the trie's tokens, as `build_layout(share="tree")` stores them;
+        `trie`: that tree already decided, `layout.decide_tree`, read instead of built again)."""
         from ps_bridge.layout import find_groups
 
         groups = find_groups(samples)
@@ -143,7 +144,7 @@ class MicroBatchCounts:
         unshared = sum(len(s.prompt) for s in samples) + responses
         shared = prompts + responses
         if tree:
-            shared = tree_tokens(samples, min_shared, max_depth)
+            shared = trie.trie_tokens if trie is not None else tree_tokens(samples, min_shared, max_depth)
         return cls(len(samples), len(groups), unshared, shared, shared if prompt_values else len(groups) + responses)
 
     @property
@@ -225,17 +226,19 @@ def decide_sharing(counts: MicroBatchCounts, model: Optional[ModelCost], *, mode
 
 
 def sharing_for(samples: Sequence, config, model: Optional[ModelCost], device_type: str,
-                dtype_name: str, backward: Optional[bool] = None) -> SharingDecision:
+                dtype_name: str, backward: Optional[bool] = None, trie=None) -> SharingDecision:
     """The decision for `samples` under a `PrefixSharingConfig`: what the verl engine and
     `runtime.make_layout` (`ps-bridge logprobs`, the schedule) call. `backward` defaults to whether
-    gradients are enabled (verl's log-prob passes and `ps-bridge logprobs` run under `no_grad`)."""
+    gradients are enabled (verl's log-prob passes and `ps-bridge logprobs` run under `no_grad`).
+    `trie`: with `config.tree`, the prefix tree already decided for `samples` (`layout.decide_tree`),
+    whose token count the rule reads; the same tree then goes to `build_layout(tree=...)`."""
     import torch
 
     backward = torch.is_grad_enabled() if backward is None else backward
     if not config.enabled:
         return SharingDecision(False, "prefix sharing disabled")
     counts = MicroBatchCounts.of(samples, prompt_values=config.prompt_values, tree=config.tree,
-                                 min_shared=config.tree_min_shared, max_depth=config.tree_max_depth)
+                                 min_shared=config.tree_min_shared, max_depth=config.tree_max_depth, trie=trie)
     return decide_sharing(counts, model, mode=config.sharing, attention_backend=config.backend,
                           gdn_backend=config.gdn_backend, device_type=device_type, dtype_name=dtype_name,
                           backward=backward)

@@ -287,10 +287,20 @@ def _flatten(samples: Sequence[Sample], vocab_size: Optional[int]):
             if not set(map(type, ids)) <= {int}:
                 t = next(t for t in ids if type(t) is not int)
                 raise ValueError(f"sample {i}: {part} token {t!r} is not an integer")
+    prompt_lengths, offsets = _sample_lengths(samples)
+    flat = np.fromiter(chain.from_iterable(chain(s.prompt, s.response) for s in samples), dtype=np.int64, count=int(offsets[-1]))
+    _check_ids(flat, offsets, prompt_lengths, vocab_size)
+    return flat, offsets, prompt_lengths
+
+
+def _sample_lengths(samples: Sequence[Sample]):
+    """Prompt lengths `[B]` and the offsets `[B + 1]` of the samples' `prompt + response` sequences."""
     prompt_lengths = np.fromiter((len(s.prompt) for s in samples), dtype=np.int64, count=len(samples))
     lengths = prompt_lengths + np.fromiter((len(s.response) for s in samples), dtype=np.int64, count=len(samples))
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    flat = np.fromiter(chain.from_iterable(chain(s.prompt, s.response) for s in samples), dtype=np.int64, count=int(offsets[-1]))
+    return prompt_lengths, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
+def _check_ids(flat: np.ndarray, offsets: np.ndarray, prompt_lengths: np.ndarray, vocab_size: Optional[int]) -> None:
     bad = (flat < 0) if vocab_size is None else ((flat < 0) | (flat >= vocab_size))
     if bad.any():
         k = int(np.argmax(bad))
@@ -301,7 +311,6 @@ def _flatten(samples: Sequence[Sample], vocab_size: Optional[int]):
             if vocab_size is not None
             else f"sample {i}: {part} token id {int(flat[k])} is negative"
         )
-    return flat, offsets, prompt_lengths
 
 
 def find_groups(samples: Sequence[Sample], classes: Optional[Sequence[Hashable]] = None) -> List[List[int]]:
@@ -356,6 +365,59 @@ def decide_sharing(
     raise ValueError(f"share must be True, False, 'prompt' or 'tree', got {share!r}")
 
 
+def decide_tree(
+    samples: Sequence[Sample],
+    share: Union[bool, str] = "tree",
+    *,
+    vocab_size: Optional[int] = None,
+    min_shared: Optional[int] = None,
+    max_depth: Optional[int] = None,
+    share_classes: Optional[Sequence[Hashable]] = None,
+) -> PrefixTree:
+    """Step 1 alone, from the samples (ids checked as `build_layout` checks them): the prefix tree
+    `build_layout` would pack. Built once, it serves both the sharing rule's counts
+    (`launch_rule.sharing_for(..., tree=...)`) and the layout (`build_layout(..., tree=...)`)."""
+    samples = [s if isinstance(s, Sample) else Sample(*s) for s in samples]
+    flat, offsets, prompt_lengths = _flatten(samples, vocab_size)
+    _check_share_classes(share_classes, len(samples))
+    tree = decide_sharing(
+        samples, flat, offsets, prompt_lengths, share,
+        min_shared=min_shared, max_depth=max_depth, share_classes=share_classes,
+    )
+    tree.sequences = (flat, offsets, prompt_lengths)  # build_layout(tree=...) packs these, not flattened again
+    return tree
+
+
+def _check_share_classes(share_classes, num_samples: int) -> None:
+    if share_classes is not None and len(share_classes) != num_samples:
+        raise ValueError(f"share_classes has {len(share_classes)} entries for {num_samples} samples")
+
+
+def _given_tree_sequences(samples: Sequence[Sample], tree: PrefixTree, vocab_size: Optional[int]):
+    """The flattened sequences of a tree handed to `build_layout`, which must be these samples': the
+    same count and lengths, every node inside its sequence (the tokens are not compared again: decide
+    the tree with `decide_tree`, which keeps them, from the same samples)."""
+    if tree.num_samples != len(samples):
+        raise ValueError(
+            f"the prefix tree given to build_layout has {tree.num_samples} samples, the micro-batch {len(samples)}: "
+            "decide it from the same samples (layout.decide_tree)"
+        )
+    if tree.sequences is None:
+        flat, offsets, prompt_lengths = _flatten(samples, vocab_size)
+    else:
+        flat, offsets, prompt_lengths = tree.sequences
+        given_prompts, given_offsets = _sample_lengths(samples)
+        if not (np.array_equal(given_prompts, prompt_lengths) and np.array_equal(given_offsets, offsets)):
+            raise ValueError("the prefix tree given to build_layout was decided from samples of other lengths: "
+                             "decide it from the same samples (layout.decide_tree)")
+        _check_ids(flat, offsets, prompt_lengths, vocab_size)
+    lengths = np.diff(offsets)
+    if tree.num_nodes and ((tree.node_end > lengths[tree.node_sample]).any() or (tree.node_start >= tree.node_end).any()):
+        raise ValueError("the prefix tree given to build_layout does not fit these samples' lengths: "
+                         "decide it from the same samples (layout.decide_tree)")
+    return flat, offsets, prompt_lengths
+
+
 def _padded(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -372,6 +434,7 @@ def build_layout(
     min_shared: Optional[int] = None,
     max_depth: Optional[int] = None,
     share_classes: Optional[Sequence[Hashable]] = None,
+    tree: Optional[PrefixTree] = None,
 ) -> PackedPrefixLayout:
     """Pack `samples` (any order) into one prefix-shared THD layout; see the module docstring.
 
@@ -381,19 +444,23 @@ def build_layout(
     share a position. `prompt_values=False` (shared layouts only; an unshared one always computes
     every position) lists the read positions in `output_positions`: the output layer then skips the
     other positions, whose rows hold 0. The default here computes every position; runs configured by
-    a `PrefixSharingConfig` pass its `prompt_values` (default False)."""
+    a `PrefixSharingConfig` pass its `prompt_values` (default False). `tree`: the prefix tree already
+    decided for these samples (`decide_tree` with the same `share` and options, e.g. for the sharing
+    rule's counts), packed as it is instead of being decided again."""
     if pad_multiple < 1:
         raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
     if total_multiple < 1:
         raise ValueError(f"total_multiple must be >= 1, got {total_multiple}")
     samples = [s if isinstance(s, Sample) else Sample(*s) for s in samples]
-    flat, offsets, prompt_lengths = _flatten(samples, vocab_size)
-    if share_classes is not None and len(share_classes) != len(samples):
-        raise ValueError(f"share_classes has {len(share_classes)} entries for {len(samples)} samples")
-    tree = decide_sharing(
-        samples, flat, offsets, prompt_lengths, share,
-        min_shared=min_shared, max_depth=max_depth, share_classes=share_classes,
-    )
+    _check_share_classes(share_classes, len(samples))
+    if tree is None:
+        flat, offsets, prompt_lengths = _flatten(samples, vocab_size)
+        tree = decide_sharing(
+            samples, flat, offsets, prompt_lengths, share,
+            min_shared=min_shared, max_depth=max_depth, share_classes=share_classes,
+        )
+    else:
+        flat, offsets, prompt_lengths = _given_tree_sequences(samples, tree, vocab_size)
     return materialize(
         flat, offsets, prompt_lengths, tree, pack_order(tree),
         shared=share is not False, pad_multiple=pad_multiple, total_multiple=total_multiple,
@@ -482,7 +549,10 @@ def materialize(
     output_positions = None
     if shared and not prompt_values:
         # what verl's losses read: row positions P_i - 1 on (each response, with its fork position)
-        output_positions = torch.from_numpy(np.unique(row_source[row_t >= prompt_lengths[row_sample] - 1]))
+        # (a mask over the pack, not a sort: linear in the tokens)
+        read = np.zeros(segment.size, dtype=bool)
+        read[row_source[row_t >= prompt_lengths[row_sample] - 1]] = True
+        output_positions = torch.from_numpy(np.flatnonzero(read))
 
     as_long = lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))  # noqa: E731
     level_list = order.level.tolist()

@@ -18,8 +18,7 @@ import torch
 from ps_bridge.config import PrefixSharingConfig
 from ps_bridge.forward import cp_total_multiple, local_shard, run_packed, shard_tag
 from ps_bridge.launch_rule import ModelCost, sharing_for
-from ps_bridge.layout import PackedPrefixLayout, build_layout, log_layout
-from ps_bridge.parallel import ParallelSettings
+from ps_bridge.layout import PackedPrefixLayout, build_layout, decide_tree, log_layout
 from ps_bridge.parallel_info import rank_tag
 from ps_bridge.rows import PackedRows
 
@@ -233,20 +232,26 @@ def make_layout(samples, loaded: LoadedModel, share: Optional[bool] = None) -> P
     parallelism scatters the pack evenly), the whole pack to `cp_total_multiple()` under CP; a shared
     layout lists the read positions unless `loaded.config.prompt_values` (`PrefixSharingConfig`).
     `share=None`: the sharing rule decides (`launch_rule.sharing_for`, as the verl engine);
-    True / False: that packing. A shared packing is a prefix tree where `loaded.config.tree`."""
+    True / False: that packing. A shared packing is a prefix tree where `loaded.config.tree`; the
+    tree is decided once, the rule reading its token count and the layout packing it."""
+    config = loaded.config
+    tree = None
     if share is None:
-        decision = sharing_for(samples, loaded.config, loaded.model_cost, loaded.device.type,
-                               str(loaded.dtype).replace("torch.", ""))
+        if config.enabled and config.tree:
+            tree = decide_tree(samples, "tree", vocab_size=loaded.vocab_size,
+                               min_shared=config.tree_min_shared, max_depth=config.tree_max_depth)
+        decision = sharing_for(samples, config, loaded.model_cost, loaded.device.type,
+                               str(loaded.dtype).replace("torch.", ""), trie=tree)
         logger.info("[PS][prepare][%s] sharing: %s", rank_tag(), decision.describe())
         share = decision.share
-    share = loaded.config.layout_share(share)
-    pad = loaded.config.pad_multiple or int(getattr(loaded.provider, "tensor_model_parallel_size", 1))
+    share = config.layout_share(share)
+    pad = config.pad_multiple or int(getattr(loaded.provider, "tensor_model_parallel_size", 1))
     layout = build_layout(
         samples, share=share, pad_multiple=pad, vocab_size=loaded.vocab_size, total_multiple=cp_total_multiple(),
-        prompt_values=loaded.config.layout_prompt_values,
-        min_shared=loaded.config.tree_min_shared, max_depth=loaded.config.tree_max_depth,
+        prompt_values=config.layout_prompt_values,
+        min_shared=config.tree_min_shared, max_depth=config.tree_max_depth,
+        tree=tree if share == "tree" else None,
     )
-    ParallelSettings(tp=loaded.tp, pp=loaded.pp, cp=loaded.cp, ep=loaded.ep).check_supported(tree_depth=layout.tree_depth)
     log_layout(layout, f"[{rank_tag()}]{shard_tag(layout)}")
     return layout
 

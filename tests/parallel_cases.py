@@ -64,7 +64,29 @@ def ep_micro_batches() -> List[List[Sample]]:
     return [groups[:7], groups[7:]]
 
 
-MICRO_BATCHES = {"parallel": parallel_micro_batches, "cp": cp_micro_batches, "ep": ep_micro_batches}
+def tree_micro_batches() -> List[List[Sample]]:
+    """Prefix trees (`tree_cases.tree_samples`: a system prompt shared across prompts, depth up to 4,
+    nodes of 1-3 tokens between long ones, samples that are prefixes of others, identical samples):
+    one tree (depth 4, one root shared by all 17 samples) split across two micro-batches, and a
+    second tree (depth 3) whole."""
+    from tree_cases import tree_samples
+
+    first = tree_samples(0)
+    return [first[:8], first[8:], tree_samples(2)]
+
+
+def tree_ep_micro_batches() -> List[List[Sample]]:
+    """For a data-parallel split of trees: `tree_micro_batches` (a root shared by every sample: split
+    below it, computed on both ranks), then two trees of depth 3 and 4 with disjoint tokens in one
+    micro-batch (each rank gets one whole)."""
+    from tree_cases import tree_samples
+
+    other = [Sample([t + 16 for t in s.prompt], [t + 16 for t in s.response]) for s in tree_samples(10)]
+    return tree_micro_batches() + [tree_samples(2) + other]
+
+
+MICRO_BATCHES = {"parallel": parallel_micro_batches, "cp": cp_micro_batches, "ep": ep_micro_batches,
+                 "tree": tree_micro_batches, "tree_ep": tree_ep_micro_batches}
 
 
 def micro_batch_weights(micro_batches) -> List[List[torch.Tensor]]:

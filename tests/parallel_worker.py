@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--skip-finish-gradients", action="store_true", help="negative control")
     parser.add_argument("--moe-recompute", action="store_true", help="megatron's MoE activation recompute on")
     parser.add_argument("--prompt-values", action="store_true", help="PrefixSharingConfig(prompt_values=True)")
+    parser.add_argument("--tree", action="store_true", help="prefix trees: PrefixSharingConfig(tree=True, tree_min_shared=0)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     logging.getLogger("ps_bridge").setLevel(logging.INFO)
@@ -50,7 +51,10 @@ def main() -> None:
 
     with moe_recompute_on_build() if args.moe_recompute else contextlib.nullcontext():
         loaded = load_model(
-            args.hf_path, PrefixSharingConfig(enabled=True, prompt_values=args.prompt_values), tp=args.tp, pp=args.pp, sequence_parallel=args.sp,
+            args.hf_path,
+            PrefixSharingConfig(enabled=True, prompt_values=args.prompt_values, tree=args.tree,
+                                tree_min_shared=0 if args.tree else None),
+            tp=args.tp, pp=args.pp, sequence_parallel=args.sp,
             cp=args.cp, ep=args.ep,
         )
     if args.ep > 1:  # data-parallel ranks: each runs its whole groups, rows and gradient sums gathered

@@ -279,11 +279,159 @@ def test_auto_picks_fla_on_trees_on_cuda():
     assert choose_gdn_backend(torch.device("cpu"), tree_depth=3) == "torch_ref"
 
 
-def test_parallel_layouts_refuse_deeper_trees():
+def test_parallel_settings_accept_trees():
     from ps_bridge.parallel import ParallelSettings
 
-    ParallelSettings().check_supported(tree_depth=4)
-    ParallelSettings(tp=2).check_supported(tree_depth=1)
-    for settings_ in (ParallelSettings(tp=2), ParallelSettings(pp=2), ParallelSettings(cp=2), ParallelSettings(ep=2)):
-        with pytest.raises(ValueError, match="prefix trees deeper than one level"):
-            settings_.check_supported(tree_depth=2)
+    for settings_ in (ParallelSettings(), ParallelSettings(tp=2, sequence_parallel=True), ParallelSettings(pp=2),
+                      ParallelSettings(cp=2), ParallelSettings(ep=2)):
+        settings_.check_supported(tree_depth=4)
+    with pytest.raises(ValueError, match="tree_depth=-1"):
+        ParallelSettings().check_supported(tree_depth=-1)
+
+
+# ---- the tree decided once per micro-batch (the sharing rule's counts and the layout) -------------
+
+
+def test_layout_from_a_decided_tree_equals_the_layout_deciding_it():
+    from ps_bridge.layout import decide_tree
+
+    samples = tree_samples(3)
+    for share, options in (("tree", dict(min_shared=0)), ("tree", dict(min_shared=4, max_depth=2)), (True, {}), (False, {})):
+        tree = decide_tree(samples, share, **options)
+        given = build_layout(samples, share=share, tree=tree, pad_multiple=2, total_multiple=8, prompt_values=False)
+        decided = build_layout(samples, share=share, pad_multiple=2, total_multiple=8, prompt_values=False, **options)
+        for name, value in decided.__dict__.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, getattr(given, name)), (share, name)
+        assert given.host["level_offsets"] == decided.host["level_offsets"]
+    tree = decide_tree(samples, "tree", min_shared=0)
+    with pytest.raises(ValueError, match="decide it from the same samples"):
+        build_layout(samples[1:], share="tree", tree=tree)
+    other = [Sample(s.prompt + [1], s.response) for s in samples]
+    with pytest.raises(ValueError, match="decide it from the same samples"):
+        build_layout(other, share="tree", tree=tree)
+    with pytest.raises(ValueError, match="out of the vocabulary"):  # a given tree's ids are still checked
+        build_layout(samples, share="tree", tree=tree, vocab_size=4)
+
+
+def test_make_layout_builds_the_trie_once_and_the_rule_reads_it(qwen2_loaded, monkeypatch):
+    import ps_bridge.layout as layout_module
+    import ps_bridge.tree.decide as decide_module
+    from ps_bridge.launch_rule import MicroBatchCounts, sharing_for
+    from ps_bridge.layout import decide_tree
+    from ps_bridge.runtime import make_layout
+
+    samples = tree_samples(0)
+    config = qwen2_loaded.config
+    saved = (config.tree, config.tree_min_shared)
+    config.tree, config.tree_min_shared = True, 0
+    built = []
+    real = decide_module.token_trie
+
+    def counted(*args, **kwargs):
+        built.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decide_module, "token_trie", counted)
+    monkeypatch.setattr(layout_module, "token_trie", counted)
+    try:
+        layout = make_layout(samples, qwen2_loaded)  # share=None: the rule decides, then the layout packs
+        assert len(built) == 1
+        tree = decide_tree(samples, "tree", min_shared=0)
+        del built[:]
+        with_tree = sharing_for(samples, config, qwen2_loaded.model_cost, "cpu", "float32", trie=tree)
+        assert not built  # the rule reads the given tree's count
+        without = sharing_for(samples, config, qwen2_loaded.model_cost, "cpu", "float32")
+    finally:
+        config.tree, config.tree_min_shared = saved
+    assert layout.tree_depth >= 2 and layout.tokens_shared == tree.trie_tokens
+    assert with_tree == without and len(built) == 1
+    counts = MicroBatchCounts.of(samples, tree=True, min_shared=0, trie=tree)
+    assert counts == MicroBatchCounts.of(samples, tree=True, min_shared=0)
+
+
+# ---- expert / data parallelism: whole subtrees per rank ----------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10**6), dp=st.sampled_from([2, 3]))
+def test_split_subtrees_gives_whole_subtrees_to_every_rank(seed, dp):
+    """Every sample on one rank, every rank some; a rank's samples are whole subtrees: a node below the
+    split is on one rank only, and only the nodes above it (a shared root such as the system prompt)
+    are on several."""
+    from ps_bridge.data_parallel import split_subtrees
+    from ps_bridge.layout import decide_tree
+
+    samples = tree_samples(seed)
+    tree = decide_tree(samples, "tree", min_shared=0)
+    if len(samples) < dp:
+        with pytest.raises(ValueError, match="fewer than the .* data-parallel ranks"):
+            split_subtrees(tree, dp)
+        return
+    shares = split_subtrees(tree, dp)
+    assert sorted(i for s in shares for i in s) == list(range(len(samples))) and all(shares)
+    # the nodes each rank computes: its samples' paths
+    parent = tree.node_parent.tolist()
+
+    def path(i):
+        n, out = int(tree.sample_node[i]), set()
+        while n >= 0:
+            out.add(n)
+            n = parent[n]
+        return out
+
+    held = [set().union(*(path(i) for i in s)) for s in shares]
+    on_several = {n for n in range(tree.num_nodes) if sum(n in h for h in held) > 1}
+    for n in on_several:  # a node on several ranks has all its ancestors on them too (a shared top)
+        assert parent[n] < 0 or parent[n] in on_several
+    # each rank's layout of its part is exact as a tree of its own (the layout round trip)
+    for s in shares:
+        part = [samples[i] for i in s]
+        check_tree_layout(build_layout(part, share="tree", min_shared=0), part)
+
+
+def test_split_subtrees_splits_a_system_prompt_shared_by_the_whole_batch():
+    from ps_bridge.data_parallel import split_groups, split_subtrees
+    from ps_bridge.layout import decide_tree
+
+    system = list(range(100, 140))
+    samples = [Sample(system + [p] * 6, [p, r]) for p in range(4) for r in range(3)]
+    shares = split_subtrees(decide_tree(samples, "tree", min_shared=0), 2)
+    prompts = [{tuple(samples[i].prompt) for i in s} for s in shares]
+    assert [len(s) for s in shares] == [6, 6] and not prompts[0] & prompts[1]  # whole prompts, the system on both
+    # identical prompts (share=True, the one-level tree): whole groups, as `split_groups` gives them
+    by_groups = split_subtrees(decide_tree(samples, True), 2)
+    assert sorted(map(sorted, by_groups)) == sorted(map(sorted, split_groups(samples, 2)))
+    # one path (each sample a prefix of the next) still splits: its node on both ranks
+    chain = [Sample([1, 2, 3], [4]), Sample([1, 2, 3, 4], [5]), Sample([1, 2, 3, 4, 5], [6])]
+    assert sorted(map(len, split_subtrees(decide_tree(chain, "tree", min_shared=0), 2))) == [1, 2]
+
+
+def test_logprobs_cli_decides_sharing_once(tmp_path, qwen2_checkpoint, monkeypatch):
+    """`ps-bridge logprobs --tree`: the sharing rule runs once for the batch (its decision is what the
+    output reports and what every rank runs), the tree of the batch is decided once for it."""
+    import json
+
+    import ps_bridge.launch_rule as launch_rule
+    import ps_bridge.runtime as runtime
+    from ps_bridge.cli import main
+
+    calls = []
+    real = launch_rule.sharing_for
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("trie"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(launch_rule, "sharing_for", counted)
+    monkeypatch.setattr(runtime, "sharing_for", counted)
+    hf_path, _ = qwen2_checkpoint
+    samples = tree_samples(2)
+    batch = tmp_path / "b.json"
+    batch.write_text(json.dumps({"samples": [{"prompt": s.prompt, "response": s.response} for s in samples]}))
+    out = tmp_path / "out.json"
+    assert main(["logprobs", "--hf-path", hf_path, "--batch", str(batch), "--out", str(out), "--tree",
+                 "--tree-min-shared", "0"]) == 0
+    got = json.loads(out.read_text())
+    assert len(calls) == 1 and calls[0] is not None and calls[0].trie_tokens == got["tokens_shared"]
+    assert got["shared_path"] is True and got["tree_depth"] >= 2

@@ -22,7 +22,7 @@ def add_parser(sub) -> None:
                          "(docs/never-slower.md); on: always share; off: never")
     lp.add_argument("--tree", action="store_true",
                     help="share every common prefix (a prefix tree: system prompts across prompts, samples that "
-                         "are prefixes of others), not only identical prompts; every parallel size 1 so far")
+                         "are prefixes of others), not only identical prompts")
     lp.add_argument("--tree-min-shared", type=int, default=None,
                     help="with --tree: the shortest common run shared (default: ps_bridge.layout.DEFAULT_MIN_SHARED)")
     lp.add_argument("--tree-max-depth", type=int, default=None, help="with --tree: the tree's depth limit (default: none)")
@@ -72,8 +72,9 @@ def run_logprobs(args) -> int:
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.data_parallel import dp_logprob_pass
     from ps_bridge.launch_rule import sharing_for
-    from ps_bridge.layout import build_layout
+    from ps_bridge.layout import build_layout, decide_tree, logger
     from ps_bridge.parallel import is_output_rank, settings_from_args
+    from ps_bridge.parallel_info import rank_tag
     from ps_bridge.providers.registry import resolve_provider
     from ps_bridge.runtime import DTYPES, load_model, read_hf_config
 
@@ -88,10 +89,12 @@ def run_logprobs(args) -> int:
             tree=args.tree, tree_min_shared=args.tree_min_shared, tree_max_depth=args.tree_max_depth,
         )
         resolve_provider(config.provider, archs)
-        # validate ids and tree options before the (slow) conversion, so a bad batch fails at once
-        layout = build_layout(samples, share=config.layout_share(), vocab_size=_hf_vocab_size(hf_config, args.hf_path),
-                              min_shared=config.tree_min_shared, max_depth=config.tree_max_depth)
-        parallel.check_supported(tree_depth=layout.tree_depth)
+        # validate ids and tree options before the (slow) conversion, so a bad batch fails at once;
+        # the batch's tree, decided once, serves the report and the sharing rule
+        share = config.layout_share()
+        tree = decide_tree(samples, share, vocab_size=_hf_vocab_size(hf_config, args.hf_path),
+                           min_shared=config.tree_min_shared, max_depth=config.tree_max_depth)
+        layout = build_layout(samples, share=share, tree=tree)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(str(e)) from None
 
@@ -99,18 +102,21 @@ def run_logprobs(args) -> int:
         args.hf_path, config, dtype=DTYPES[args.dtype], tp=parallel.tp, pp=parallel.pp,
         sequence_parallel=parallel.sequence_parallel, cp=parallel.cp, ep=parallel.ep,
     )
+    # the sharing rule, once for the whole batch (the same on every rank: each rank sees the batch);
+    # every rank then runs that packing
+    decision = sharing_for(samples, config, loaded.model_cost, loaded.device.type, str(loaded.dtype)[6:],
+                           backward=False, trie=tree if share == "tree" else None)
+    logger.info("[PS][prepare][%s] sharing: %s", rank_tag(), decision.describe())
     try:
-        # data-parallel ranks (with --ep, world / (tp x pp) of them) each run whole prompt groups;
-        # the rows come back in input order on data-parallel rank 0
+        # data-parallel ranks (with --ep, world / (tp x pp) of them) each run whole prompt groups
+        # (whole subtrees of a prefix tree); the rows come back in input order on data-parallel rank 0
         with torch.no_grad():
-            # share=None: the sharing rule decides for each rank's micro-batch (`runtime.make_layout`)
-            rows = dp_logprob_pass(loaded, [samples], share=None)
+            rows = dp_logprob_pass(loaded, [samples], share=decision.share)
     except ValueError as e:  # refusals that depend on the model, e.g. image tokens for a VLM
         raise UsageError(str(e)) from None
     if not is_output_rank():
         return 0
     [per_sample] = rows
-    decision = sharing_for(samples, config, loaded.model_cost, loaded.device.type, str(loaded.dtype)[6:])
     out = dict(
         samples=[{"logprobs": lp.float().cpu().tolist()} for lp in per_sample],
         tokens_unshared=layout.tokens_unshared,

@@ -22,8 +22,8 @@ with a stack (one step per sample, no per-token Python loop).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Hashable, List, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Hashable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -38,6 +38,9 @@ class PrefixTree:
     node_end: np.ndarray  # [N] one past its last position
     node_parent: np.ndarray  # [N] parent node id, -1 for a root
     sample_node: np.ndarray  # [B] the node holding each sample's last token
+    # the samples' flattened sequences (flat tokens, offsets [B + 1], prompt lengths [B]) when the
+    # tree was decided from samples (`layout.decide_tree`): the layout packs them without flattening again
+    sequences: Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default=None, repr=False, compare=False)
 
     @property
     def num_nodes(self) -> int:
