@@ -14,15 +14,22 @@ def write_json(doc: dict, path: str) -> None:
         json.dump(doc, f, indent=1, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
 
 
+def system_prompt(cfg: dict) -> str:
+    """The words before P in the report's first line: the system prompt's length when the run has one
+    (documents of older runs have no such key)."""
+    N = cfg.get("system_prompt_len") or 0
+    return f"system prompt {N} + " if N else ""
+
+
 def format_report(doc: dict) -> str:
     """The per-step table and the speed-up summary the command prints."""
     cfg, steps = doc["config"], doc["steps"]
     a, b = "stock", "shared"
     lines = [
         f"model {cfg['model']} ({cfg['dtype']}, {cfg['device']}); {cfg['prompts']} prompts x n={cfg['n']}, "
-        f"P={cfg['prompt_len']}, R mean {cfg['response_len_mean']}; S = {cfg['ideal_speedup_S']:.2f}",
+        f"{system_prompt(cfg)}P={cfg['prompt_len']}, R mean {cfg['response_len_mean']}; S = {cfg['ideal_speedup_S']:.2f}",
         f"stock engine: {cfg['stock_engine']}",
-        f"prefix-shared engine: backend {cfg['shared_backend']}",
+        f"prefix-shared engine: backend {cfg['shared_backend']}{', prefix trees' if cfg.get('tree') else ''}",
         "step  logp|d|   ref|d|    ent|d|    loss stock/shared         gnorm stock/shared        "
         "mb st/sh  t_old st/sh   t_ref st/sh   t_upd st/sh",
     ]

@@ -101,9 +101,10 @@ def build_role_engines(kind: str, ckpt: str, settings: CheckSettings, actor_cfg,
             rollout["micro_batch_size"] if not forward_only else cfg.ppo_micro_batch_size_per_gpu)
         kw = dict(engine_config=engine_cfg, optimizer_config=cfg.optim, forward_only=forward_only,
                   dtype=settings.dtype, use_remove_padding=True)
-        if kind == "shared":
+        if kind == "shared":  # with a system prompt: every common prefix once (the prefix tree)
             engine = build_engine(PrefixSharedMegatronEngine, ckpt, **kw)
-            engine.prefix_sharing_config = PrefixSharingConfig.from_env(enabled=True, backend=shared_backend(settings))
+            engine.prefix_sharing_config = PrefixSharingConfig.from_env(
+                enabled=True, backend=shared_backend(settings), tree=True if settings.system_prompt_len else None)
         elif stock_kind(ckpt) == "verl":
             engine = build_stock_engine(ckpt, **kw)
         else:

@@ -158,7 +158,8 @@ def run_check(settings: CheckSettings, progress: Optional[Callable[[str], None]]
     arr = cfg.actor_rollout_ref
     config = {
         "model": settings.model, "checkpoint": ckpt, "layers": settings.layers, "prompts": settings.prompts,
-        "n": settings.n, "prompt_len": settings.prompt_len, "response_len_mean": settings.response_len,
+        "n": settings.n, "prompt_len": settings.prompt_len, "system_prompt_len": settings.system_prompt_len,
+        "tree": bool(settings.system_prompt_len), "response_len_mean": settings.response_len,
         "steps": settings.steps, "dtype": settings.dtype, "seed": settings.seed,
         "overrides": list(settings.overrides), "ideal_speedup_S": ideal_ratio(settings, lengths),
         "mini_batch_prompts": mini,
