@@ -124,9 +124,7 @@ class PrefixSharingEngineMixin:
                 "prefix sharing (ps_bridge.verl) computes log-probs from the packed logits and does not "
                 "support verl's fused kernels: set actor_rollout_ref.model.use_fused_kernels=False"
             )
-        # a prefix tree may be deeper than one level: refused here, before anything is built, where the
-        # parallel layout does not run such trees (and per micro-batch on its actual depth, forward_step)
-        ParallelSettings.from_config(cfg).check_supported(tree_depth=2 if self._prefix_sharing().tree else None)
+        self._check_parallel_layout()
         if self.engine_config.router_replay.mode != "disabled":
             _refuse("MoE router replay")
         if self.model_config.mtp.enable:
@@ -142,6 +140,23 @@ class PrefixSharingEngineMixin:
 
         archs = list(self.model_config.architectures or getattr(self.model_config.hf_config, "architectures", []) or [])
         resolve_provider(self._prefix_sharing().provider, archs)  # unsupported architecture -> clear error
+
+    def _check_parallel_layout(self) -> None:
+        """`ParallelSettings.check_supported` for verl's engine config. With trees (`PS_BRIDGE_TREE=1`)
+        a micro-batch's tree may be deeper than one level: refused here, before anything is built,
+        where the parallel layout does not run such trees (and per micro-batch on its actual depth, in
+        `forward_step`), with the verl settings that avoid it."""
+        sharing = self._prefix_sharing()
+        depth = None
+        if sharing.enabled and sharing.tree:
+            depth = 2 if sharing.tree_max_depth is None else min(2, sharing.tree_max_depth)
+        try:
+            ParallelSettings.from_config(self.engine_config).check_supported(tree_depth=depth)
+        except ValueError as e:
+            if depth is None or depth < 2:
+                raise
+            raise ValueError(f"{e}. Under verl: PS_BRIDGE_TREE=1 packs trees deeper than one level; unset it "
+                             "(or set PS_BRIDGE_TREE_MAX_DEPTH=1) for this parallel layout") from None
 
     def initialize(self):
         from ps_bridge.compat import verl as verl_compat
