@@ -2,7 +2,8 @@
 
 `PrefixSharingConfig` is the one object the rest of the code reads. It is built explicitly, or
 from the environment (`ENABLE_PREFIX_SHARING=1`, `PS_BRIDGE_BACKEND`, `PS_BRIDGE_PROVIDER`,
-`PS_BRIDGE_GDN_BACKEND`, `PS_BRIDGE_PROMPT_VALUES`, `PS_BRIDGE_SHARING`), and validates names at construction so that a typo fails here, with the
+`PS_BRIDGE_GDN_BACKEND`, `PS_BRIDGE_PROMPT_VALUES`, `PS_BRIDGE_SHARING`, `PS_BRIDGE_TREE`,
+`PS_BRIDGE_TREE_MIN_SHARED`, `PS_BRIDGE_TREE_MAX_DEPTH`), and validates names at construction so that a typo fails here, with the
 valid choices, rather than deep inside a forward pass. `PS_BRIDGE_LOG_LEVEL` (the `[PS]` lines under
 verl) is read here too. torchrun's own variables are read where the process group is set up
 (`ps_bridge.parallel`).
@@ -21,6 +22,9 @@ ENV_GDN_BACKEND = "PS_BRIDGE_GDN_BACKEND"
 ENV_LOG_LEVEL = "PS_BRIDGE_LOG_LEVEL"
 ENV_PROMPT_VALUES = "PS_BRIDGE_PROMPT_VALUES"
 ENV_SHARING = "PS_BRIDGE_SHARING"
+ENV_TREE = "PS_BRIDGE_TREE"
+ENV_TREE_MIN_SHARED = "PS_BRIDGE_TREE_MIN_SHARED"
+ENV_TREE_MAX_DEPTH = "PS_BRIDGE_TREE_MAX_DEPTH"
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -33,6 +37,16 @@ def _env_flag(name: str) -> bool:
     if raw in _FALSE:
         return False
     raise ValueError(f"{name}={os.environ[name]!r} is not a boolean; use 1 or 0")
+
+
+def _env_count(name: str) -> Optional[int]:
+    """A non-negative integer from the environment, or None when unset or empty."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise ValueError(f"{name}={raw!r} is not a non-negative integer; unset it for the default")
+    return int(raw)
 
 
 @dataclass
@@ -64,10 +78,13 @@ class PrefixSharingConfig:
                   `PS_BRIDGE_SHARING=auto|on|off`.
     tree:         with sharing on, share every common prefix (the token radix tree: a system prompt
                   shared across prompts, a sample that is a prefix of another's, ...) instead of
-                  identical prompts only. Runs under TP, SP, PP, CP and EP with `torch_ref` or
-                  `flex` attention and `torch_ref` Gated DeltaNet so far (see docs/tree.md).
-    tree_min_shared: the shortest common run a tree shares (None: `layout.DEFAULT_MIN_SHARED`).
-    tree_max_depth:  the tree's depth limit (None: none; 1 is one level of sharing).
+                  identical prompts only. Runs under TP, SP, PP, CP and EP with every attention
+                  backend but `flash_atten_gpu_expand` / `flash_atten_npu` (see docs/tree.md). Under
+                  verl `PS_BRIDGE_TREE=1` (docs/verl.md).
+    tree_min_shared: the shortest common run a tree shares (None: `layout.DEFAULT_MIN_SHARED`);
+                  `PS_BRIDGE_TREE_MIN_SHARED`.
+    tree_max_depth:  the tree's depth limit (None: none; 1 is one level of sharing);
+                  `PS_BRIDGE_TREE_MAX_DEPTH`.
     """
 
     enabled: bool = True
@@ -128,7 +145,8 @@ class PrefixSharingConfig:
     @classmethod
     def from_env(cls, **overrides) -> "PrefixSharingConfig":
         """Read `ENABLE_PREFIX_SHARING`, `PS_BRIDGE_BACKEND`, `PS_BRIDGE_PROVIDER`,
-        `PS_BRIDGE_GDN_BACKEND`, `PS_BRIDGE_PROMPT_VALUES`, `PS_BRIDGE_SHARING`; overrides win."""
+        `PS_BRIDGE_GDN_BACKEND`, `PS_BRIDGE_PROMPT_VALUES`, `PS_BRIDGE_SHARING`, `PS_BRIDGE_TREE`,
+        `PS_BRIDGE_TREE_MIN_SHARED`, `PS_BRIDGE_TREE_MAX_DEPTH`; overrides win."""
         values = dict(
             enabled=_env_flag(ENV_ENABLE),
             prompt_values=_env_flag(ENV_PROMPT_VALUES),
@@ -136,6 +154,9 @@ class PrefixSharingConfig:
             provider=os.environ.get(ENV_PROVIDER) or None,
             gdn_backend=os.environ.get(ENV_GDN_BACKEND) or "auto",
             sharing=(os.environ.get(ENV_SHARING) or "auto").strip().lower(),
+            tree=_env_flag(ENV_TREE),
+            tree_min_shared=_env_count(ENV_TREE_MIN_SHARED),
+            tree_max_depth=_env_count(ENV_TREE_MAX_DEPTH),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

@@ -161,6 +161,35 @@ def grpo_like_samples(
     return samples
 
 
+def system_prompt_samples(
+    vocab_size: int,
+    system_len: int = 20,
+    num_prompts: int = 3,
+    n: int = 3,
+    prompt_len=(4, 8),
+    response_len=(2, 8),
+    turns: int = 3,
+    observation_len: int = 3,
+    seed: int = 0,
+) -> List[Sample]:
+    """A prefix tree's micro-batch: every prompt begins with one system prompt of `system_len` tokens,
+    n responses per prompt (uid `p<k>`, adjacent), then a multi-turn chain of `turns` samples (uid
+    `t<k>`): each turn's prompt holds the previous turn's whole sequence plus an observation."""
+    rng = random.Random(seed)
+    tokens = lambda k: [rng.randrange(vocab_size) for _ in range(k)]  # noqa: E731
+    system = tokens(system_len)
+    samples = []
+    for p in range(num_prompts):
+        prompt = system + tokens(rng.randint(*prompt_len))
+        samples += [Sample(prompt, tokens(rng.randint(*response_len)), uid=f"p{p}") for _ in range(n)]
+    sequence = system + tokens(rng.randint(*prompt_len))
+    for t in range(turns):
+        response = tokens(rng.randint(*response_len))
+        samples.append(Sample(list(sequence), response, uid=f"t{t}"))
+        sequence = sequence + response + tokens(observation_len)
+    return samples
+
+
 def hf_sample_logprobs(hf_model, samples) -> List[torch.Tensor]:
     """Hugging Face per-sequence log-probs of each response token (the unshared ground truth)."""
     out = []

@@ -33,7 +33,8 @@ from ps_bridge.tiny_checkpoints import TINY_BUILDERS, grpo_like_samples  # noqa:
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
 
-from ps_bridge.verl.engine import PrefixSharedMegatronEngine, group_run_length  # noqa: E402
+from ps_bridge.verl.engine import PrefixSharedMegatronEngine  # noqa: E402
+from ps_bridge.verl.micro_batches import group_run_length  # noqa: E402
 
 TOL = 1e-5
 
@@ -88,9 +89,19 @@ def engines(checkpoints):
                                              forward_only=forward_only)
                 if kind == "ours_prompt_values":  # every position computed (PS_BRIDGE_PROMPT_VALUES=1)
                     built[key].prefix_sharing_config = PrefixSharingConfig(enabled=True, prompt_values=True)
+                elif kind in OUR_CONFIGS:
+                    built[key].prefix_sharing_config = OUR_CONFIGS[kind]
         return built[key]
 
     return get
+
+
+# our engine's settings beside the default (`ours`): prefix trees sharing every common token, and at
+# the default threshold (PS_BRIDGE_TREE=1)
+OUR_CONFIGS = {
+    "ours_tree": PrefixSharingConfig(enabled=True, tree=True, tree_min_shared=0),
+    "ours_tree_default": PrefixSharingConfig(enabled=True, tree=True),
+}
 
 
 def grouped_samples(vocab, num_prompts=3, n=4, seed=0):
@@ -176,9 +187,9 @@ def test_split_group_is_still_exact(engines, checkpoints, caplog):
 def test_dynamic_budget_smaller_than_a_group_still_exact(engines, checkpoints, caplog, monkeypatch):
     """Groups of 4 longer than the token budget cannot be forced whole (verl would refuse): they are
     split by verl's balancing and the results stay exact."""
-    import ps_bridge.verl.engine as engine_module
+    import ps_bridge.verl.micro_batches as micro_batches
 
-    monkeypatch.setattr(engine_module, "_warned", set())  # the warning is once per process
+    monkeypatch.setattr(micro_batches, "_warned", set())  # the warning is once per process
     _, hf = checkpoints("qwen2.5")
     samples = grouped_samples(hf.config.vocab_size, num_prompts=4, n=4, seed=8)
     budget = max(len(s.prompt) + len(s.response) for s in samples) + 8
@@ -363,37 +374,49 @@ def test_train_batch_step_matches_stock_engine(checkpoints, fmt, batching):
     assert diff < TOL * 1e-1
 
 
-@pytest.mark.core
-def test_packed_budget_fewer_micro_batches_same_verl_loss_and_gradients(engines, checkpoints):
-    """The same dynamic token budget: verl counts every sample's prompt, our engine counts packed tokens
-    (each group's prompt once), so it forms fewer, fuller micro-batches with other boundaries. verl's
-    own `ppo_loss` (token-mean over the mini-batch's `batch_num_tokens`, KL loss and entropy on) gives
-    the same loss and the same gradients."""
+def ppo_loss_function(path):
+    """verl's `ppo_loss` as the trainer configures it (token-mean, KL loss, entropy bonus)."""
     from functools import partial
 
     from verl.workers.utils.losses import ppo_loss
 
     from ps_bridge.verl import check
 
+    settings = check.CheckSettings(model=path, n=4, overrides=["actor_rollout_ref.actor.entropy_coeff=0.01"])
+    actor_cfg, _, _ = check.role_configs(check.trainer_config(settings))
+    return partial(ppo_loss, config=actor_cfg)
+
+
+def ppo_batch(samples, budget):
+    td = vt.grpo_micro_batch(samples, max_token_len=budget)
+    td["ref_log_prob"] = td["old_log_probs"] - 0.05 * td["old_log_probs"].abs()  # a KL term that is not 0
+    return td
+
+
+def ppo_loss_pass(engine, td, loss_fn):
+    """(loss summed over micro-batches, every parameter's gradient, micro-batch count) of one
+    `forward_backward_batch` with `loss_fn`."""
+    with vt.engine_call_on_cpu(), engine.train_mode():
+        engine.optimizer_zero_grad()
+        out = engine.forward_backward_batch(td, loss_fn, forward_only=False)
+        grads = {n: p.main_grad.detach().clone() for n, p in engine.module[0].named_parameters()}
+        engine.optimizer_zero_grad()
+    return (float(sum(torch.as_tensor(x).float() for x in out["loss"])), grads,
+            int(tu.get_non_tensor_data(td, key="num_micro_batch", default=0)))
+
+
+@pytest.mark.core
+def test_packed_budget_fewer_micro_batches_same_verl_loss_and_gradients(engines, checkpoints):
+    """The same dynamic token budget: verl counts every sample's prompt, our engine counts packed tokens
+    (each group's prompt once), so it forms fewer, fuller micro-batches with other boundaries. verl's
+    own `ppo_loss` (token-mean over the mini-batch's `batch_num_tokens`, KL loss and entropy on) gives
+    the same loss and the same gradients."""
     path, hf = checkpoints("qwen2.5")
     samples = grouped_samples(hf.config.vocab_size, num_prompts=4, n=4, seed=6)
     budget = 2 * max(len(s.prompt) + len(s.response) for s in samples) + 4
-    settings = check.CheckSettings(model=path, n=4, overrides=["actor_rollout_ref.actor.entropy_coeff=0.01"])
-    actor_cfg, _, _ = check.role_configs(check.trainer_config(settings))
-    loss_fn = partial(ppo_loss, config=actor_cfg)
-    results = {}
-    for kind in ("stock", "ours"):
-        td = vt.grpo_micro_batch(samples, max_token_len=budget)
-        td["ref_log_prob"] = td["old_log_probs"] - 0.05 * td["old_log_probs"].abs()  # a KL term that is not 0
-        engine = engines("qwen2.5", "thd", kind, forward_only=False)
-        with vt.engine_call_on_cpu(), engine.train_mode():
-            engine.optimizer_zero_grad()
-            out = engine.forward_backward_batch(td, loss_fn, forward_only=False)
-            grads = {n: p.main_grad.detach().clone() for n, p in engine.module[0].named_parameters()}
-            engine.optimizer_zero_grad()
-        results[kind] = (float(sum(torch.as_tensor(x).float() for x in out["loss"])), grads,
-                         int(tu.get_non_tensor_data(td, key="num_micro_batch", default=0)))
-    (l_s, g_s, k_s), (l_o, g_o, k_o) = results["stock"], results["ours"]
+    loss_fn = ppo_loss_function(path)
+    (l_s, g_s, k_s), (l_o, g_o, k_o) = (ppo_loss_pass(engines("qwen2.5", "thd", kind, forward_only=False),
+                                                      ppo_batch(samples, budget), loss_fn) for kind in ("stock", "ours"))
     print(f"micro-batches stock {k_s}, ours {k_o}; loss {l_s:.8g} vs {l_o:.8g}")
     assert k_o < k_s
     assert abs(l_o - l_s) <= TOL * abs(l_s)
@@ -420,3 +443,130 @@ def test_sharing_knob_forces_the_unshared_path(engines, checkpoints, caplog):
         ours.prefix_sharing_config = saved
     assert "sharing: unshared: forced off (PS_BRIDGE_SHARING=off)" in caplog.text and "PATH 5" in caplog.text
     assert max(max_row_diff(out[k], stock[k]) for k in ("log_probs", "entropy")) < TOL
+
+
+# ---- prefix trees ----------------------------------------------------------------------------------
+
+
+def tree_batch(vocab, seed=0, n=3):
+    """A system prompt of 20 tokens shared by 3 prompts of n responses each, and a 3-turn chain whose
+    every turn's prompt holds the previous turn's whole sequence."""
+    from ps_bridge.tiny_checkpoints import system_prompt_samples
+
+    return system_prompt_samples(vocab, system_len=20, num_prompts=3, n=n, seed=seed)
+
+
+def layouts_logged(text: str):
+    """(micro-batches, deepest tree) from our engine's `packed_batch_layout` lines."""
+    depths = [int(d) for d in re.findall(r"packed_batch_layout: .*?depth=(\d+)", text)]
+    return len(depths), max(depths, default=0)
+
+
+def host_micro_batches(samples, budget, min_shared):
+    """What our micro-batching forms from `samples` at `budget` (the engine's function, on the host)."""
+    from ps_bridge.layout import build_layout
+    from ps_bridge.verl.micro_batches import first_fit_decreasing, subtree_units
+
+    units, cost = subtree_units(build_layout(samples, share="tree", min_shared=min_shared), budget)
+    return [sorted(i for u in b for i in units[u].samples) for b in first_fit_decreasing(units, cost, budget)]
+
+
+@pytest.mark.core
+def test_tree_batch_rows_match_stock_engine_with_fewer_micro_batches(engines, checkpoints, caplog):
+    """A system prompt shared by every prompt and a multi-turn chain, dynamic budgets, temperature 0.7:
+    our engine on prefix trees gives the stock engine's log-probs and entropy, packs trees deeper than
+    one level, and needs fewer micro-batches than our engine sharing one level (the system prompt's
+    subtree is split over micro-batches, the system prompt computed once in each)."""
+    _, hf = checkpoints("qwen2.5")
+    samples = tree_batch(hf.config.vocab_size)
+    budget = 2 * max(len(s.prompt) + len(s.response) for s in samples)
+    td_args = dict(max_token_len=budget, temperature=0.7)
+    stock = infer(engines("qwen2.5", "thd", "stock"), vt.grpo_micro_batch(samples, **td_args))
+    counts = {}
+    for kind in ("ours", "ours_tree"):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="ps_bridge"):
+            ours = infer(engines("qwen2.5", "thd", kind), vt.grpo_micro_batch(samples, **td_args))
+        counts[kind], depth = layouts_logged(caplog.text)
+        read = prompt_lengths(samples)
+        lp = max_row_diff(ours["log_probs"], stock["log_probs"], labelled_only=True, prompt_lengths=read)
+        ent = max_row_diff(ours["entropy"], stock["entropy"], prompt_lengths=read)
+        print(f"{kind}: {counts[kind]} micro-batches, depth {depth}; log_probs {lp:.2e}, entropy {ent:.2e}")
+        assert lp < TOL and ent < TOL
+    assert depth >= 2  # the tree: system prompt, prompt, response (and the chain below it)
+    assert 1 < counts["ours_tree"] < counts["ours"], counts
+
+
+def split_group_batch(vocab):
+    """`tree_batch` with groups of 6 and a budget below a group's packed tokens (a group is split
+    across micro-batches, checked on the micro-batching's own output)."""
+    n = 6
+    samples = tree_batch(vocab, seed=1, n=n)
+    budget = max(len(s.prompt) + len(s.response) for s in samples) + 4
+    parts = host_micro_batches(samples, budget, min_shared=0)
+    spans = [sum(1 for p in parts if set(p) & set(range(n * g, n * g + n))) for g in range(3)]
+    assert max(spans) > 1, parts
+    return samples, budget
+
+
+def test_tree_batch_gradients_match_stock_engine(engines, checkpoints):
+    """Groups split across micro-batches: verl's `ppo_loss` gives the stock engine's loss and
+    gradients through our engine on prefix trees, with fewer micro-batches."""
+    path, hf = checkpoints("qwen2.5")
+    samples, budget = split_group_batch(hf.config.vocab_size)
+    loss_fn = ppo_loss_function(path)
+    (l_s, g_s, k_s), (l_o, g_o, k_o) = (ppo_loss_pass(engines("qwen2.5", "thd", kind, forward_only=False),
+                                                      ppo_batch(samples, budget), loss_fn) for kind in ("stock", "ours_tree"))
+    worst = max(((g_o[n] - g_s[n]).abs().max() / g_s[n].abs().max().clamp(min=1e-12)).item() for n in g_s)
+    print(f"trees: micro-batches stock {k_s}, ours {k_o}; loss {l_s:.8g} vs {l_o:.8g}; grads {worst:.2e} relative")
+    assert k_o < k_s
+    assert abs(l_o - l_s) <= TOL * abs(l_s)
+    assert worst < TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ours_tree", "ours_tree_default"])
+def test_tree_batch_optimizer_step_matches_stock_engine(checkpoints, kind):
+    """One `train_batch` (zero grad, forward-backward with verl's `ppo_loss`, optimizer step) on fresh
+    engines, groups split across micro-batches: the updated weights agree, at threshold 0 and at the
+    default threshold."""
+    path, hf = checkpoints("qwen2.5")
+    samples, budget = split_group_batch(hf.config.vocab_size)
+    loss_fn = ppo_loss_function(path)
+    stock = vt.build_stock_engine(path, use_remove_padding=True, forward_only=False)
+    ours = vt.build_engine(PrefixSharedMegatronEngine, path, use_remove_padding=True, forward_only=False)
+    ours.prefix_sharing_config = OUR_CONFIGS[kind]
+    before = {n: p.detach().clone() for n, p in stock.module[0].named_parameters()}
+    for engine in (stock, ours):
+        with vt.engine_call_on_cpu(), engine.train_mode():
+            engine.train_batch(ppo_batch(samples, budget), loss_fn)
+    p_stock = dict(stock.module[0].named_parameters())
+    p_ours = dict(ours.module[0].named_parameters())
+    moved = min((p_stock[n] - before[n]).abs().max().item() for n in before)
+    diff = max((p_ours[n] - p_stock[n]).abs().max().item() for n in before)
+    print(f"{kind}: train_batch smallest update {moved:.2e}, max weight diff {diff:.2e}")
+    assert moved > 1e-6
+    assert diff < TOL * 1e-1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("fmt,batching", [("bshd", "dynamic"), ("thd", "static")])
+def test_tree_batch_rows_and_gradients_by_format(engines, checkpoints, family, fmt, batching):
+    """Trees in both of verl's formats, static micro-batches too, and Qwen3.5 (Gated DeltaNet on trees,
+    `torch_ref`): rows and policy-loss gradients equal the stock engine's."""
+    _, hf = checkpoints(family)
+    samples = tree_batch(hf.config.vocab_size, seed=2)
+    longest = max(len(s.prompt) + len(s.response) for s in samples)
+    td_args = dict(max_token_len=2 * longest) if batching == "dynamic" else dict(micro_batch_size=6)
+    stock = infer(engines(family, fmt, "stock"), vt.grpo_micro_batch(samples, temperature=0.7, **td_args))
+    ours = infer(engines(family, fmt, "ours_tree"), vt.grpo_micro_batch(samples, temperature=0.7, **td_args))
+    read = prompt_lengths(samples)
+    assert max_row_diff(ours["log_probs"], stock["log_probs"], labelled_only=True, prompt_lengths=read) < TOL
+    assert max_row_diff(ours["entropy"], stock["entropy"], prompt_lengths=read) < TOL
+    g_stock = grads_after_backward(engines(family, fmt, "stock", forward_only=False), vt.grpo_micro_batch(samples, **td_args))
+    g_ours = grads_after_backward(engines(family, fmt, "ours_tree", forward_only=False),
+                                  vt.grpo_micro_batch(samples, **td_args))
+    worst = max(((g_ours[n] - g_stock[n]).abs().max() / g_stock[n].abs().max().clamp(min=1e-12)).item() for n in g_stock)
+    print(f"{family} {fmt} {batching}: worst relative grad diff {worst:.2e}")
+    assert worst < TOL

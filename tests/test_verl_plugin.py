@@ -71,6 +71,26 @@ def test_vanilla_mbridge_refused(qwen2_dir):
 
 
 @pytest.mark.core
+def test_trees_refused_under_model_parallelism():
+    """`PS_BRIDGE_TREE=1` with a model-parallel size above 1: refused before the engine builds anything,
+    naming the setting and the verl switch (trees deeper than one level run on one rank so far)."""
+    from types import SimpleNamespace
+
+    from ps_bridge.config import PrefixSharingConfig
+    from ps_bridge.verl.engine import PrefixSharingEngineMixin
+
+    engine = PrefixSharingEngineMixin()
+    engine.engine_config = SimpleNamespace(use_fused_kernels=False, tensor_model_parallel_size=2)
+    engine.prefix_sharing_config = PrefixSharingConfig(enabled=True, tree=True)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=2.*PS_BRIDGE_TREE"):
+        engine._check_parallel_layout()
+    engine.prefix_sharing_config = PrefixSharingConfig(enabled=True, tree=True, tree_max_depth=1)
+    engine._check_parallel_layout()  # one level: as without trees
+    engine.prefix_sharing_config = PrefixSharingConfig(enabled=True)
+    engine._check_parallel_layout()
+
+
+@pytest.mark.core
 @pytest.mark.skipif(verl_compat.loss_returns_token_count(),
                     reason="this verl returns megatron's per-token loss: run by the cp2_per_token layout test")
 def test_per_token_loss_refused_where_verl_returns_no_token_count(qwen2_dir):

@@ -87,7 +87,8 @@ def layout_run(ckpt: str, tp: int, pp: int, cp: int, sp: bool, per_token: bool, 
     from ps_bridge.parallel import hf_named_gradients
     from ps_bridge.tiny_checkpoints import grpo_like_samples
     from ps_bridge.verl import check
-    from ps_bridge.verl.engine import PrefixSharedMegatronEngine, group_dp_partitions
+    from ps_bridge.verl.engine import PrefixSharedMegatronEngine
+    from ps_bridge.verl.micro_batches import group_dp_partitions
 
     import time
 
@@ -180,7 +181,8 @@ def expert_parallel_run(ckpt: str, ep: int, out: str, cp: int = 1) -> dict:
 
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.tiny_checkpoints import grpo_like_samples
-    from ps_bridge.verl.engine import PrefixSharedMegatronEngine, group_dp_partitions
+    from ps_bridge.verl.engine import PrefixSharedMegatronEngine
+    from ps_bridge.verl.micro_batches import group_dp_partitions
 
     samples = grpo_like_samples(256, num_prompts=4, n=4, seed=7, shuffle=False)
     # megatron's allgather dispatcher, as on a CPU elsewhere: verl's default alltoall one needs CUDA streams

@@ -32,7 +32,10 @@ def add_parser(sub) -> None:
     p.add_argument("--layers", type=int, default=None, help="layers of a catalogue shape (default: the bench's)")
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--n", "--responses", dest="n", type=int, default=8, help="responses per prompt")
-    p.add_argument("--prompt-len", type=int, default=2048, help="P")
+    p.add_argument("--prompt-len", type=int, default=2048, help="P (each prompt's own tokens, after the system prompt)")
+    p.add_argument("--system-prompt-len", type=int, default=0, metavar="N",
+                   help="every prompt begins with the same N tokens; the prefix-shared engine then runs on "
+                        "prefix trees (PS_BRIDGE_TREE=1: the system prompt once per micro-batch)")
     p.add_argument("--response-len", type=int, default=512, help="mean R; lengths drawn from [R/2, 3R/2]")
     p.add_argument("--steps", type=int, default=5, help="trainer steps T")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -56,14 +59,17 @@ def run_verl_check(args) -> int:
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         raise UsageError(f"verl settings are key=value overrides of verl's trainer config; got {bad}")
+    if args.system_prompt_len < 0:
+        raise UsageError(f"--system-prompt-len {args.system_prompt_len}: give 0 (no system prompt) or more tokens")
     if args.smoke:
-        settings = check.CheckSettings(**SMOKE, seed=args.seed, overrides=SMOKE_OVERRIDES + list(args.overrides),
+        settings = check.CheckSettings(**SMOKE, seed=args.seed, system_prompt_len=args.system_prompt_len, overrides=SMOKE_OVERRIDES + list(args.overrides),
                                        workdir=args.workdir, noise_floor=args.noise_floor)
     else:
         if not args.model:
             raise UsageError("--model is required (an HF checkpoint directory or a catalogue shape), or --smoke")
         settings = check.CheckSettings(
             model=args.model, layers=args.layers, prompts=args.prompts, n=args.n, prompt_len=args.prompt_len,
+            system_prompt_len=args.system_prompt_len,
             response_len=args.response_len, steps=args.steps, dtype=args.dtype, seed=args.seed,
             overrides=list(args.overrides), noise_floor=args.noise_floor, workdir=args.workdir)
     _prepare_process()

@@ -9,7 +9,8 @@ With `ENABLE_PREFIX_SHARING=1` the import
   (verl 0.8.0: in place of the stock engines under "cuda" and "npu").
 With it unset or 0 the import registers nothing and verl runs unchanged.
 
-Backend and provider come from `PS_BRIDGE_BACKEND` and `PS_BRIDGE_PROVIDER`: verl 0.9.1's configs are
+Backend, provider and prefix trees come from `PS_BRIDGE_BACKEND`, `PS_BRIDGE_PROVIDER` and
+`PS_BRIDGE_TREE` (`ps_bridge.config`): verl 0.9.1's configs are
 structured dataclasses that reject unknown keys such as `actor.prefix_sharing_config.backend`, and the
 engine is not handed the actor config anyway (see docs/verl.md).
 """
@@ -61,8 +62,8 @@ def activate(config: Optional[PrefixSharingConfig] = None) -> PrefixSharingConfi
     config = config or PrefixSharingConfig.from_env()
     _ensure_log_handler()
     logger.info(
-        "[PS][prepare] config.enable_prefix_sharing=%s backend=%s provider=%s (ps_bridge.verl)",
-        config.enabled, config.backend, config.provider,
+        "[PS][prepare] config.enable_prefix_sharing=%s tree=%s backend=%s provider=%s (ps_bridge.verl)",
+        config.enabled, config.tree, config.backend, config.provider,
     )
     if not config.enabled:
         return config

@@ -1,11 +1,15 @@
 """verl Megatron engine whose forward step packs each micro-batch prefix-shared.
 
-`PrefixSharingEngineMixin.forward_step` replaces `MegatronEngineWithLMHead.forward_step` only; model
-building (through Megatron-Bridge and our provider), optimizer, weight export, micro-batching and the
-loss all stay verl's. Per micro-batch it
+`PrefixSharingEngineMixin.forward_step` replaces `MegatronEngineWithLMHead.forward_step`; model
+building (through Megatron-Bridge and our provider), optimizer, weight export and the loss stay
+verl's. Dynamic micro-batches are formed by `ps_bridge.verl.micro_batches` (budgets counted in packed
+tokens, samples that share a prefix kept together). Per micro-batch the forward step
 
-1. rebuilds every sample `prompt + response` from verl's nested `input_ids` and the prompt lengths,
-2. packs them with `build_layout` (one prompt per group, `pad_multiple` = TP size),
+1. rebuilds every sample `prompt + response` from verl's nested `input_ids` and the prompt lengths
+   (`ps_bridge.verl.batch`),
+2. packs them with `build_layout` (one prompt per group, or with `PrefixSharingConfig.tree` the token
+   prefix tree: every common prefix once; samples of different temperatures share nothing;
+   `pad_multiple` = TP size),
 3. runs the prefix-aware model on the packed THD sequence (`ps_bridge.forward.run_packed`), whatever
    verl's data format (`use_remove_padding` only changes how the *stock* engine pads; our model
    always takes the pack),
@@ -30,17 +34,19 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from functools import partial
-from typing import List, Optional, Sequence
+from typing import Optional
 
 import torch
 
 from ps_bridge.config import PrefixSharingConfig
 from ps_bridge.forward import cp_total_multiple, local_shard, run_packed, shard_tag
 from ps_bridge.launch_rule import ModelCost, SharingDecision, sharing_for
-from ps_bridge.layout import PackedPrefixLayout, Sample, build_layout, log_layout
+from ps_bridge.layout import build_layout, log_layout
 from ps_bridge.parallel import ParallelSettings
 from ps_bridge.parallel_info import rank_tag
 from ps_bridge.rows import PackedRows
+from ps_bridge.verl.batch import per_sample_temperature, samples_from_micro_batch, temperature_classes
+from ps_bridge.verl.micro_batches import install_prefix_aware_micro_batching, keep_groups_whole, mark_packed_budget
 
 logger = logging.getLogger("ps_bridge")
 
@@ -55,32 +61,6 @@ def _refuse(what: str) -> None:
         f"prefix sharing (ps_bridge.verl) does not support {what}; turn it off for this run "
         "(ENABLE_PREFIX_SHARING=0) or disable that feature"
     )
-
-
-def uid_list(batch) -> Optional[list]:
-    """verl's per-sample `uid` (a non-tensor column of the TensorDict), or None."""
-    if "uid" not in batch.keys():
-        return None
-    return [str(u) for u in batch["uid"]]
-
-
-def samples_from_micro_batch(batch) -> List[Sample]:
-    """Each sample's own tokens from verl's nested `input_ids` (the exact tokens the stock engine
-    feeds), cut at the prompt length given by the left-padded `prompts` block of `attention_mask`."""
-    input_ids = batch["input_ids"]
-    prompts = batch["prompts"]
-    if prompts.is_nested:
-        prompt_lengths = prompts.offsets().diff().tolist()
-    else:
-        prompt_lengths = batch["attention_mask"][:, : prompts.shape[1]].sum(dim=1).tolist()
-    uids = uid_list(batch)
-    offsets = input_ids.offsets().tolist()
-    flat = input_ids.values().tolist()
-    samples = []
-    for i, P in enumerate(prompt_lengths):
-        tokens = flat[offsets[i] : offsets[i + 1]]
-        samples.append(Sample(tokens[:P], tokens[P:], None if uids is None else uids[i]))
-    return samples
 
 
 @contextmanager
@@ -126,24 +106,6 @@ def _stock_row_labels(engine, model, batch, data_format: str) -> torch.Tensor:
     return torch.cat([rolled[i, :n] for i, n in enumerate(lengths)])
 
 
-def per_sample_temperature(batch, num_samples: int, device) -> torch.Tensor:
-    temperature = batch["temperature"]
-    if not isinstance(temperature, torch.Tensor):
-        temperature = torch.tensor([float(temperature)] * num_samples)
-    temperature = temperature.to(device=device, dtype=torch.float32).reshape(-1).clone()
-    if temperature.numel() == 1:
-        temperature = temperature.expand(num_samples).clone()
-    temperature[temperature <= 0] = 1e-8  # as the stock engine: padding may carry 0
-    return temperature
-
-
-def temperatures_agree_within_groups(layout: PackedPrefixLayout, temperature: torch.Tensor) -> bool:
-    group = layout.sample_group.to(temperature.device)
-    first = torch.full((layout.num_groups,), float("nan"), device=temperature.device)
-    first.scatter_(0, group.flip(0), temperature.flip(0))  # any member's value per group
-    return bool((first[group] == temperature).all())
-
-
 class PrefixSharingEngineMixin:
     """Mixed in before verl's `MegatronEngineWithLMHead` (or its NPU subclass)."""
 
@@ -162,7 +124,7 @@ class PrefixSharingEngineMixin:
                 "prefix sharing (ps_bridge.verl) computes log-probs from the packed logits and does not "
                 "support verl's fused kernels: set actor_rollout_ref.model.use_fused_kernels=False"
             )
-        ParallelSettings.from_config(cfg).check_supported()
+        self._check_parallel_layout()
         if self.engine_config.router_replay.mode != "disabled":
             _refuse("MoE router replay")
         if self.model_config.mtp.enable:
@@ -179,6 +141,23 @@ class PrefixSharingEngineMixin:
         archs = list(self.model_config.architectures or getattr(self.model_config.hf_config, "architectures", []) or [])
         resolve_provider(self._prefix_sharing().provider, archs)  # unsupported architecture -> clear error
 
+    def _check_parallel_layout(self) -> None:
+        """`ParallelSettings.check_supported` for verl's engine config. With trees (`PS_BRIDGE_TREE=1`)
+        a micro-batch's tree may be deeper than one level: refused here, before anything is built,
+        where the parallel layout does not run such trees (and per micro-batch on its actual depth, in
+        `forward_step`), with the verl settings that avoid it."""
+        sharing = self._prefix_sharing()
+        depth = None
+        if sharing.enabled and sharing.tree:
+            depth = 2 if sharing.tree_max_depth is None else min(2, sharing.tree_max_depth)
+        try:
+            ParallelSettings.from_config(self.engine_config).check_supported(tree_depth=depth)
+        except ValueError as e:
+            if depth is None or depth < 2:
+                raise
+            raise ValueError(f"{e}. Under verl: PS_BRIDGE_TREE=1 packs trees deeper than one level; unset it "
+                             "(or set PS_BRIDGE_TREE_MAX_DEPTH=1) for this parallel layout") from None
+
     def initialize(self):
         from ps_bridge.compat import verl as verl_compat
 
@@ -193,9 +172,9 @@ class PrefixSharingEngineMixin:
             )
         cfg = self._prefix_sharing()
         logger.info(
-            "[PS][prepare][%s] config.enable_prefix_sharing=%s sharing=%s backend=%s provider=%s engine=%s model=%s "
-            "prompt_values=%s", rank_tag(), cfg.enabled, cfg.sharing, cfg.backend, cfg.provider, type(self).__name__,
-            type(self._unwrapped_model()).__name__, cfg.layout_prompt_values,
+            "[PS][prepare][%s] config.enable_prefix_sharing=%s sharing=%s tree=%s backend=%s provider=%s engine=%s "
+            "model=%s prompt_values=%s", rank_tag(), cfg.enabled, cfg.sharing, cfg.tree, cfg.backend, cfg.provider,
+            type(self).__name__, type(self._unwrapped_model()).__name__, cfg.layout_prompt_values,
         )
 
     def _model_cost(self) -> Optional[ModelCost]:
@@ -210,17 +189,16 @@ class PrefixSharingEngineMixin:
 
         return unwrap_model(self.module[0])
 
-    # ---- micro-batches: groups whole, token budgets in packed tokens -----------------------------
+    # ---- micro-batches: shared prefixes together, token budgets in packed tokens ------------------
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         from megatron.core import parallel_state as mpu
-        from verl.utils import tensordict_utils as tu
 
         keep_groups_whole(data)
         cfg = self._prefix_sharing()
         if cfg.enabled:
             install_prefix_aware_micro_batching()
             pad = cfg.pad_multiple or mpu.get_tensor_model_parallel_world_size()
-            tu.assign_non_tensor(data, **{PACKED_BUDGET_KEY: True, PAD_MULTIPLE_KEY: pad})
+            mark_packed_budget(data, cfg.layout_share(True), pad, cfg.tree_min_shared, cfg.tree_max_depth)
         return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
 
     # ---- the forward step -----------------------------------------------------------------------
@@ -251,22 +229,26 @@ class PrefixSharingEngineMixin:
         vocab = self.model_config.hf_config.get_text_config().vocab_size
         # under context parallelism the whole pack is padded to equal CP shards (`cp_total_multiple`)
         # shared layouts list the read positions (the output layer skips the other prompt positions)
-        # unless cfg.prompt_values; unshared ones (the stock computation) compute every position
+        # unless cfg.prompt_values; unshared ones (the stock computation) compute every position.
+        # A shared position's logits are scaled by one temperature: samples of different temperatures
+        # share no position (`share_classes`)
+        classes = temperature_classes(temperature)
         pack = partial(build_layout, samples, pad_multiple=pad, vocab_size=vocab, total_multiple=cp_total_multiple(),
-                       prompt_values=cfg.layout_prompt_values)
+                       prompt_values=cfg.layout_prompt_values, min_shared=cfg.tree_min_shared,
+                       max_depth=cfg.tree_max_depth, share_classes=classes)
         # the sharing rule (`ps_bridge.launch_rule`): shared only where the unshared GPU work outweighs
         # the shared path's host time; host integers only, so every TP/CP/PP rank decides alike
         decision = sharing_for(samples, cfg, self._model_cost(), device.type,
                                str(unwrap_model(model).config.params_dtype).replace("torch.", ""))
-        layout = pack(share=decision.share)
-        if layout.shared and layout.has_sharing and not temperatures_agree_within_groups(layout, temperature):
-            # a shared prompt position is scaled by one temperature; samples of one prompt with
-            # different temperatures cannot share it
-            decision = SharingDecision(False, "samples of one prompt carry different temperatures: not shared")
-            layout = pack(share=False)
-        elif layout.shared and not layout.has_sharing:
+        # one level (identical prompts), or with cfg.tree the token prefix tree
+        layout = pack(share=cfg.layout_share(decision.share))
+        if layout.shared and not layout.has_sharing:
+            if decision.share and classes is not None:
+                decision = SharingDecision(False, "samples that share a prefix carry different temperatures: not shared")
             # nothing to share: one THD sequence per sample, the stock engine's computation
             layout = pack(share=False)
+        if layout.tree_depth > 1:
+            ParallelSettings.from_config(self.engine_config).check_supported(tree_depth=layout.tree_depth)
         logger.info("[PS][prepare][%s] sharing: %s", rank_tag(), decision.describe())
         log_layout(layout, f"[{rank_tag()}]{shard_tag(layout)}")
         layout = layout.to(device)
@@ -315,8 +297,8 @@ class PrefixSharingEngineMixin:
         logits = logits.reshape(-1, logits.shape[-1])
         layout = rows.layout
         if not bool((temperature == 1).all()):
-            # every row reading a packed position belongs to one group, whose samples share a
-            # temperature; the positions the model computed (this rank's shard under CP, the read
+            # the rows reading a packed position share a temperature (the layout's share classes);
+            # the positions the model computed (this rank's shard under CP, the read
             # positions by default: rows.source indexes them)
             row_temperature = temperature.repeat_interleave(layout.row_offsets.diff().to(logits.device))
             packed_temperature = torch.ones(rows.num_positions, dtype=torch.float32, device=logits.device)
@@ -330,226 +312,6 @@ class PrefixSharingEngineMixin:
             out["entropy"] = rows.nested(rows.values(chunked_vocab_parallel_entropy(logits, chunk_rows=chunk)))
         out["log_probs"] = rows.nested(rows.logprobs(logits, vocab_parallel=True, chunk_rows=chunk))
         return out
-
-
-def group_run_length(uids) -> int:
-    """n when `uids` come in equal runs of n adjacent samples with n > 1 (verl's
-    `repeat(n, interleave=True)`), else 1."""
-    if uids is None or len(uids) == 0:
-        return 1
-    runs = []
-    count = 1
-    for a, b in zip(uids[:-1], uids[1:]):
-        if a == b:
-            count += 1
-        else:
-            runs.append(count)
-            count = 1
-    runs.append(count)
-    if len(set(runs)) == 1 and runs[0] > 1 and len(set(uids)) == len(runs):
-        return runs[0]
-    return 1
-
-
-_warned: set = set()
-
-
-def _warn_once(key: str, message: str, *args) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(message, *args)
-
-
-def keep_groups_whole(data) -> None:
-    """Static micro-batch sizes: a size that is a multiple of n keeps groups whole, any other splits
-    them (exact, shares less; said once). Dynamic sizes are formed by `prefix_aware_micro_batches`."""
-    from verl.utils import tensordict_utils as tu
-
-    n = group_run_length(uid_list(data))
-    if n == 1 or tu.get_non_tensor_data(data, key="use_dynamic_bsz", default=True):
-        return
-    mbs = tu.get_non_tensor_data(data, key="micro_batch_size_per_gpu", default=None)
-    if mbs is not None and mbs % n:
-        _warn_once(
-            "static",
-            "[PS][prepare] micro_batch_size_per_gpu=%s is not a multiple of the group size %d: groups are "
-            "split across micro-batches (results stay exact, less is shared)", mbs, n,
-        )
-
-
-# ---- prefix-aware micro-batches ------------------------------------------------------------------
-#
-# verl forms dynamic micro-batches (`prepare_micro_batches` -> `rearrange_micro_batches`) from a token
-# budget that counts every sample's prompt again. With sharing on, our engine marks the batch
-# (`PACKED_BUDGET_KEY`) and the budget counts what a packed micro-batch really holds: each group's
-# prompt once plus its responses, every segment padded to the pack's multiple. Groups stay whole
-# (a group that alone exceeds the budget is cut into parts that fit, each holding the prompt once),
-# micro-batches are balanced by packed tokens with verl's own partitioner, and the micro-batch count
-# is agreed across data-parallel ranks as verl agrees it. Batches without the mark (the stock engine,
-# sharing off) go to verl's function unchanged.
-
-PACKED_BUDGET_KEY = "ps_bridge_packed_budget"
-PAD_MULTIPLE_KEY = "ps_bridge_pad_multiple"
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def prompt_and_total_lengths(data):
-    """Per sample (prompt length, prompt + response length) from verl's no-padding batch."""
-    total = data["input_ids"].offsets().diff().tolist()
-    prompts = data["prompts"]
-    if prompts.is_nested:
-        prompt = prompts.offsets().diff().tolist()
-    else:
-        prompt = data["attention_mask"][:, : prompts.shape[1]].sum(dim=1).tolist()
-    return prompt, total
-
-
-def sample_groups(data) -> List[List[int]]:
-    """Sample indices of each group: verl's `uid` when present, else identical prompt tokens; in
-    order of first appearance (members need not be adjacent)."""
-    uids = uid_list(data)
-    if uids is None:
-        prompts = data["prompts"]
-        rows = prompts.unbind() if prompts.is_nested else [
-            p[m.bool()] for p, m in zip(prompts, data["attention_mask"][:, : prompts.shape[1]])]
-        uids = [tuple(r.tolist()) for r in rows]
-    order: dict = {}
-    for i, u in enumerate(uids):
-        order.setdefault(u, []).append(i)
-    return list(order.values())
-
-
-def packed_units(groups: List[List[int]], prompt_len: List[int], total_len: List[int], budget: int,
-                 pad_multiple: int = 1):
-    """(sample indices, packed tokens) per unit a micro-batch takes whole: a group, or the parts of a
-    group that alone holds more than `budget` packed tokens (each part holding the prompt once)."""
-    units = []
-    for members in groups:
-        P = _round_up(prompt_len[members[0]], pad_multiple)
-        part, tokens, first = [], P, len(units)
-        for i in members:
-            r = _round_up(total_len[i] - prompt_len[i], pad_multiple)
-            if P + r > budget:
-                raise ValueError(
-                    f"a sample of {total_len[i]} tokens (prompt {prompt_len[i]}) does not fit the micro-batch token "
-                    f"budget of {budget}: raise actor_rollout_ref.actor.ppo_max_token_len_per_gpu / "
-                    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu / "
-                    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"
-                )
-            if part and tokens + r > budget:
-                units.append((part, tokens))
-                part, tokens = [], P
-            part.append(i)
-            tokens += r
-        units.append((part, tokens))
-        if len(units) - first > 1:
-            _warn_once(
-                "budget",
-                "[PS][prepare] a group of %d responses holds %d packed tokens, more than the micro-batch budget "
-                "%d: it is split across micro-batches (results stay exact, less is shared); raise the "
-                "*_max_token_len_per_gpu settings to keep groups whole",
-                len(members), sum(t for _, t in units[first:]) - P * (len(units) - first - 1), budget,
-            )
-    return units
-
-
-def partition_units(unit_tokens: List[int], budget: int, dp_group=None, num_batches_divided_by=None,
-                    same_micro_num_in_dp: bool = True, min_num_micro_batch=None) -> List[List[int]]:
-    """Units -> micro-batches (lists of unit indices), each within `budget` packed tokens, balanced by
-    packed tokens with verl's partitioner; as few as fit (the count agreed across `dp_group`)."""
-    import torch.distributed as dist
-    from verl.utils.device import get_device_name
-    from verl.utils.seqlen_balancing import get_seqlen_balanced_partitions, roundup_divisible
-
-    sync = dist.is_initialized() and same_micro_num_in_dp and dp_group is not None
-
-    def agree(value: int, largest: bool) -> int:
-        """The largest (else smallest) value over the data-parallel ranks."""
-        if not sync:
-            return value
-        t = torch.tensor([value if largest else -value], device=get_device_name())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)
-        return int(t.item()) if largest else -int(t.item())
-
-    k = min(len(unit_tokens), -(-sum(unit_tokens) // budget))
-    if min_num_micro_batch is not None:
-        k = max(k, min_num_micro_batch)
-    k = agree(k, largest=True)
-    if num_batches_divided_by is not None:
-        k = roundup_divisible(k, num_batches_divided_by)
-    fewest_units = agree(len(unit_tokens), largest=False)
-    step = num_batches_divided_by or 1
-    while True:
-        if k > fewest_units:
-            raise ValueError(f"cannot form {k} non-empty micro-batches from {fewest_units} groups within the token "
-                             f"budget {budget}: raise the *_max_token_len_per_gpu settings")
-        parts = get_seqlen_balanced_partitions(unit_tokens, k, equal_size=False)
-        fits = int(all(sum(unit_tokens[u] for u in part) <= budget for part in parts))
-        if agree(fits, largest=False):
-            break
-        k += step
-    parts.sort(key=lambda part: (sum(unit_tokens[u] for u in part), part[0] if part else 0), reverse=True)
-    return parts[::2][::-1] + parts[1::2]  # verl's order: the smaller micro-batches at both ends
-
-
-def prefix_aware_micro_batches(data, dp_group=None, num_batches_divided_by=None, same_micro_num_in_dp=True,
-                               min_num_micro_batch=None, **_ignored):
-    """verl's `prepare_micro_batches` contract (micro-batches, sample index lists) for a batch our
-    engine marked: dynamic budgets counted in packed tokens."""
-    from verl.utils import tensordict_utils as tu
-
-    budget = int(data["max_token_len_per_gpu"]) * int(tu.get_non_tensor_data(data, key="sp_size", default=1))
-    pad = int(tu.get_non_tensor_data(data, key=PAD_MULTIPLE_KEY, default=1))
-    prompt_len, total_len = prompt_and_total_lengths(data)
-    units = packed_units(sample_groups(data), prompt_len, total_len, budget, pad)
-    parts = partition_units([t for _, t in units], budget, dp_group, num_batches_divided_by, same_micro_num_in_dp,
-                            min_num_micro_batch)
-    indices = [[i for u in part for i in units[u][0]] for part in parts]
-    return [tu.index_select_tensor_dict(data, idx) for idx in indices], indices
-
-
-def install_prefix_aware_micro_batching() -> None:
-    """verl's Megatron engine calls its module's `prepare_micro_batches`; route the batches our engine
-    marked to `prefix_aware_micro_batches`, every other batch (the stock engine's) to verl's own
-    function, unchanged. Idempotent."""
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.engine.megatron import transformer_impl
-
-    stock = transformer_impl.prepare_micro_batches
-    if getattr(stock, "__ps_bridge__", False):
-        return
-
-    def prepare_micro_batches(data, *args, **kwargs):
-        if tu.get_non_tensor_data(data, key=PACKED_BUDGET_KEY, default=False) and \
-                tu.get_non_tensor_data(data, key="use_dynamic_bsz", default=True):
-            return prefix_aware_micro_batches(data, *args, **kwargs)
-        return stock(data, *args, **kwargs)
-
-    prepare_micro_batches.__ps_bridge__ = True
-    prepare_micro_batches.__wrapped__ = stock
-    transformer_impl.prepare_micro_batches = prepare_micro_batches
-
-
-def group_dp_partitions(uids: Sequence, prompt_len: Sequence[int], total_len: Sequence[int],
-                        dp_size: int) -> List[List[int]]:
-    """The trainer-side split of a batch over data-parallel ranks that prefix sharing needs: whole
-    groups (same uid) per rank, balanced by packed tokens (each prompt once), `dp_size` lists of
-    sample indices. verl's own `get_group_balanced_partitions` (what `actor.use_prefix_grouper=True`
-    turns on in `RayPPOTrainer._balance_batch`) keeps groups whole too but balances unshared tokens."""
-    from verl.utils.seqlen_balancing import get_seqlen_balanced_partitions
-
-    order: dict = {}
-    for i, u in enumerate(uids):
-        order.setdefault(u, []).append(i)
-    groups = list(order.values())
-    if len(groups) < dp_size:
-        raise ValueError(f"{len(groups)} groups cannot fill {dp_size} data-parallel ranks with whole groups")
-    tokens = [prompt_len[g[0]] + sum(total_len[i] - prompt_len[i] for i in g) for g in groups]
-    parts = get_seqlen_balanced_partitions(tokens, dp_size, equal_size=len(groups) % dp_size == 0)
-    return [sorted(i for gi in part for i in groups[gi]) for part in parts]
 
 
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead  # noqa: E402

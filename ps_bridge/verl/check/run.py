@@ -1,0 +1,185 @@
+"""verl-check's run: T trainer steps of each engine kind (old log-probs, ref log-probs, the update), as
+verl's trainer runs them, then the comparison document."""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from ps_bridge.verl.check.compare import compare, speedups
+from ps_bridge.verl.check.config import CheckSettings, role_configs, scaled_budgets, trainer_config
+from ps_bridge.verl.check.data import ideal_ratio, synthetic_batch
+from ps_bridge.verl.check.model import checkpoint_for, free_memory, stock_description
+from ps_bridge.verl.check.roles import Role, build_role_engines, shared_backend
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _peak_reset():
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib() -> Optional[float]:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
+def run_kind(kind: str, settings: CheckSettings, ckpt: str, cfg, batches, progress: Callable[[str], None]) -> List[dict]:
+    """T trainer steps with engines of `kind`; per step the padded old/ref log-probs and entropy
+    (float32, CPU), the update's per-mini-batch loss / grad norm / KL, phase times, micro-batch
+    counts, peak memory per phase."""
+    from verl.protocol import DataProto
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+
+    from ps_bridge.compat.verl_on_cpu import engine_call_on_cpu
+
+    if kind == "stock-split":  # the noise floor: stock with different micro-batch boundaries
+        cfg = scaled_budgets(cfg, 0.75)
+    actor_cfg, ref_cfg, rollout = role_configs(cfg)
+    resident_before = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    actor_engine, ref_engine = build_role_engines(kind, ckpt, settings, actor_cfg, ref_cfg, rollout)
+    actor_cfg.model_config = actor_engine.model_config
+    actor = Role(actor_engine, partial(ppo_loss, config=actor_cfg))
+    ref = Role(ref_engine, None)
+    arr = cfg.actor_rollout_ref
+    results = []
+    for step, batch in enumerate(batches):
+        batch.meta_info["temperature"] = arr.rollout.temperature  # as the rollout leaves it
+        # resident_before: what an earlier engine kind left allocated (included in this kind's peaks)
+        record: Dict = {"phase_seconds": {}, "peak_memory_gib": {"resident_before": resident_before},
+                        "micro_batches": {}}
+
+        def phase(name, fn, role):
+            _sync()
+            _peak_reset()
+            before = role.micro_batches
+            t0 = time.perf_counter()
+            with engine_call_on_cpu():
+                out = fn()
+            _sync()
+            record["phase_seconds"][name] = time.perf_counter() - t0
+            record["peak_memory_gib"][name] = _peak_gib()
+            record["micro_batches"][name] = role.micro_batches - before
+            progress(f"{kind} step {step + 1}: {name}")
+            return out
+
+        # old log-probs (RayPPOTrainer._compute_old_log_prob)
+        td = left_right_2_no_padding(batch.to_tensordict())
+        tu.assign_non_tensor(td, calculate_entropy=True, calculate_sum_pi_squared=False, compute_loss=False)
+        out = phase("old_log_prob", lambda: actor.infer(td), actor)
+        old = no_padding_2_padding(out["log_probs"], td).float()
+        entropy = no_padding_2_padding(out["entropy"], td).float()
+        # ref log-probs (RayPPOTrainer._compute_ref_log_prob)
+        td = left_right_2_no_padding(batch.to_tensordict())
+        tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
+        out = phase("ref", lambda: ref.infer(td), ref)
+        ref_lp = no_padding_2_padding(out["log_probs"], td).float()
+        # the update (RayPPOTrainer._update_actor)
+        upd = DataProto.from_dict(tensors=dict(batch.batch.items(), old_log_probs=old, ref_log_prob=ref_lp),
+                                  non_tensors=dict(batch.non_tensor_batch), meta_info=dict(batch.meta_info))
+        td = left_right_2_no_padding(upd.to_tensordict())
+        mini = int(arr.actor.ppo_mini_batch_size) * settings.n
+        tu.assign_non_tensor(
+            td, calculate_entropy=bool(arr.actor.calculate_entropy or arr.actor.entropy_coeff != 0.0),
+            distillation_use_topk=False, distillation_only=False, global_batch_size=mini, mini_batch_size=mini,
+            epochs=int(arr.actor.ppo_epochs), seed=int(arr.actor.data_loader_seed),
+            dataloader_kwargs={"shuffle": bool(arr.actor.shuffle)}, compute_loss=True,
+        )
+        metrics = phase("update", lambda: actor.train(td), actor)
+        # the comparison runs on the CPU, whatever device the engines returned their rows on
+        old, ref_lp, entropy = old.cpu(), ref_lp.cpu(), entropy.cpu()
+        mask = batch.batch["response_mask"].bool().cpu()
+        losses = [float(x) for x in _as_list(metrics.get("loss"))]
+        norms = [float(x) for x in _as_list(metrics.get("grad_norm"))]
+        kls = metrics.get("kl_loss", [])
+        record.update(
+            old=old.masked_fill(~mask, 0.0), ref=ref_lp.masked_fill(~mask, 0.0),
+            entropy=entropy.masked_fill(~mask, 0.0), losses=losses, grad_norms=norms,
+            kl=(sum(kls) / len(kls)) if kls else _kl(old, ref_lp, mask, actor_cfg.kl_loss_type),
+        )
+        results.append(record)
+    del actor, ref, actor_engine, ref_engine
+    free_memory()
+    return results
+
+
+def _as_list(value):
+    if value is None:
+        return []
+    return value if isinstance(value, list) else [value]
+
+
+def _kl(old, ref, mask, kind: str) -> float:
+    from verl.trainer.ppo.core_algos import kl_penalty
+
+    return float(kl_penalty(old, ref, kl_penalty=kind)[mask].mean())
+
+
+def run_check(settings: CheckSettings, progress: Optional[Callable[[str], None]] = None,
+              on_result: Optional[Callable[[dict], None]] = None) -> dict:
+    """Build both engines in turn, run the steps, compare: the `--json` document. `on_result` gets the
+    document as soon as stock and shared are compared, and again with the noise floor (so a run cut
+    short during the noise floor still leaves the comparison)."""
+    import tempfile
+
+    from omegaconf import OmegaConf
+
+    progress = progress or (lambda msg: None)
+    if settings.dtype not in ("bfloat16", "float32", "float16"):
+        raise ValueError(f"--dtype {settings.dtype!r}: use bfloat16, float16 or float32")
+    workdir = settings.workdir or tempfile.mkdtemp(prefix="ps-bridge-verl-check-")
+    cfg = trainer_config(settings)
+    ckpt = checkpoint_for(settings, workdir)
+    progress("checkpoint ready")
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(ckpt).get_text_config().vocab_size
+    algo = OmegaConf.to_container(cfg.algorithm, resolve=True)
+    mini = int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
+    if settings.prompts % mini:
+        raise ValueError(f"--prompts {settings.prompts} is not a multiple of actor_rollout_ref.actor."
+                         f"ppo_mini_batch_size={mini} (prompts per mini-batch)")
+    batches, lengths = [], []
+    for t in range(settings.steps):
+        b, ls = synthetic_batch(settings, vocab, t, algo)
+        batches.append(b)
+        lengths.extend(ls)
+    names = ("stock", "shared")
+    runs = {kind: run_kind(kind, settings, ckpt, cfg, batches, progress) for kind in ("stock", "shared")}
+    steps = compare(runs["stock"], runs["shared"], names)
+    arr = cfg.actor_rollout_ref
+    config = {
+        "model": settings.model, "checkpoint": ckpt, "layers": settings.layers, "prompts": settings.prompts,
+        "n": settings.n, "prompt_len": settings.prompt_len, "system_prompt_len": settings.system_prompt_len,
+        "tree": bool(settings.system_prompt_len), "response_len_mean": settings.response_len,
+        "steps": settings.steps, "dtype": settings.dtype, "seed": settings.seed,
+        "overrides": list(settings.overrides), "ideal_speedup_S": ideal_ratio(settings, lengths),
+        "mini_batch_prompts": mini,
+        "ppo_max_token_len_per_gpu": arr.actor.ppo_max_token_len_per_gpu,
+        "log_prob_max_token_len_per_gpu": arr.rollout.log_prob_max_token_len_per_gpu,
+        "ref_log_prob_max_token_len_per_gpu": arr.ref.log_prob_max_token_len_per_gpu,
+        "stock_engine": stock_description(ckpt, settings),
+        "shared_backend": shared_backend(settings),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "speedup": speedups(steps, names),
+    }
+    doc = {"config": config, "steps": steps}
+    if settings.noise_floor:
+        if on_result is not None:
+            on_result(doc)
+        runs["stock-split"] = run_kind("stock-split", settings, ckpt, cfg, batches, progress)
+        # the same schema, "shared" standing for the stock engine at 3/4 of the token budgets
+        floor = compare(runs["stock"], runs["stock-split"], names)
+        doc["noise_floor"] = {"second_engine": "stock, every token budget x 3/4 (other micro-batch boundaries)",
+                              "steps": floor}
+    if on_result is not None:
+        on_result(doc)
+    return doc
