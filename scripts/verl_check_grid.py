@@ -6,7 +6,7 @@ Issue 21's "sharing on vs sharing off": verl-check's second engine is `PrefixSha
 with the sharing rule (`PS_BRIDGE_SHARING`, default auto); its first is verl's stock engine for
 Qwen2.5 (Megatron-Bridge's stock provider, a different model implementation) and our engine with
 sharing disabled for Qwen3.5. This script makes the first engine our engine with sharing disabled for
-every family (`--baseline off`, the default; `stock` keeps verl-check's choice), so both engines run
+every family (verl-check's `--baseline off`, the default here; `stock` keeps verl-check's default), so both engines run
 the same model code and the ratio is sharing on / sharing off alone. Everything else is verl-check's:
 the issue's settings (8 prompts x n = 8, 3 steps, bf16, `ppo_mini_batch_size=4`, 24 layers) unless
 given. Runs share one process (imports and CUDA set-up once); the JSON is rewritten after each run,
@@ -43,8 +43,6 @@ def main() -> int:
     _prepare_process()  # before verl's engine is imported
     from ps_bridge.verl import check, engine
 
-    if args.baseline == "off":
-        check.stock_kind = lambda ckpt: "ps-bridge-unshared"
     decisions = []
     rule = engine.sharing_for
 
@@ -62,7 +60,7 @@ def main() -> int:
         settings = check.CheckSettings(
             model=model, layers=args.layers, prompts=args.prompts, n=args.n, prompt_len=int(P),
             response_len=int(R), steps=args.steps, dtype=args.dtype, overrides=list(args.overrides),
-            workdir=args.workdir)
+            workdir=args.workdir, baseline=args.baseline)
         decisions.clear()
         t0 = time.perf_counter()
         try:
@@ -71,8 +69,6 @@ def main() -> int:
             print(f"== {spec}: failed: {type(e).__name__}: {e}", flush=True)
             results.append({"run": spec, "error": f"{type(e).__name__}: {e}"})
             continue
-        if args.baseline == "off":
-            doc["config"]["stock_engine"] = "ps-bridge engine with prefix sharing disabled (sharing off)"
         counts = Counter(("fwd+bwd" if grad else "fwd", "shared" if share else "unshared")
                          for enabled, grad, share in decisions if enabled)
         doc["rule_micro_batches"] = {f"{p} {s}": c for (p, s), c in sorted(counts.items())}

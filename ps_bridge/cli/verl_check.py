@@ -43,6 +43,9 @@ def add_parser(sub) -> None:
     p.add_argument("--noise-floor", action="store_true",
                    help="also run the stock engine at 3/4 of the token budgets: stock vs stock with other "
                         "micro-batch boundaries, the noise floor of the curves (JSON key noise_floor)")
+    p.add_argument("--baseline", default="stock", choices=("stock", "off"),
+                   help="the first engine: verl's stock engine where it runs the family (default), or 'off': "
+                        "ps-bridge's engine with prefix sharing off (sharing on vs off, same model code)")
     p.add_argument("--workdir", default=None, help="where a random checkpoint is written (default: a temp dir)")
     p.add_argument("--json", default=None, help="write the per-step results here")
     p.add_argument("--plot", default=None, help="draw the curves into this image")
@@ -63,7 +66,8 @@ def run_verl_check(args) -> int:
         raise UsageError(f"--system-prompt-len {args.system_prompt_len}: give 0 (no system prompt) or more tokens")
     if args.smoke:
         settings = check.CheckSettings(**SMOKE, seed=args.seed, system_prompt_len=args.system_prompt_len, overrides=SMOKE_OVERRIDES + list(args.overrides),
-                                       workdir=args.workdir, noise_floor=args.noise_floor)
+                                       workdir=args.workdir, noise_floor=args.noise_floor,
+                                       baseline=args.baseline)
     else:
         if not args.model:
             raise UsageError("--model is required (an HF checkpoint directory or a catalogue shape), or --smoke")
@@ -71,7 +75,8 @@ def run_verl_check(args) -> int:
             model=args.model, layers=args.layers, prompts=args.prompts, n=args.n, prompt_len=args.prompt_len,
             system_prompt_len=args.system_prompt_len,
             response_len=args.response_len, steps=args.steps, dtype=args.dtype, seed=args.seed,
-            overrides=list(args.overrides), noise_floor=args.noise_floor, workdir=args.workdir)
+            overrides=list(args.overrides), noise_floor=args.noise_floor, workdir=args.workdir,
+            baseline=args.baseline)
     _prepare_process()
     total = (3 if settings.noise_floor else 2) * settings.steps * len(check.PHASES) + 1
     bar = None

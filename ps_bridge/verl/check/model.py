@@ -43,9 +43,16 @@ def checkpoint_for(settings: CheckSettings, workdir: str) -> str:
     return path
 
 
-def stock_kind(ckpt: str) -> str:
-    """'verl' when verl's stock engine can run this family here, else 'ps-bridge-unshared'."""
+def stock_kind(ckpt: str, baseline: str = "stock") -> str:
+    """The first engine: 'verl' when `baseline` is "stock" and verl's stock engine can run this family
+    here, else 'ps-bridge-unshared' (our engine with prefix sharing off: `baseline="off"`, issue 21's
+    "sharing on vs sharing off" with the same model code on both sides)."""
     from transformers import AutoConfig
+
+    if baseline not in ("stock", "off"):
+        raise ValueError(f"verl-check --baseline must be 'stock' or 'off', got {baseline!r}")
+    if baseline == "off":
+        return "ps-bridge-unshared"
 
     archs = AutoConfig.from_pretrained(ckpt).architectures or []
     return "verl" if any(a.startswith("Qwen2") for a in archs) else "ps-bridge-unshared"
@@ -54,9 +61,11 @@ def stock_kind(ckpt: str) -> str:
 def stock_description(ckpt: str, settings: CheckSettings) -> str:
     from ps_bridge.verl.side_by_side import stock_attention_name
 
-    if stock_kind(ckpt) == "verl":
+    if stock_kind(ckpt, settings.baseline) == "verl":
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(settings.dtype, torch.float32)
         return f"verl MegatronEngineWithLMHead, Megatron-Bridge stock provider, core attention: {stock_attention_name(dtype)}"
+    if settings.baseline == "off":
+        return "ps-bridge engine with prefix sharing off (one sequence per sample; --baseline off)"
     return ("ps-bridge engine with sharing off (one sequence per sample; verl's stock model of this family "
             "needs Transformer Engine)")
 

@@ -105,7 +105,7 @@ def build_role_engines(kind: str, ckpt: str, settings: CheckSettings, actor_cfg,
             engine = build_engine(PrefixSharedMegatronEngine, ckpt, **kw)
             engine.prefix_sharing_config = PrefixSharingConfig.from_env(
                 enabled=True, backend=shared_backend(settings), tree=True if settings.system_prompt_len else None)
-        elif stock_kind(ckpt) == "verl":
+        elif stock_kind(ckpt, settings.baseline) == "verl":
             engine = build_stock_engine(ckpt, **kw)
         else:
             engine = build_engine(PrefixSharedMegatronEngine, ckpt, **kw)
