@@ -129,7 +129,7 @@ class PrefixSharedGatedDeltaNet(GatedDeltaNet):
         if not self._out_norm_tp_reduce:
             return self.out_norm(x)
         params = {
-            name: copy_to_tensor_model_parallel_region(p, group=self.tp_group)
+            name: copy_to_tensor_model_parallel_region(p, group=self.pg_collection.tp)
             for name, p in self.out_norm.named_parameters()
         }
         return torch.func.functional_call(self.out_norm, params, (x,))

@@ -261,6 +261,42 @@ def test_doctor_runs_where_torch_does_not_import():
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
+def test_self_test_runs_on_one_thread_and_gives_the_threads_back(monkeypatch):
+    """The self-test's model is tiny: it runs on one CPU thread (torch's intra-op threads only add
+    synchronisation), its time is reported apart from the stack's import, and the caller's thread
+    count is restored, also when the test raises. The stack import and the demo are replaced here;
+    the fresh-process test below runs the real ones."""
+    import torch
+
+    seen = []
+
+    def fake_demo(**kwargs):
+        seen.append(torch.get_num_threads())
+        return dict.fromkeys(("max_logprob_diff_shared_vs_unshared", "max_rel_grad_diff_shared_vs_unshared",
+                              "max_logprob_diff_shared_vs_hf", "max_logprob_diff_unshared_vs_hf"), 0.0)
+
+    import ps_bridge.cli.demo as demo
+
+    monkeypatch.setattr(doctor, "_import_the_stack", lambda: None)
+    monkeypatch.setattr(demo, "demo_result", fake_demo)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out, findings = doctor.self_test()
+        assert seen == [1] and torch.get_num_threads() == 2
+        assert out["passed"] and not findings and {"seconds", "import_seconds"} <= out.keys()
+
+        def failing_demo(**kwargs):
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(demo, "demo_result", failing_demo)
+        with pytest.raises(RuntimeError, match="boom"):
+            doctor.self_test()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.slow
 def test_doctor_self_test_in_a_fresh_process():
     """The whole doctor, self-test included, on this machine's device: exit 0, the self-test passed."""
@@ -270,4 +306,5 @@ def test_doctor_self_test_in_a_fresh_process():
     st = doc["self_test"]
     assert st["passed"], st
     assert st["max_logprob_diff_shared_vs_unshared"] <= 1e-5 and st["max_rel_grad_diff_shared_vs_unshared"] <= 1e-5
+    assert st["import_seconds"] > 0 and st["seconds"] > 0
 

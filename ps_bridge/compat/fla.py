@@ -5,15 +5,42 @@
 - the tilelang route for the gated `chunk_bwd_dqkwg` backward on Hopper (the kernel Triton 3.4.0 -
   3.7.0 computes wrongly) exists from 0.6.0 on; 0.4.2 has none and runs the wrong Triton kernel
   silently, with or without tilelang installed (`tilelang_backward_route`).
+- fla's `input_guard` enters `custom_device_ctx(tensor.device.index)` around every kernel call. On a
+  host where Triton has no GPU backend (fla falls back to `'cpu'`: Triton's CPU interpreter, what
+  tests/test_gdn_fla_conv_interpreter.py runs) 0.4.2 returns `torch.cpu.device(None)`, which torch
+  does not have (AttributeError); 0.6.0 returns a null context (`cpu_tensors_need_no_device`).
 - `chunk_gated_delta_rule` is `fla.ops.gated_delta_rule.chunk_gated_delta_rule` in all of them
   (0.4.2 is the first whose signature takes `cu_seqlens_cpu`).
 """
 
 from __future__ import annotations
 
+import contextlib
+
+
+def cpu_tensors_need_no_device() -> None:
+    """Make fla-core's per-call device context a null context for CPU tensors (device index None),
+    where this fla-core's own raises (0.4.2 on a host with no GPU Triton backend: `torch.cpu.device`
+    does not exist); a tensor with a device index keeps fla's context. Where fla's context already
+    takes a CPU tensor (fla-core 0.6.0, any GPU host) nothing changes."""
+    import fla.utils
+
+    try:
+        fla.utils.custom_device_ctx(None)
+        return
+    except AttributeError:
+        pass
+    device_ctx = fla.utils.custom_device_ctx
+
+    def custom_device_ctx(index):
+        return contextlib.nullcontext() if index is None else device_ctx(index)
+
+    fla.utils.custom_device_ctx = custom_device_ctx
+
 
 def causal_conv1d():
     """fla's varlen causal conv function of this fla-core."""
+    cpu_tensors_need_no_device()
     try:
         from fla.modules.causal_conv1d import causal_conv1d as fn
     except ImportError:  # fla-core 0.4.2 - 0.5.x
