@@ -49,6 +49,7 @@ class CheckSettings:
     seed: int = 0
     overrides: List[str] = field(default_factory=list)
     baseline: str = "stock"  # "stock": verl's stock engine where it runs the family; "off": our engine, sharing off
+    shared_first: bool = False  # run the shared engine's steps before the first engine's
     noise_floor: bool = False  # also run stock with 3/4 of the budgets: stock vs stock, other micro-batch splits
     workdir: Optional[str] = None
 

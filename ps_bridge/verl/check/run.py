@@ -153,13 +153,16 @@ def run_check(settings: CheckSettings, progress: Optional[Callable[[str], None]]
         batches.append(b)
         lengths.extend(ls)
     names = ("stock", "shared")
-    runs = {kind: run_kind(kind, settings, ckpt, cfg, batches, progress) for kind in ("stock", "shared")}
+    # the engines run one after the other; `shared_first` swaps their order (an order effect shows)
+    order = ("shared", "stock") if settings.shared_first else ("stock", "shared")
+    runs = {kind: run_kind(kind, settings, ckpt, cfg, batches, progress) for kind in order}
     steps = compare(runs["stock"], runs["shared"], names)
     arr = cfg.actor_rollout_ref
     config = {
         "model": settings.model, "checkpoint": ckpt, "layers": settings.layers, "prompts": settings.prompts,
         "n": settings.n, "prompt_len": settings.prompt_len, "system_prompt_len": settings.system_prompt_len,
         "tree": bool(settings.system_prompt_len), "response_len_mean": settings.response_len,
+        "engine_order": list(order), "baseline": settings.baseline,
         "steps": settings.steps, "dtype": settings.dtype, "seed": settings.seed,
         "overrides": list(settings.overrides), "ideal_speedup_S": ideal_ratio(settings, lengths),
         "mini_batch_prompts": mini,
