@@ -14,7 +14,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/ps-bridge-out}
 mkdir -p "$OUT"
-timeout 120 scripts/gpu_checks.sh tests/test_checkpoint_keys.py -k mtp  # unpacks and installs the stack
+timeout 120 scripts/gpu_checks.sh tests/test_checkpoint_refusals.py -k mtp  # unpacks and installs the stack
 source scripts/gpu_env.sh
 log="$OUT/ckpt.log"
 export PS_CKPT_DTYPE=bfloat16
