@@ -280,3 +280,26 @@ def refuse_dp_reshardable_change(local_path: str, model_chunks, sharding_type: O
     if saved != buffer_order(model_chunks):
         raise InexactLoadError(f"{head}; this model's parameters lie in its buffers in another order than the "
                                f"saved model's (another model, expert module or bucket size). Fix: {FULLY_RESHARDABLE_FIX}")
+
+
+def refuse_distributed_optimizer_load_without_fused_adam(optimizer) -> None:
+    """megatron-core's distributed optimizer loads a checkpoint only on Transformer Engine's or Apex's Adam:
+    on its torch-Adam fallback (neither installed, as on our stacks) a fresh optimizer cannot describe its
+    state (megatron/core/optimizer/distrib_optimizer.py `state_dict`: `assert len(steps) == 1` over no state)
+    and the load copies into torch Adam's `step` too (`_set_main_param_and_optimizer_states`). Refused with
+    the setting named, before megatron fails on an assertion."""
+    try:
+        from megatron.core.optimizer import distrib_optimizer
+    except ImportError:
+        return
+    if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
+        return
+    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    if any(isinstance(o, distrib_optimizer.DistributedOptimizer) for o in chained):
+        raise InexactLoadError(
+            "the distributed optimizer's checkpoint cannot be loaded here: megatron-core loads it only with "
+            "Transformer Engine's or Apex's Adam, and neither is installed (its torch-Adam fallback fails on a "
+            "load). Install transformer_engine, or train with "
+            "actor_rollout_ref.actor.megatron.use_distributed_optimizer=False (its checkpoints load either way), "
+            "or resume without the optimizer (actor_rollout_ref.actor.checkpoint.load_contents=['model','extra']: "
+            "its state restarts, not an exact resume)")

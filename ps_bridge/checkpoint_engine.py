@@ -74,7 +74,7 @@ def _hf_save_without_modelopt(manager) -> None:
 
 
 def fix_checkpoint_manager(manager) -> None:
-    """The two fixes of verl 0.9.1's checkpoint manager above (the stock engine's too, in the tests)."""
+    """The fixes of verl 0.9.1's checkpoint manager above (the stock engine's too, in the tests)."""
     _fresh_model_state_for_optimizer(manager)
     _hf_save_without_modelopt(manager)
 
@@ -111,6 +111,7 @@ class CheckpointEngineMixin:
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
         from ps_bridge.checkpoint import (check_checkpoint_files, optimizer_sharding_type,
+                                         refuse_distributed_optimizer_load_without_fused_adam,
                                          refuse_dp_reshardable_change, refuse_mtp_mismatch, verl_checkpoint_trees)
 
         manager = self.checkpoint_mananager
@@ -128,5 +129,6 @@ class CheckpointEngineMixin:
                                 _model_has_mtp(self))
             if manager.should_load_optimizer:
                 refuse_dp_reshardable_change(local_path, self.module, optimizer_sharding_type(present["optimizer"]))
+                refuse_distributed_optimizer_load_without_fused_adam(self.optimizer)
         return super().load_checkpoint(local_path, hdfs_path=hdfs_path, del_local_after_load=del_local_after_load,
                                        **kwargs)

@@ -5,8 +5,8 @@
 verl checkpoint to SAVE_DIR, train one more step (the uninterrupted run); `resume ...` (same arguments):
 load SAVE_DIR into a freshly built engine and train that one step. Either way OUT (OUT.rank<r> under
 torch.distributed.run) gets the last step's per-micro-batch losses (last pipeline stage), grad norm,
-learning rate, this rank's parameters and the whole model under HF names (Megatron-Bridge's export:
-gathered over TP / PP / EP, comparable across layouts). ENGINE: `ours` (prefix sharing on), `stock`
+learning rate, this rank's parameters and, on more than one rank, the whole model under HF names
+(Megatron-Bridge's export: gathered over TP / PP / EP, comparable across layouts). ENGINE: `ours` (prefix sharing on), `stock`
 (verl's MegatronEngineWithLMHead on Megatron-Bridge's stock provider) or `sequential` (ours with
 megatron's own SequentialMLP experts in place of our grouped ones: the stock expert module); DIST:
 use_dist_checkpointing (0/1); DISTOPT: the distributed optimizer (0/1); LAYOUT: e.g. `tp2sp`, `pp2`,
@@ -151,11 +151,11 @@ def main(mode, kind, hf_ckpt, save_dir, out, k, dist, distopt, layout=""):
             engine.load_checkpoint(save_dir, del_local_after_load=False)
     result = _step(engine, samples, k)
     result["params"] = {n: p.detach().clone() for n, p in engine.module[0].named_parameters()}
-    if kind != "sequential":  # (our bridge's mapping exports grouped experts)
+    rank = torch_dist.get_rank() if torch_dist.is_initialized() and torch_dist.get_world_size() > 1 else None
+    if rank is not None and kind != "sequential":  # (our bridge's mapping exports grouped experts)
         with engine_call_on_cpu():
             result["hf"] = {n: t.detach().clone() for n, t in
                             engine.bridge.export_hf_weights(engine.module, cpu=True, show_progress=False)}
-    rank = torch_dist.get_rank() if torch_dist.is_initialized() and torch_dist.get_world_size() > 1 else None
     torch.save(result, out if rank is None else f"{out}.rank{rank}")
     print("RESULT " + json.dumps({"rank": rank or 0, **{k: v for k, v in result.items() if k not in ("params", "hf")}}),
           flush=True)

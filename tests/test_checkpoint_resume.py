@@ -27,30 +27,33 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 K = 2  # steps before the save
 
 
-def _worker(*args):
+def _worker(*args, fails: bool = False):
     proc = subprocess.run([sys.executable, os.path.join(TESTS, "ckpt_worker.py"), *map(str, args)], cwd=TESTS,
                           capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and "RESULT" in proc.stdout, (proc.stdout[-3000:] + proc.stderr[-5000:])
+    if fails:
+        assert proc.returncode != 0 and "RESULT" not in proc.stdout
+    else:
+        assert proc.returncode == 0 and "RESULT" in proc.stdout, (proc.stdout[-3000:] + proc.stderr[-5000:])
     return proc
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """(family, engine, dist) -> (checkpoint dir, uninterrupted result, HF checkpoint), each made once."""
+    """(family, engine, dist[, distopt]) -> (checkpoint dir, uninterrupted result, HF checkpoint), each made once."""
     from ps_bridge.verl.side_by_side import tiny_checkpoint
 
     root = tmp_path_factory.mktemp("resume")
     made, hf = {}, {}
 
-    def get(family, engine, dist):
-        key = (family, engine, dist)
+    def get(family, engine, dist, distopt=0):
+        key = (family, engine, dist, distopt)
         if key not in made:
             if family not in hf:
                 hf[family] = str(root / family.replace(".", "_"))
                 tiny_checkpoint(hf[family], family)
             name = "_".join(map(str, key)).replace(".", "_")
             save, out = str(root / f"ckpt_{name}"), str(root / f"run_{name}.pt")
-            _worker("run", engine, hf[family], save, out, K, dist, 0)
+            _worker("run", engine, hf[family], save, out, K, dist, distopt)
             made[key] = (save, torch.load(out), hf[family])
         return made[key]
 
@@ -124,6 +127,24 @@ def test_moe_resumes_across_grouped_and_sequential_mlp_experts(runs, saver, load
     the optimizer state follows each expert's checkpoint key."""
     uninterrupted, resumed = _resume(runs, "qwen3.5-moe", saver, loader, 1)
     assert_same_step(uninterrupted, resumed, exact=True)
+
+
+@pytest.mark.slow
+def test_the_distributed_optimizer_trains_and_saves_and_its_load_is_refused_here(runs):
+    """megatron's distributed optimizer (verl's default) trains and saves on a CPU (with the CPU shims of
+    ps_bridge.compat.verl_on_cpu) and computes the non-distributed run's step; megatron-core loads its state
+    only on Transformer Engine's / Apex's Adam, absent here: our engine refuses the load naming
+    use_distributed_optimizer (the GPU check: scripts/gpu_ckpt.sh)."""
+    from ps_bridge.checkpoint import LAYOUT_RECORD, optimizer_sharding_type
+
+    save, distributed, hf = runs("qwen2.5", "ours", 1, 1)
+    _, plain, _ = runs("qwen2.5", "ours", 1)
+    assert distributed["losses"] == pytest.approx(plain["losses"], rel=1e-6, abs=1e-7)
+    assert distributed["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-6)
+    assert optimizer_sharding_type(os.path.join(save, "optimizer", "dist_ckpt")) == "dp_reshardable"
+    assert os.path.isfile(os.path.join(save, "optimizer", LAYOUT_RECORD))
+    proc = _worker("resume", "ours", hf, save, str(runs.root / "refused.pt"), K, 1, 1, fails=True)
+    assert "InexactLoadError" in proc.stderr and "use_distributed_optimizer=False" in proc.stderr
 
 
 def test_a_truncated_or_missing_shard_is_named(runs, tmp_path):

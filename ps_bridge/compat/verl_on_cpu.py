@@ -157,7 +157,8 @@ def _cpu_tensors_typed_as_cuda():
 
     def type_(self, dtype=None, non_blocking=False, **kwargs):
         if dtype is None and not kwargs and self.device.type == "cpu":
-            return type_of(self).replace("torch.", "torch.cuda.", 1)
+            name = type_of(self)  # (a Parameter's goes through torch's function dispatch back to here)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
         return type_of(self, dtype, non_blocking, **kwargs)
 
     torch.Tensor.type = type_
