@@ -12,7 +12,8 @@ megatron's own SequentialMLP experts in place of our grouped ones: the stock exp
 use_dist_checkpointing (0/1); DISTOPT: the distributed optimizer (0/1); LAYOUT: e.g. `tp2sp`, `pp2`,
 `cp2`, `ep2` (one rank when absent). Environment (scripts/gpu_ckpt.sh): PS_CKPT_DTYPE (float32;
 bfloat16 on the GPU), PS_CKPT_SHARING (on/off: our engine's prefix sharing, on by default),
-PS_CKPT_FULLY_RESHARDABLE (1: the distributed optimizer's fully reshardable checkpoint format)."""
+PS_CKPT_FULLY_RESHARDABLE (1: the distributed optimizer's fully reshardable checkpoint format),
+PS_CKPT_LOAD_CONTENTS (e.g. `model,optimizer`: verl's `checkpoint.load_contents`)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,8 @@ def _engine(kind: str, hf_ckpt: str, dist: bool, distopt: bool, layout: dict):
                               optimizer_config=optimizer_config, forward_only=False, dtype=dtype)
         engine.prefix_sharing_config = PrefixSharingConfig(enabled=os.environ.get("PS_CKPT_SHARING", "on") == "on")
     engine.checkpoint_mananager.use_dist_checkpointing = dist
+    if os.environ.get("PS_CKPT_LOAD_CONTENTS"):  # verl's actor.checkpoint.load_contents
+        engine.checkpoint_mananager.checkpoint_load_contents = os.environ["PS_CKPT_LOAD_CONTENTS"].split(",")
     return engine
 
 

@@ -32,8 +32,9 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 K = 2
 
 
-def _ranks(*args) -> None:
+def _ranks(*args, **env) -> None:
     inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    inherited.update(env)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            os.path.join(TESTS, "ckpt_worker.py"), *map(str, args)],
                           cwd=TESTS, env=inherited, capture_output=True, text=True, timeout=1200)
@@ -71,11 +72,11 @@ def parallel_runs(tmp_path_factory):
     return get
 
 
-def _resume(parallel_runs, family, saver, loader, layout, load_layout=None):
+def _resume(parallel_runs, family, saver, loader, layout, load_layout=None, **env):
     save, uninterrupted, hf = parallel_runs(family, saver, layout)
     load_layout = load_layout or layout
     out = str(parallel_runs.root / f"resumed_{family}_{saver}_{loader}_{layout}_{load_layout}.pt".replace(".", "_", 1))
-    _ranks("resume", loader, hf, save, out, K, 1, 0, load_layout)
+    _ranks("resume", loader, hf, save, out, K, 1, 0, load_layout, **env)
     return uninterrupted, [torch.load(f"{out}.rank{r}") for r in range(2)]
 
 
@@ -104,8 +105,11 @@ def test_the_stock_engine_and_ours_resume_each_other_at_a_parallel_layout(parall
 def test_a_tensor_parallel_checkpoint_resumes_at_another_layout(parallel_runs):
     """Saved at TP=2 + SP, resumed at PP=2 (uneven): megatron's dist checkpointing reshards the model and
     the (non-distributed) optimizer's per-parameter state. The whole model under HF names and the learning
-    rate equal the uninterrupted run's, and the step's loss to fp32 rounding (on the last stage)."""
-    uninterrupted, resumed = _resume(parallel_runs, "qwen2.5", "ours", "ours", "tp2sp", "pp2f2l1")
+    rate equal the uninterrupted run's, and the step's loss to fp32 rounding (on the last stage). verl's RNG
+    states (`extra`) are one object per (PP, TP) rank and do not reshard: model and optimizer only (no
+    dropout here)."""
+    uninterrupted, resumed = _resume(parallel_runs, "qwen2.5", "ours", "ours", "tp2sp", "pp2f2l1",
+                                     PS_CKPT_LOAD_CONTENTS="model,optimizer")
     for a, b in zip(uninterrupted, resumed):
         assert a["lr"] == b["lr"] and set(a["hf"]) == set(b["hf"])
         for n, t in a["hf"].items():

@@ -11,6 +11,8 @@ import torch
 from ps_bridge.checkpoint import (LAYOUT_RECORD, InexactLoadError, buffer_order, refuse_dp_reshardable_change,
                                   write_layout_record)
 
+pytestmark = pytest.mark.core  # no verl: both stacks (passes on the oldest: megatron-core 0.18.0)
+
 
 class _Buffer:
     """What the check reads of megatron's DDP buffer: where each parameter lies."""

@@ -177,8 +177,8 @@ def _distributed_optimizer_on_cpu() -> None:
         return
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    build = DistributedOptimizer.__dict__["_build_model_and_main_param_groups"].__func__
-    if getattr(build, "__ps_bridge_cpu__", False):
+    build = getattr(DistributedOptimizer.__dict__.get("_build_model_and_main_param_groups"), "__func__", None)
+    if build is None or getattr(build, "__ps_bridge_cpu__", False):
         return
 
     def _build_model_and_main_param_groups(cls, *args, **kwargs):
