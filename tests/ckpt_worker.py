@@ -123,7 +123,7 @@ def _step(engine, samples, step: int) -> dict:
     with engine_call_on_cpu(), engine.train_mode():
         out = engine.train_batch(batch, loss_fn)
         lr = engine.lr_scheduler_step()
-    grad_norm = out["metrics"].get("grad_norm")  # (verl reports it on the ranks that output rows only)
+    grad_norm = (out or {}).get("metrics", {}).get("grad_norm")  # (verl reports it on the ranks that output rows only)
     return {"losses": losses, "grad_norm": None if grad_norm is None else float(grad_norm), "lr": lr}
 
 
@@ -139,8 +139,13 @@ def main(mode, kind, hf_ckpt, save_dir, out, k, dist, distopt, layout=""):
     prepare_side_by_side()
     from ps_bridge.tiny_checkpoints import grpo_like_samples
 
-    samples = grpo_like_samples(256, num_prompts=3, n=4, seed=7, shuffle=False)
     engine = _engine(kind, hf_ckpt, bool(int(dist)), bool(int(distopt)), parse_layout(layout))
+    from megatron.core import parallel_state
+
+    # data-parallel ranks (EP=2) take two groups each: the same number of micro-batches on every rank (the
+    # experts' collectives run per micro-batch)
+    dp = parallel_state.get_data_parallel_world_size()
+    samples = grpo_like_samples(256, num_prompts=3 if dp == 1 else 2 * dp, n=4, seed=7, shuffle=False)
     k = int(k)
     if mode == "run":
         for step in range(k):

@@ -105,8 +105,11 @@ def assert_same_step(a, b, exact: bool, params: str = "params"):
     pytest.param("qwen3.5-moe", 0, marks=pytest.mark.slow),
 ])
 def test_ours_resumes_ours_exactly(runs, family, dist):
+    """Bit for bit, except Qwen3.5 through HF safetensors: Megatron-Bridge converts its zero-centred GDN output
+    norm to HF's plain scale and back (w + 1, then - 1, in fp32), which rounds (observed on Qwen3.5 MoE: the
+    resumed step's losses and grad norm bit-equal, the out-norm weights equal to fp32 rounding only)."""
     uninterrupted, resumed = _resume(runs, family, "ours", "ours", dist)
-    assert_same_step(uninterrupted, resumed, exact=True)
+    assert_same_step(uninterrupted, resumed, exact=dist == 1 or family == "qwen2.5")
 
 
 @pytest.mark.slow
