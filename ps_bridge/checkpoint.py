@@ -136,9 +136,10 @@ def verl_checkpoint_trees(local_path: str) -> Dict[str, str]:
 def check_checkpoint_files(local_path: str, trees: Optional[Iterable[str]] = None) -> None:
     """Every file of the named verl checkpoint trees (all present ones by default) is there and whole."""
     present = verl_checkpoint_trees(local_path)
-    if trees is None:  # verl writes model/huggingface (config, tokenizer) with dist-checkpointed weights too
-        trees = [t for t in present if t != "huggingface" or any(
-            n.endswith((".safetensors", ".safetensors.index.json")) for n in os.listdir(present[t]))]
+    if trees is None:  # verl writes model/huggingface (config, tokenizer) with dist-checkpointed weights too,
+        # and an empty model/dist_ckpt with HF weights
+        trees = [t for t in present if any(
+            t != "huggingface" or n.endswith((".safetensors", ".safetensors.index.json")) for n in os.listdir(present[t]))]
     for name in trees:
         if name not in present:
             raise CheckpointFileError(f"checkpoint directory {os.path.join(local_path, *_TREE_PATHS[name])} is missing")
@@ -180,3 +181,125 @@ def refuse_mtp_mismatch(ckpt_dirs: Iterable[str], model_has_mtp: bool) -> None:
                 "actor_rollout_ref.actor.megatron.override_transformer_config.mtp_num_layers=null), "
                 "or export the weights (`ps-bridge export`) and start from the HF checkpoint"
             )
+
+
+# ---- the distributed optimizer's dp_reshardable format -----------------------------------------------
+
+LAYOUT_RECORD = "ps_bridge_layout.json"  # under the checkpoint's optimizer/ directory, written by our engine
+FULLY_RESHARDABLE_FIX = (
+    "resume at the saved layout with the same model, or save the checkpoint with "
+    "actor_rollout_ref.actor.megatron.dist_ckpt_optim_fully_reshardable=True (megatron's fully reshardable "
+    "optimizer format, which reshards) and resume from that one")
+
+
+def parallel_layout(model_chunks) -> Dict[str, int]:
+    """The parallel sizes a `dp_reshardable` optimizer checkpoint depends on (all but data parallelism)."""
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "cp": ps.get_context_parallel_world_size(), "ep": ps.get_expert_model_parallel_world_size(),
+            "etp": ps.get_expert_tensor_parallel_world_size(), "vpp": len(model_chunks)}
+
+
+def _domain() -> str:
+    """This rank's model-parallel position: ranks that differ only in data / context parallelism hold the
+    same parameters in the same buffers."""
+    from megatron.core import parallel_state as ps
+
+    return (f"tp{ps.get_tensor_model_parallel_rank()}.pp{ps.get_pipeline_model_parallel_rank()}"
+            f".ep{ps.get_expert_model_parallel_rank()}.etp{ps.get_expert_tensor_parallel_rank()}")
+
+
+def buffer_order(model_chunks) -> str:
+    """A digest of where every parameter lies in megatron's DDP buffers (the flat layout `dp_reshardable`
+    saves): per model chunk and buffer, each parameter's name, shape, start, end and bucket, in order."""
+    import hashlib
+
+    rows = []
+    for c, chunk in enumerate(model_chunks):
+        names = {id(p): n for n, p in chunk.named_parameters()}
+        for kind in ("buffers", "expert_parallel_buffers"):
+            for b, buf in enumerate(getattr(chunk, kind, None) or []):
+                for param, (start, end, bucket) in sorted(buf.param_index_map.items(), key=lambda kv: kv[1]):
+                    rows.append((c, kind, b, str(buf.param_dtype), names.get(id(param), "?"),
+                                 tuple(param.shape), int(start), int(end), int(bucket)))
+    return hashlib.sha256(repr(rows).encode()).hexdigest()
+
+
+def write_layout_record(local_path: str, model_chunks) -> None:
+    """After a save: the parallel layout and every model-parallel position's buffer order, to
+    `optimizer/ps_bridge_layout.json` (rank 0 writes; every rank must call)."""
+    import torch.distributed as dist
+
+    mine = (_domain(), buffer_order(model_chunks))
+    gathered = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    path = os.path.join(local_path, "optimizer", LAYOUT_RECORD)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"layout": parallel_layout(model_chunks), "buffers": dict(gathered)}, f, indent=1, sort_keys=True)
+
+
+def optimizer_sharding_type(optimizer_dir: str) -> Optional[str]:
+    """The distributed optimizer's checkpoint format a `dist_checkpointing` tree was saved in (its content
+    metadata's `distrib_optim_sharding_type`), None without one (the non-distributed optimizer)."""
+    from megatron.core import dist_checkpointing
+
+    load = getattr(dist_checkpointing, "load_content_metadata", None)
+    if load is None or not os.path.isfile(os.path.join(optimizer_dir, ".metadata")):
+        return None
+    return (load(checkpoint_dir=optimizer_dir) or {}).get("distrib_optim_sharding_type")
+
+
+def refuse_dp_reshardable_change(local_path: str, model_chunks, sharding_type: Optional[str]) -> None:
+    """A `dp_reshardable` optimizer checkpoint loads megatron's flat DDP buckets as they were: at another
+    parallel layout (other than data parallelism) or another parameter order it would give parameters other
+    parameters' state, silently. Refused unless the checkpoint's layout record (written by our engine's save)
+    shows the same layout and, at this rank's model-parallel position, the same buffer order."""
+    if sharding_type != "dp_reshardable":
+        return
+    path = os.path.join(local_path, "optimizer", LAYOUT_RECORD)
+    head = (f"{os.path.join(local_path, 'optimizer')}: the distributed optimizer's state was saved in megatron's "
+            "`dp_reshardable` format (flat DDP buckets), which loads correctly only at the saved parallel layout "
+            "and parameter order")
+    if not os.path.isfile(path):
+        raise InexactLoadError(f"{head}; the checkpoint has no {LAYOUT_RECORD} (not saved by ps-bridge's engine), "
+                               f"so neither can be checked. Fix: {FULLY_RESHARDABLE_FIX}")
+    with open(path) as f:
+        record = json.load(f)
+    now = parallel_layout(model_chunks)
+    changed = {k: (record["layout"].get(k), v) for k, v in now.items() if record["layout"].get(k) != v}
+    if changed:
+        what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in sorted(changed.items()))
+        raise InexactLoadError(f"{head}; the layout changed ({what}). Fix: {FULLY_RESHARDABLE_FIX}")
+    saved = record["buffers"].get(_domain())
+    if saved != buffer_order(model_chunks):
+        raise InexactLoadError(f"{head}; this model's parameters lie in its buffers in another order than the "
+                               f"saved model's (another model, expert module or bucket size). Fix: {FULLY_RESHARDABLE_FIX}")
+
+
+def refuse_distributed_optimizer_load_without_fused_adam(optimizer) -> None:
+    """megatron-core's distributed optimizer loads a checkpoint only on Transformer Engine's or Apex's Adam:
+    on its torch-Adam fallback (neither installed, as on our stacks) a fresh optimizer cannot describe its
+    state (megatron/core/optimizer/distrib_optimizer.py `state_dict`: `assert len(steps) == 1` over no state)
+    and the load copies into torch Adam's `step` too (`_set_main_param_and_optimizer_states`). Refused with
+    the setting named, before megatron fails on an assertion."""
+    try:
+        from megatron.core.optimizer import distrib_optimizer
+    except ImportError:
+        return
+    if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
+        return
+    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    if any(isinstance(o, distrib_optimizer.DistributedOptimizer) for o in chained):
+        raise InexactLoadError(
+            "the distributed optimizer's checkpoint cannot be loaded here: megatron-core loads it only with "
+            "Transformer Engine's or Apex's Adam, and neither is installed (its torch-Adam fallback fails on a "
+            "load). Install transformer_engine, or train with "
+            "actor_rollout_ref.actor.megatron.use_distributed_optimizer=False (its checkpoints load either way), "
+            "or resume without the optimizer (actor_rollout_ref.actor.checkpoint.load_contents=['model','extra']: "
+            "its state restarts, not an exact resume)")

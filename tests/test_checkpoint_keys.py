@@ -1,6 +1,6 @@
 """Our models' sharded checkpoints are megatron's stock ones (docs/checkpoints.md): the same keys, global
 shapes, offsets, fragmentations and replica ids as the stock modules of the same settings (megatron's
-local spec), single rank here; TP=2 / EP=2 / uneven PP=2 in tests/test_checkpoint_parallel.py (slow).
+local spec), single rank here; TP=2 / EP=2 / PP=2 (even and uneven) on two ranks (slow).
 A grouped-expert checkpoint loads into megatron's SequentialMLP and back with equal values."""
 
 import pytest
@@ -127,11 +127,12 @@ def test_grouped_checkpoint_loads_into_sequential_mlp_and_back(moe_path, monkeyp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,ep,pp", [(1, 2, 1), (2, 1, 1), (1, 1, 2)])
-def test_parallel_layouts_save_what_megatron_saves(moe_path, tmp_path, tp, ep, pp):
-    """TP=2, EP=2, PP=2 on two CPU processes (gloo): on every rank our layout equals SequentialMLP's;
-    the ranks' written shards never overlap and, together, cover every expert of every MoE layer;
-    megatron's dist_checkpointing.save of our model succeeds (it validates the sharding)."""
+@pytest.mark.parametrize("tp,ep,pp,layers", [(1, 2, 1, 4), (2, 1, 1, 4), (1, 1, 2, 4), (1, 1, 2, 3)])
+def test_parallel_layouts_save_what_megatron_saves(moe_path, tmp_path, tp, ep, pp, layers):
+    """TP=2, EP=2, PP=2 (4 layers: 2 + 2; 3 layers: uneven, 2 + 1) on two CPU processes (gloo): on every
+    rank our layout equals SequentialMLP's; the ranks' written shards never overlap and, together, cover
+    every expert of every MoE layer (and, uneven, every layer once); megatron's dist_checkpointing.save of
+    our model succeeds (it validates the sharding)."""
     import os
     import re
     import subprocess
@@ -141,6 +142,12 @@ def test_parallel_layouts_save_what_megatron_saves(moe_path, tmp_path, tp, ep, p
 
     from ps_bridge.checkpoint import main_replica_shards
 
+    if layers != 4:  # the same model with fewer layers (GDN, attention, GDN)
+        from ps_bridge.tiny_checkpoints import TINY_BUILDERS
+
+        moe_path = str(tmp_path / "hf")
+        TINY_BUILDERS["qwen3.5-moe"](moe_path, seed=0, num_hidden_layers=layers,
+                                     layer_types=["linear_attention", "full_attention", "linear_attention"][:layers])
     out = tmp_path / "layout"
     (tmp_path / "layout.dist").mkdir()
     inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -161,22 +168,9 @@ def test_parallel_layouts_save_what_megatron_saves(moe_path, tmp_path, tp, ep, p
             expert_offsets.setdefault(key, set()).add(offset[0])
     E = 4  # the tiny Qwen3.5 MoE's experts
     assert expert_offsets and all(v == set(range(E)) for v in expert_offsets.values())
-
-
-def test_mtp_weights_on_one_side_only_are_refused(tmp_path):
-    """Prefix sharing never builds the multi-token-prediction layer: a checkpoint with `mtp.*` weights
-    (the stock Qwen3.5 provider's) is refused by our engine's load, naming mtp_num_layers; one without loads."""
-    import torch.distributed.checkpoint as dcp
-
-    from ps_bridge.checkpoint import InexactLoadError, refuse_mtp_mismatch
-
-    with_mtp, without = str(tmp_path / "with_mtp"), str(tmp_path / "without")
-    dcp.save({"decoder.final_layernorm.weight": torch.ones(2), "mtp.layers.0.enorm.weight": torch.ones(2)},
-             checkpoint_id=with_mtp)
-    dcp.save({"decoder.final_layernorm.weight": torch.ones(2)}, checkpoint_id=without)
-    with pytest.raises(InexactLoadError, match="mtp_num_layers"):
-        refuse_mtp_mismatch([with_mtp], model_has_mtp=False)
-    refuse_mtp_mismatch([without], model_has_mtp=False)
-    refuse_mtp_mismatch([with_mtp], model_has_mtp=True)
-    with pytest.raises(InexactLoadError, match="mtp_num_layers"):
-        refuse_mtp_mismatch([without], model_has_mtp=True)
+    # every layer's router saved once, under its global layer number (uneven stages: 2 + 1)
+    routers = sorted(key for key, _ in written if key.endswith("mlp.router.weight"))
+    assert routers == [f"decoder.layers.{i}.mlp.router.weight" for i in range(layers)]
+    if pp == 2:
+        stage_routers = [{row[0] for row in r["ours"] if row[0].endswith("mlp.router.weight")} for r in ranks]
+        assert [len(s) for s in stage_routers] == [(layers + 1) // 2, layers // 2]

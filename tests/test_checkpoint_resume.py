@@ -4,10 +4,9 @@ Each run is its own process (tests/ckpt_worker.py): train K steps, save, train o
 uninterrupted run); a NEW process builds an engine, loads the checkpoint and trains that one step. Its
 losses, grad norm, learning rate and every parameter equal the uninterrupted run's: bit for bit when
 the same engine resumes, to fp32 rounding when the other engine does (prefix sharing changes the
-rounding, not the values). Model weights through megatron's dist checkpointing
-(`use_dist_checkpointing=True`); verl's default HF-safetensors model path needs NVIDIA modelopt in
-Megatron-Bridge's `save_hf_weights`, which this stack lacks (not run here). A truncated or missing
-shard is named before megatron reads it."""
+rounding, not the values). Model weights through verl's default HF safetensors (`dist=0`) or megatron's
+dist checkpointing (`use_dist_checkpointing=True`, `dist=1`). A truncated or missing shard is named
+before megatron or safetensors read it. Multi-rank layouts: tests/test_checkpoint_parallel.py."""
 
 from __future__ import annotations
 
@@ -28,30 +27,33 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 K = 2  # steps before the save
 
 
-def _worker(*args):
+def _worker(*args, fails: bool = False):
     proc = subprocess.run([sys.executable, os.path.join(TESTS, "ckpt_worker.py"), *map(str, args)], cwd=TESTS,
                           capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and "RESULT" in proc.stdout, (proc.stdout[-3000:] + proc.stderr[-5000:])
+    if fails:
+        assert proc.returncode != 0 and "RESULT" not in proc.stdout
+    else:
+        assert proc.returncode == 0 and "RESULT" in proc.stdout, (proc.stdout[-3000:] + proc.stderr[-5000:])
     return proc
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """(family, engine, distopt) -> (checkpoint dir, uninterrupted result), each made once."""
+    """(family, engine, dist[, distopt]) -> (checkpoint dir, uninterrupted result, HF checkpoint), each made once."""
     from ps_bridge.verl.side_by_side import tiny_checkpoint
 
     root = tmp_path_factory.mktemp("resume")
     made, hf = {}, {}
 
-    def get(family, engine, distopt=0):
-        key = (family, engine, distopt)
+    def get(family, engine, dist, distopt=0):
+        key = (family, engine, dist, distopt)
         if key not in made:
             if family not in hf:
                 hf[family] = str(root / family.replace(".", "_"))
                 tiny_checkpoint(hf[family], family)
             name = "_".join(map(str, key)).replace(".", "_")
             save, out = str(root / f"ckpt_{name}"), str(root / f"run_{name}.pt")
-            _worker("run", engine, hf[family], save, out, K, 1, distopt)
+            _worker("run", engine, hf[family], save, out, K, dist, distopt)
             made[key] = (save, torch.load(out), hf[family])
         return made[key]
 
@@ -59,60 +61,115 @@ def runs(tmp_path_factory):
     return get
 
 
-def _resume(runs, family, saver, loader, distopt=0):
-    save, uninterrupted, hf = runs(family, saver, distopt)
-    out = str(runs.root / f"resumed_{family}_{saver}_{loader}_{distopt}.pt".replace(".", "_", 1))
-    _worker("resume", loader, hf, save, out, K, 1, distopt)
+def _resume(runs, family, saver, loader, dist):
+    save, uninterrupted, hf = runs(family, saver, dist)
+    out = str(runs.root / f"resumed_{family}_{saver}_{loader}_{dist}.pt".replace(".", "_", 1))
+    _worker("resume", loader, hf, save, out, K, dist, 0)
     return uninterrupted, torch.load(out)
 
 
-def _assert_equal(a, b, exact: bool):
+def grouped_name(name: str) -> str:
+    """megatron's SequentialMLP parameter name -> our grouped experts' (`...local_experts.<i>.linear_fcK.weight`
+    -> `...linear_fcK.weight<i>`); other names unchanged."""
+    if ".local_experts." not in name:
+        return name
+    head, rest = name.split(".local_experts.")
+    i, linear = rest.split(".", 1)
+    return f"{head}.{linear}{i}"
+
+
+def assert_same_step(a, b, exact: bool, params: str = "params"):
+    """The resumed step `b` equals the uninterrupted `a`: losses, grad norm, learning rate, every parameter
+    (`params`: this rank's, named alike up to `grouped_name`; or "hf": the whole model under HF names)."""
     assert a["lr"] == b["lr"]
-    assert set(a["params"]) == set(b["params"])
+    pa = {grouped_name(n): p for n, p in a[params].items()}
+    pb = {grouped_name(n): p for n, p in b[params].items()}
+    assert set(pa) == set(pb) and pa
     if exact:
         assert a["losses"] == b["losses"] and a["grad_norm"] == b["grad_norm"]
-        for n, p in a["params"].items():
-            assert torch.equal(p, b["params"][n]), n
+        for n, p in pa.items():
+            assert torch.equal(p, pb[n]), n
         return
     assert a["losses"] == pytest.approx(b["losses"], rel=1e-5, abs=1e-6)
-    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
-    for n, p in a["params"].items():
-        assert (p - b["params"][n]).abs().max().item() < 1e-5, n
+    assert (a["grad_norm"] is None) == (b["grad_norm"] is None)  # (reported on the ranks that output rows)
+    assert a["grad_norm"] is None or a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    for n, p in pa.items():
+        assert (p - pb[n]).abs().max().item() < 1e-5, n
 
 
-# Qwen3.5 MoE is not here: verl's train step of the MoE model fails on a CPU before any checkpoint
-# ("'_CPUStream' object has no attribute 'record_event'"); its checkpoint keys: tests/test_checkpoint_keys.py
-@pytest.mark.parametrize("family", ["qwen2.5", pytest.param("qwen3.5", marks=pytest.mark.slow)])
-def test_ours_resumes_ours_exactly(runs, family):
-    uninterrupted, resumed = _resume(runs, family, "ours", "ours")
-    _assert_equal(uninterrupted, resumed, exact=True)
+@pytest.mark.parametrize("family,dist", [
+    ("qwen2.5", 0),  # verl's default: the model as HF safetensors through the bridge
+    pytest.param("qwen2.5", 1, marks=pytest.mark.slow),
+    pytest.param("qwen3.5", 1, marks=pytest.mark.slow),
+    pytest.param("qwen3.5-moe", 1, marks=pytest.mark.slow),
+    pytest.param("qwen3.5-moe", 0, marks=pytest.mark.slow),
+])
+def test_ours_resumes_ours_exactly(runs, family, dist):
+    """Bit for bit, except Qwen3.5 through HF safetensors: Megatron-Bridge converts its zero-centred GDN output
+    norm to HF's plain scale and back (w + 1, then - 1, in fp32), which rounds (observed on Qwen3.5 MoE: the
+    resumed step's losses and grad norm bit-equal, the out-norm weights equal to fp32 rounding only)."""
+    uninterrupted, resumed = _resume(runs, family, "ours", "ours", dist)
+    assert_same_step(uninterrupted, resumed, exact=dist == 1 or family == "qwen2.5")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("saver,loader", [("ours", "stock"), ("stock", "ours")])
-def test_the_stock_engine_and_ours_resume_each_other(runs, saver, loader):
-    """Qwen2.5 only: the stock Qwen3.5 model does not run on a CPU (TE-only hybrid spec). The stock engine
-    gets the fix of verl's dist-checkpoint optimizer load our engine carries (tests/ckpt_worker.py)."""
-    uninterrupted, resumed = _resume(runs, "qwen2.5", saver, loader)
-    _assert_equal(uninterrupted, resumed, exact=False)
+@pytest.mark.parametrize("dist", [0, 1])
+def test_the_stock_engine_and_ours_resume_each_other(runs, saver, loader, dist):
+    """Qwen2.5 only: the stock Qwen3.5 model does not run on a CPU (TE-only hybrid spec, fla's Triton GDN
+    kernels). The stock engine gets the fixes of verl's checkpoint manager our engine carries."""
+    uninterrupted, resumed = _resume(runs, "qwen2.5", saver, loader, dist)
+    assert_same_step(uninterrupted, resumed, exact=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saver,loader", [("ours", "sequential"), ("sequential", "ours")])
+def test_moe_resumes_across_grouped_and_sequential_mlp_experts(runs, saver, loader):
+    """Qwen3.5 MoE: a checkpoint of our grouped experts resumes megatron's own SequentialMLP experts (the
+    stock expert module; the stock Qwen3.5 engine does not run on a CPU) and back, exactly: same keys,
+    the optimizer state follows each expert's checkpoint key."""
+    uninterrupted, resumed = _resume(runs, "qwen3.5-moe", saver, loader, 1)
+    assert_same_step(uninterrupted, resumed, exact=True)
+
+
+@pytest.mark.slow
+def test_the_distributed_optimizer_trains_and_saves_and_its_load_is_refused_here(runs):
+    """megatron's distributed optimizer (verl's default) trains and saves on a CPU (with the CPU shims of
+    ps_bridge.compat.verl_on_cpu) and computes the non-distributed run's step; megatron-core loads its state
+    only on Transformer Engine's / Apex's Adam, absent here: our engine refuses the load naming
+    use_distributed_optimizer (the GPU check: scripts/gpu_ckpt.sh)."""
+    from ps_bridge.checkpoint import LAYOUT_RECORD, optimizer_sharding_type
+
+    save, distributed, hf = runs("qwen2.5", "ours", 1, 1)
+    _, plain, _ = runs("qwen2.5", "ours", 1)
+    assert distributed["losses"] == pytest.approx(plain["losses"], rel=1e-6, abs=1e-7)
+    assert distributed["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-6)
+    assert optimizer_sharding_type(os.path.join(save, "optimizer", "dist_ckpt")) == "dp_reshardable"
+    assert os.path.isfile(os.path.join(save, "optimizer", LAYOUT_RECORD))
+    proc = _worker("resume", "ours", hf, save, str(runs.root / "refused.pt"), K, 1, 1, fails=True)
+    assert "InexactLoadError" in proc.stderr and "use_distributed_optimizer=False" in proc.stderr
 
 
 def test_a_truncated_or_missing_shard_is_named(runs, tmp_path):
     from ps_bridge.checkpoint import CheckpointFileError, check_checkpoint_files
 
-    save, _, _ = runs("qwen2.5", "ours")
+    save, _, _ = runs("qwen2.5", "ours", 0)
     check_checkpoint_files(save)  # the saved checkpoint is whole
-    for tree in ("optimizer", "model", "extra"):
+    shards = {tree: os.path.join("model" if tree == "huggingface" else tree,
+                                 "huggingface" if tree == "huggingface" else "dist_ckpt",
+                                 "model.safetensors" if tree == "huggingface" else "__0_0.distcp")
+              for tree in ("optimizer", "extra", "huggingface")}
+    for tree, rel in shards.items():
         copy = str(tmp_path / tree)
         shutil.copytree(save, copy)
-        shard = os.path.join(copy, tree, "dist_ckpt", "__0_0.distcp")
+        shard = os.path.join(copy, rel)
         with open(shard, "r+b") as f:
             f.truncate(os.path.getsize(shard) // 2)
         with pytest.raises(CheckpointFileError, match=f"{shard} is truncated"):
             check_checkpoint_files(copy)
         os.remove(shard)
-        with pytest.raises(CheckpointFileError, match=f"{shard} is missing"):
-            check_checkpoint_files(copy)
+        with pytest.raises(CheckpointFileError, match=f"{shard} is missing|no model.safetensors"):
+            check_checkpoint_files(copy, [tree])  # the trees the engine's load reads
     metadata = os.path.join(str(tmp_path / "optimizer"), "optimizer", "dist_ckpt", ".metadata")
     os.remove(metadata)
     with pytest.raises(CheckpointFileError, match="metadata"):

@@ -112,10 +112,22 @@ def prepare_cpu_process() -> None:
     verl_compat.padding_helpers_without_flash_attn()
     _megatron_rng_tracker_on_cpu()
     _cuda_streams_on_cpu()
+    _distributed_optimizer_on_cpu()
+
+
+class _CPUEvent:
+    """An event recorded on a `_CPUStream`: complete at once."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
 
 
 class _CPUStream:
-    """What megatron's DDP wrapper does with its initialisation stream, on the CPU: nothing."""
+    """What megatron does with its side streams on the CPU (the DDP wrapper's initialisation stream,
+    the MoE all-to-all dispatcher's device-to-host copy stream): nothing."""
 
     def __init__(self, *args, **kwargs):
         pass
@@ -126,6 +138,9 @@ class _CPUStream:
     def synchronize(self) -> None:
         pass
 
+    def record_event(self, event=None) -> _CPUEvent:
+        return _CPUEvent()
+
 
 def _cuda_streams_on_cpu() -> None:
     if torch.cuda.is_available():
@@ -133,6 +148,45 @@ def _cuda_streams_on_cpu() -> None:
     torch.cuda.Stream = _CPUStream
     torch.cuda.current_stream = lambda device=None: _CPUStream()
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _cpu_tensors_typed_as_cuda():
+    """Inside: a CPU tensor's `.type()` names the CUDA tensor type of its dtype ("torch.cuda.FloatTensor")."""
+    type_of = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and self.device.type == "cpu":
+            name = type_of(self)  # (a Parameter's goes through torch's function dispatch back to here)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        return type_of(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = type_of
+
+
+def _distributed_optimizer_on_cpu() -> None:
+    """megatron's distributed optimizer sorts the parameters it shards by their type name and takes CUDA
+    ones only (megatron/core/optimizer/distrib_optimizer.py, `_build_model_and_main_param_groups`:
+    `model_param.type() == 'torch.cuda.FloatTensor'`, else TypeError); on the CPU the same parameters
+    are sorted under their CUDA type names (gloo has the reduce-scatter and all-gather it uses)."""
+    if torch.cuda.is_available():
+        return
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    build = getattr(DistributedOptimizer.__dict__.get("_build_model_and_main_param_groups"), "__func__", None)
+    if build is None or getattr(build, "__ps_bridge_cpu__", False):
+        return
+
+    def _build_model_and_main_param_groups(cls, *args, **kwargs):
+        with _cpu_tensors_typed_as_cuda():
+            return build(cls, *args, **kwargs)
+
+    _build_model_and_main_param_groups.__ps_bridge_cpu__ = True
+    DistributedOptimizer._build_model_and_main_param_groups = classmethod(_build_model_and_main_param_groups)
 
 
 def _megatron_rng_tracker_on_cpu() -> None:

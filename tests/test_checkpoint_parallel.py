@@ -1,0 +1,115 @@
+"""Exact resume through verl 0.9.1's checkpoints at parallel layouts (docs/checkpoints.md): two CPU processes
+(gloo) per run, fp32, `use_dist_checkpointing=True`; all slow (each run is a torch.distributed.run of
+tests/ckpt_worker.py; a case costs two).
+
+- at TP=2 + SP, PP=2 with an uneven split (2 + 1 layers) and CP=2 (Qwen2.5): ours resumes ours bit for
+  bit (every rank's losses, grad norm, learning rate, parameters);
+- the stock engine and ours resume each other at the same layout (Qwen2.5);
+- a checkpoint saved at TP=2 + SP resumes at PP=2 (megatron reshards the model and, with the
+  non-distributed optimizer, its per-parameter optimizer state): the whole model (HF names, Megatron-Bridge's
+  export) and the step equal the uninterrupted TP=2 run to fp32 rounding."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+if importlib.util.find_spec("verl") is None:
+    pytest.skip("verl 0.9.1 is not installed (requirements-verl*.txt)", allow_module_level=True)
+
+import torch  # noqa: E402
+
+from test_checkpoint_resume import assert_same_step  # noqa: E402
+
+pytestmark = pytest.mark.slow
+TESTS = os.path.dirname(os.path.abspath(__file__))
+K = 2
+
+
+def _ranks(*args, **env) -> None:
+    inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    inherited.update(env)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           os.path.join(TESTS, "ckpt_worker.py"), *map(str, args)],
+                          cwd=TESTS, env=inherited, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0 and len(re.findall(r"RESULT ", proc.stdout)) == 2, (
+        proc.stdout[-2000:] + proc.stderr[-6000:])
+
+
+@pytest.fixture(scope="module")
+def parallel_runs(tmp_path_factory):
+    """(family, engine, layout) -> (checkpoint dir, uninterrupted results by rank, HF checkpoint)."""
+    from ps_bridge.tiny_checkpoints import TINY_BUILDERS
+    from ps_bridge.verl.side_by_side import save_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("parallel_resume")
+    made, hf = {}, {}
+
+    def checkpoint(family):
+        if family not in hf:
+            hf[family] = str(root / family.replace(".", "_"))
+            # Qwen2.5 with 3 layers: PP=2 splits them unevenly
+            model = TINY_BUILDERS[family](hf[family], seed=0, **({"num_hidden_layers": 3} if family == "qwen2.5" else {}))
+            save_tiny_tokenizer(hf[family], model.config.vocab_size)
+        return hf[family]
+
+    def get(family, engine, layout):
+        key = (family, engine, layout)
+        if key not in made:
+            name = "_".join(key).replace(".", "_")
+            save, out = str(root / f"ckpt_{name}"), str(root / f"run_{name}.pt")
+            _ranks("run", engine, checkpoint(family), save, out, K, 1, 0, layout)
+            made[key] = (save, [torch.load(f"{out}.rank{r}") for r in range(2)], hf[family])
+        return made[key]
+
+    get.root = root
+    return get
+
+
+def _resume(parallel_runs, family, saver, loader, layout, load_layout=None, **env):
+    save, uninterrupted, hf = parallel_runs(family, saver, layout)
+    load_layout = load_layout or layout
+    out = str(parallel_runs.root / f"resumed_{family}_{saver}_{loader}_{layout}_{load_layout}.pt".replace(".", "_", 1))
+    _ranks("resume", loader, hf, save, out, K, 1, 0, load_layout, **env)
+    return uninterrupted, [torch.load(f"{out}.rank{r}") for r in range(2)]
+
+
+# EP=2 (Qwen3.5 MoE) is left out: its run and save pass, its resume fails inside megatron's fully parallel
+# load on gloo (a rank fails in the load's broadcast exchange; not yet understood: docs/checkpoints.md)
+LAYOUTS = [("qwen2.5", "tp2sp"), ("qwen2.5", "pp2f2l1"), ("qwen2.5", "cp2")]
+
+
+@pytest.mark.parametrize("family,layout", LAYOUTS)
+def test_ours_resumes_ours_exactly_at_a_parallel_layout(parallel_runs, family, layout):
+    uninterrupted, resumed = _resume(parallel_runs, family, "ours", "ours", layout)
+    for a, b in zip(uninterrupted, resumed):
+        assert_same_step(a, b, exact=True)
+
+
+@pytest.mark.parametrize("saver,loader", [("ours", "stock"), ("stock", "ours")])
+@pytest.mark.parametrize("family,layout", LAYOUTS)
+def test_the_stock_engine_and_ours_resume_each_other_at_a_parallel_layout(parallel_runs, family, layout, saver, loader):
+    uninterrupted, resumed = _resume(parallel_runs, family, saver, loader, layout)
+    for a, b in zip(uninterrupted, resumed):  # stock vs ours: fp32 rounding
+        assert_same_step(a, b, exact=False)
+
+
+def test_a_tensor_parallel_checkpoint_resumes_at_another_layout(parallel_runs):
+    """Saved at TP=2 + SP, resumed at PP=2 (uneven): megatron's dist checkpointing reshards the model and
+    the (non-distributed) optimizer's per-parameter state. The whole model under HF names and the learning
+    rate equal the uninterrupted run's, and the step's loss to fp32 rounding (on the last stage). verl's RNG
+    states (`extra`) are one object per (PP, TP) rank and do not reshard: model and optimizer only (no
+    dropout here)."""
+    uninterrupted, resumed = _resume(parallel_runs, "qwen2.5", "ours", "ours", "tp2sp", "pp2f2l1",
+                                     PS_CKPT_LOAD_CONTENTS="model,optimizer")
+    for a, b in zip(uninterrupted, resumed):
+        assert a["lr"] == b["lr"] and set(a["hf"]) == set(b["hf"])
+        for n, t in a["hf"].items():
+            assert (t - b["hf"][n]).abs().max().item() < 1e-5, n
+    losses = [b["losses"] for b in resumed if b["losses"]]
+    assert len(losses) == 1 and losses[0] == pytest.approx(uninterrupted[0]["losses"], rel=1e-5, abs=1e-6)
