@@ -96,7 +96,7 @@ def _my_samples(samples):
     """This data-parallel rank's whole groups (as verl's trainer splits a batch), all of them on one."""
     from megatron.core import parallel_state
 
-    from ps_bridge.verl.engine import group_dp_partitions
+    from ps_bridge.verl.micro_batches import group_dp_partitions
 
     dp = parallel_state.get_data_parallel_world_size()
     parts = group_dp_partitions([s.uid for s in samples], [len(s.prompt) for s in samples],

@@ -142,21 +142,23 @@ class PrefixSharingEngineMixin:
         resolve_provider(self._prefix_sharing().provider, archs)  # unsupported architecture -> clear error
 
     def _check_parallel_layout(self) -> None:
-        """`ParallelSettings.check_supported` for verl's engine config. With trees (`PS_BRIDGE_TREE=1`)
-        a micro-batch's tree may be deeper than one level: refused here, before anything is built,
-        where the parallel layout does not run such trees (and per micro-batch on its actual depth, in
-        `forward_step`), with the verl settings that avoid it."""
+        """`ParallelSettings.check_supported` for verl's engine config, and the engine's own limit:
+        with trees (`PS_BRIDGE_TREE=1`, deeper than one level) the engine runs on one model-parallel
+        rank so far. The layouts run trees under TP/SP/PP/CP/EP (tests/test_tree_parallel.py), but the
+        engine's tree micro-batches under them are not tested yet: refused here, before anything is
+        built, with the verl settings that avoid it."""
         sharing = self._prefix_sharing()
-        depth = None
-        if sharing.enabled and sharing.tree:
-            depth = 2 if sharing.tree_max_depth is None else min(2, sharing.tree_max_depth)
-        try:
-            ParallelSettings.from_config(self.engine_config).check_supported(tree_depth=depth)
-        except ValueError as e:
-            if depth is None or depth < 2:
-                raise
-            raise ValueError(f"{e}. Under verl: PS_BRIDGE_TREE=1 packs trees deeper than one level; unset it "
-                             "(or set PS_BRIDGE_TREE_MAX_DEPTH=1) for this parallel layout") from None
+        settings = ParallelSettings.from_config(self.engine_config)
+        settings.check_supported()
+        deep_trees = sharing.enabled and sharing.tree and (sharing.tree_max_depth is None or sharing.tree_max_depth > 1)
+        if not deep_trees:
+            return
+        for name, value in (("tensor_model_parallel_size", settings.tp), ("pipeline_model_parallel_size", settings.pp),
+                            ("context_parallel_size", settings.cp), ("expert_model_parallel_size", settings.ep)):
+            if value > 1:
+                raise ValueError(
+                    f"prefix trees in verl's engine run with every model-parallel size 1 so far, got {name}={value}: "
+                    "unset PS_BRIDGE_TREE (or set PS_BRIDGE_TREE_MAX_DEPTH=1) for this parallel layout")
 
     def initialize(self):
         from ps_bridge.compat import verl as verl_compat
