@@ -249,8 +249,6 @@ class PrefixSharingEngineMixin:
                 decision = SharingDecision(False, "samples that share a prefix carry different temperatures: not shared")
             # nothing to share: one THD sequence per sample, the stock engine's computation
             layout = pack(share=False)
-        if layout.tree_depth > 1:
-            ParallelSettings.from_config(self.engine_config).check_supported(tree_depth=layout.tree_depth)
         logger.info("[PS][prepare][%s] sharing: %s", rank_tag(), decision.describe())
         log_layout(layout, f"[{rank_tag()}]{shard_tag(layout)}")
         layout = layout.to(device)
