@@ -34,6 +34,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--baseline", choices=("off", "stock"), default="off")
     parser.add_argument("--shared-first", action="store_true", help="run the shared engine before the baseline")
+    parser.add_argument("--interleave", action="store_true", help="both engines resident, steps in turns (A B, B A, ...)")
     parser.add_argument("--workdir", default="/tmp/verl-check")
     parser.add_argument("--json", required=True)
     parser.add_argument("overrides", nargs="*", default=["actor_rollout_ref.actor.ppo_mini_batch_size=4"])
@@ -61,7 +62,8 @@ def main() -> int:
         settings = check.CheckSettings(
             model=model, layers=args.layers, prompts=args.prompts, n=args.n, prompt_len=int(P),
             response_len=int(R), steps=args.steps, dtype=args.dtype, overrides=list(args.overrides),
-            workdir=args.workdir, baseline=args.baseline, shared_first=args.shared_first)
+            workdir=args.workdir, baseline=args.baseline, shared_first=args.shared_first,
+            interleave=args.interleave)
         decisions.clear()
         t0 = time.perf_counter()
         try:

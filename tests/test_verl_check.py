@@ -79,19 +79,49 @@ def test_ideal_ratio_with_a_system_prompt():
 @pytest.mark.slow
 def test_verl_check_smoke_with_a_system_prompt(tmp_path):
     """`--system-prompt-len`: every prompt begins with the same 16 tokens and the shared engine runs on
-    prefix trees; exact against the stock engine, fewer micro-batches."""
+    prefix trees; exact against the stock engine, fewer micro-batches. `--interleave` (both engines
+    resident, steps in turns) changes no result."""
     out = tmp_path / "out.json"
     args = [sys.executable, "-m", "ps_bridge.cli", "verl-check", "--smoke", "--system-prompt-len", "16", "--no-progress",
-            "--json", str(out), "--workdir", str(tmp_path)]
+            "--interleave", "--json", str(out), "--workdir", str(tmp_path)]
     proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
     print(proc.stdout[-3000:])
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads(out.read_text())
     assert check.check_failures(doc) == []
     assert doc["config"]["system_prompt_len"] == 16 and doc["config"]["tree"]
+    assert doc["config"]["engine_order"] == ["stock", "shared", "interleaved"]
     assert "system prompt 16 + P=24" in proc.stdout and "prefix trees" in proc.stdout
     for s in doc["steps"]:
         assert s["micro_batches"]["shared"] < s["micro_batches"]["stock"]
+
+
+def test_interleaved_engines_take_turns_and_are_freed(monkeypatch):
+    """`--interleave`: steps A B, B A, A B, ...; each kind's records in its step order; every
+    engine's generator closed (engines freed) also when a step fails."""
+    from ps_bridge.verl.check import run as run_mod
+
+    calls, closed = [], []
+
+    def fake_steps(kind, settings, ckpt, cfg, batches, progress):
+        try:
+            for t, _ in enumerate(batches):
+                if kind == "shared" and t == 3:
+                    raise RuntimeError("boom")
+                calls.append((kind, t))
+                yield {"kind": kind, "step": t}
+        finally:
+            closed.append(kind)
+
+    monkeypatch.setattr(run_mod, "kind_steps", fake_steps)
+    monkeypatch.setattr(run_mod, "free_memory", lambda: None)
+    runs = run_mod.run_interleaved(("stock", "shared"), None, None, None, [0, 1, 2], print)
+    assert calls == [("stock", 0), ("shared", 0), ("shared", 1), ("stock", 1), ("stock", 2), ("shared", 2)]
+    assert [r["step"] for r in runs["shared"]] == [0, 1, 2] and sorted(closed) == ["shared", "stock"]
+    closed.clear()
+    with pytest.raises(RuntimeError, match="boom"):
+        run_mod.run_interleaved(("stock", "shared"), None, None, None, [0, 1, 2, 3], print)
+    assert sorted(closed) == ["shared", "stock"]
 
 
 def test_trainer_config_overrides_reach_the_actor_config():

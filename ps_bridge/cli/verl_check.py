@@ -46,6 +46,9 @@ def add_parser(sub) -> None:
     p.add_argument("--baseline", default="stock", choices=("stock", "off"),
                    help="the first engine: verl's stock engine where it runs the family (default), or 'off': "
                         "ps-bridge's engine with prefix sharing off (sharing on vs off, same model code)")
+    p.add_argument("--interleave", action="store_true",
+                   help="hold both engines at once and run their steps in turns (A B, B A, ...), so neither gains "
+                        "from running second (more memory: peaks include the other engine)")
     p.add_argument("--workdir", default=None, help="where a random checkpoint is written (default: a temp dir)")
     p.add_argument("--json", default=None, help="write the per-step results here")
     p.add_argument("--plot", default=None, help="draw the curves into this image")
@@ -67,7 +70,7 @@ def run_verl_check(args) -> int:
     if args.smoke:
         settings = check.CheckSettings(**SMOKE, seed=args.seed, system_prompt_len=args.system_prompt_len, overrides=SMOKE_OVERRIDES + list(args.overrides),
                                        workdir=args.workdir, noise_floor=args.noise_floor,
-                                       baseline=args.baseline)
+                                       baseline=args.baseline, interleave=args.interleave)
     else:
         if not args.model:
             raise UsageError("--model is required (an HF checkpoint directory or a catalogue shape), or --smoke")
@@ -76,7 +79,7 @@ def run_verl_check(args) -> int:
             system_prompt_len=args.system_prompt_len,
             response_len=args.response_len, steps=args.steps, dtype=args.dtype, seed=args.seed,
             overrides=list(args.overrides), noise_floor=args.noise_floor, workdir=args.workdir,
-            baseline=args.baseline)
+            baseline=args.baseline, interleave=args.interleave)
     _prepare_process()
     total = (3 if settings.noise_floor else 2) * settings.steps * len(check.PHASES) + 1
     bar = None

@@ -50,6 +50,7 @@ class CheckSettings:
     overrides: List[str] = field(default_factory=list)
     baseline: str = "stock"  # "stock": verl's stock engine where it runs the family; "off": our engine, sharing off
     shared_first: bool = False  # run the shared engine's steps before the first engine's
+    interleave: bool = False  # both engines resident, their steps in turns (A B, B A, ...): no order effect
     noise_floor: bool = False  # also run stock with 3/4 of the budgets: stock vs stock, other micro-batch splits
     workdir: Optional[str] = None
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -34,12 +34,34 @@ def run_kind(kind: str, settings: CheckSettings, ckpt: str, cfg, batches, progre
     """T trainer steps with engines of `kind`; per step the padded old/ref log-probs and entropy
     (float32, CPU), the update's per-mini-batch loss / grad norm / KL, phase times, micro-batch
     counts, peak memory per phase."""
-    from verl.protocol import DataProto
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.losses import ppo_loss
-    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+    return list(kind_steps(kind, settings, ckpt, cfg, batches, progress))
 
-    from ps_bridge.compat.verl_on_cpu import engine_call_on_cpu
+
+def run_interleaved(kinds, settings: CheckSettings, ckpt: str, cfg, batches,
+                    progress: Callable[[str], None]) -> Dict[str, List[dict]]:
+    """Both kinds' engines resident at once, their steps alternating A B, B A, A B, ...: whatever
+    the process warms up as it goes (the caching allocator's blocks, library autotuning, clocks)
+    favours neither, where one kind after the other favours the second (measured:
+    docs/never-slower.md). Peak memory then includes the other engine's."""
+    a, b = kinds
+    gens = {k: kind_steps(k, settings, ckpt, cfg, batches, progress) for k in kinds}
+    runs: Dict[str, List[dict]] = {k: [] for k in kinds}
+    try:
+        for t in range(len(batches)):
+            for k in ((a, b) if t % 2 == 0 else (b, a)):
+                runs[k].append(next(gens[k]))
+    finally:
+        for g in gens.values():
+            g.close()
+        free_memory()
+    return runs
+
+
+def kind_steps(kind: str, settings: CheckSettings, ckpt: str, cfg, batches,
+               progress: Callable[[str], None]) -> Iterator[dict]:
+    """`run_kind`'s steps one at a time (the engines are built at the first and freed when the
+    generator ends or is closed)."""
+    from verl.workers.utils.losses import ppo_loss
 
     if kind == "stock-split":  # the noise floor: stock with different micro-batch boundaries
         cfg = scaled_budgets(cfg, 0.75)
@@ -50,65 +72,76 @@ def run_kind(kind: str, settings: CheckSettings, ckpt: str, cfg, batches, progre
     actor = Role(actor_engine, partial(ppo_loss, config=actor_cfg))
     ref = Role(ref_engine, None)
     arr = cfg.actor_rollout_ref
-    results = []
-    for step, batch in enumerate(batches):
-        batch.meta_info["temperature"] = arr.rollout.temperature  # as the rollout leaves it
-        # resident_before: what an earlier engine kind left allocated (included in this kind's peaks)
-        record: Dict = {"phase_seconds": {}, "peak_memory_gib": {"resident_before": resident_before},
-                        "micro_batches": {}}
+    try:
+        for step, batch in enumerate(batches):
+            yield _one_step(kind, step, batch, settings, arr, actor, ref, actor_cfg, resident_before, progress)
+    finally:
+        del actor, ref, actor_engine, ref_engine
+        free_memory()
 
-        def phase(name, fn, role):
-            _sync()
-            _peak_reset()
-            before = role.micro_batches
-            t0 = time.perf_counter()
-            with engine_call_on_cpu():
-                out = fn()
-            _sync()
-            record["phase_seconds"][name] = time.perf_counter() - t0
-            record["peak_memory_gib"][name] = _peak_gib()
-            record["micro_batches"][name] = role.micro_batches - before
-            progress(f"{kind} step {step + 1}: {name}")
-            return out
 
-        # old log-probs (RayPPOTrainer._compute_old_log_prob)
-        td = left_right_2_no_padding(batch.to_tensordict())
-        tu.assign_non_tensor(td, calculate_entropy=True, calculate_sum_pi_squared=False, compute_loss=False)
-        out = phase("old_log_prob", lambda: actor.infer(td), actor)
-        old = no_padding_2_padding(out["log_probs"], td).float()
-        entropy = no_padding_2_padding(out["entropy"], td).float()
-        # ref log-probs (RayPPOTrainer._compute_ref_log_prob)
-        td = left_right_2_no_padding(batch.to_tensordict())
-        tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
-        out = phase("ref", lambda: ref.infer(td), ref)
-        ref_lp = no_padding_2_padding(out["log_probs"], td).float()
-        # the update (RayPPOTrainer._update_actor)
-        upd = DataProto.from_dict(tensors=dict(batch.batch.items(), old_log_probs=old, ref_log_prob=ref_lp),
-                                  non_tensors=dict(batch.non_tensor_batch), meta_info=dict(batch.meta_info))
-        td = left_right_2_no_padding(upd.to_tensordict())
-        mini = int(arr.actor.ppo_mini_batch_size) * settings.n
-        tu.assign_non_tensor(
-            td, calculate_entropy=bool(arr.actor.calculate_entropy or arr.actor.entropy_coeff != 0.0),
-            distillation_use_topk=False, distillation_only=False, global_batch_size=mini, mini_batch_size=mini,
-            epochs=int(arr.actor.ppo_epochs), seed=int(arr.actor.data_loader_seed),
-            dataloader_kwargs={"shuffle": bool(arr.actor.shuffle)}, compute_loss=True,
-        )
-        metrics = phase("update", lambda: actor.train(td), actor)
-        # the comparison runs on the CPU, whatever device the engines returned their rows on
-        old, ref_lp, entropy = old.cpu(), ref_lp.cpu(), entropy.cpu()
-        mask = batch.batch["response_mask"].bool().cpu()
-        losses = [float(x) for x in _as_list(metrics.get("loss"))]
-        norms = [float(x) for x in _as_list(metrics.get("grad_norm"))]
-        kls = metrics.get("kl_loss", [])
-        record.update(
-            old=old.masked_fill(~mask, 0.0), ref=ref_lp.masked_fill(~mask, 0.0),
-            entropy=entropy.masked_fill(~mask, 0.0), losses=losses, grad_norms=norms,
-            kl=(sum(kls) / len(kls)) if kls else _kl(old, ref_lp, mask, actor_cfg.kl_loss_type),
-        )
-        results.append(record)
-    del actor, ref, actor_engine, ref_engine
-    free_memory()
-    return results
+def _one_step(kind, step, batch, settings, arr, actor, ref, actor_cfg, resident_before, progress) -> Dict:
+    """One trainer step (old log-probs, ref log-probs, the update) of one engine kind: its record."""
+    from verl.protocol import DataProto
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+
+    from ps_bridge.compat.verl_on_cpu import engine_call_on_cpu
+
+    batch.meta_info["temperature"] = arr.rollout.temperature  # as the rollout leaves it
+    # resident_before: what an earlier engine kind left allocated (included in this kind's peaks)
+    record: Dict = {"phase_seconds": {}, "peak_memory_gib": {"resident_before": resident_before},
+                    "micro_batches": {}}
+
+    def phase(name, fn, role):
+        _sync()
+        _peak_reset()
+        before = role.micro_batches
+        t0 = time.perf_counter()
+        with engine_call_on_cpu():
+            out = fn()
+        _sync()
+        record["phase_seconds"][name] = time.perf_counter() - t0
+        record["peak_memory_gib"][name] = _peak_gib()
+        record["micro_batches"][name] = role.micro_batches - before
+        progress(f"{kind} step {step + 1}: {name}")
+        return out
+
+    # old log-probs (RayPPOTrainer._compute_old_log_prob)
+    td = left_right_2_no_padding(batch.to_tensordict())
+    tu.assign_non_tensor(td, calculate_entropy=True, calculate_sum_pi_squared=False, compute_loss=False)
+    out = phase("old_log_prob", lambda: actor.infer(td), actor)
+    old = no_padding_2_padding(out["log_probs"], td).float()
+    entropy = no_padding_2_padding(out["entropy"], td).float()
+    # ref log-probs (RayPPOTrainer._compute_ref_log_prob)
+    td = left_right_2_no_padding(batch.to_tensordict())
+    tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
+    out = phase("ref", lambda: ref.infer(td), ref)
+    ref_lp = no_padding_2_padding(out["log_probs"], td).float()
+    # the update (RayPPOTrainer._update_actor)
+    upd = DataProto.from_dict(tensors=dict(batch.batch.items(), old_log_probs=old, ref_log_prob=ref_lp),
+                              non_tensors=dict(batch.non_tensor_batch), meta_info=dict(batch.meta_info))
+    td = left_right_2_no_padding(upd.to_tensordict())
+    mini = int(arr.actor.ppo_mini_batch_size) * settings.n
+    tu.assign_non_tensor(
+        td, calculate_entropy=bool(arr.actor.calculate_entropy or arr.actor.entropy_coeff != 0.0),
+        distillation_use_topk=False, distillation_only=False, global_batch_size=mini, mini_batch_size=mini,
+        epochs=int(arr.actor.ppo_epochs), seed=int(arr.actor.data_loader_seed),
+        dataloader_kwargs={"shuffle": bool(arr.actor.shuffle)}, compute_loss=True,
+    )
+    metrics = phase("update", lambda: actor.train(td), actor)
+    # the comparison runs on the CPU, whatever device the engines returned their rows on
+    old, ref_lp, entropy = old.cpu(), ref_lp.cpu(), entropy.cpu()
+    mask = batch.batch["response_mask"].bool().cpu()
+    losses = [float(x) for x in _as_list(metrics.get("loss"))]
+    norms = [float(x) for x in _as_list(metrics.get("grad_norm"))]
+    kls = metrics.get("kl_loss", [])
+    record.update(
+        old=old.masked_fill(~mask, 0.0), ref=ref_lp.masked_fill(~mask, 0.0),
+        entropy=entropy.masked_fill(~mask, 0.0), losses=losses, grad_norms=norms,
+        kl=(sum(kls) / len(kls)) if kls else _kl(old, ref_lp, mask, actor_cfg.kl_loss_type),
+    )
+    return record
 
 
 def _as_list(value):
@@ -153,16 +186,19 @@ def run_check(settings: CheckSettings, progress: Optional[Callable[[str], None]]
         batches.append(b)
         lengths.extend(ls)
     names = ("stock", "shared")
-    # the engines run one after the other; `shared_first` swaps their order (an order effect shows)
+    # the engines run one after the other (`shared_first` swaps their order), or step by step in turns
     order = ("shared", "stock") if settings.shared_first else ("stock", "shared")
-    runs = {kind: run_kind(kind, settings, ckpt, cfg, batches, progress) for kind in order}
+    if settings.interleave:
+        runs = run_interleaved(order, settings, ckpt, cfg, batches, progress)
+    else:
+        runs = {kind: run_kind(kind, settings, ckpt, cfg, batches, progress) for kind in order}
     steps = compare(runs["stock"], runs["shared"], names)
     arr = cfg.actor_rollout_ref
     config = {
         "model": settings.model, "checkpoint": ckpt, "layers": settings.layers, "prompts": settings.prompts,
         "n": settings.n, "prompt_len": settings.prompt_len, "system_prompt_len": settings.system_prompt_len,
         "tree": bool(settings.system_prompt_len), "response_len_mean": settings.response_len,
-        "engine_order": list(order), "baseline": settings.baseline,
+        "engine_order": list(order) + (["interleaved"] if settings.interleave else []), "baseline": settings.baseline,
         "steps": settings.steps, "dtype": settings.dtype, "seed": settings.seed,
         "overrides": list(settings.overrides), "ideal_speedup_S": ideal_ratio(settings, lengths),
         "mini_batch_prompts": mini,
