@@ -62,6 +62,19 @@ def test_check_failures_catches_a_difference():
     assert len(bad) == 3, bad
 
 
+def test_speedups_of_sums_and_of_medians():
+    """The sum counts a one-off slow step; the median does not; the first step never counts."""
+    def step(stock, shared):
+        return {"phase_seconds": {"stock": {ph: stock for ph in check.PHASES},
+                                  "shared": {ph: shared for ph in check.PHASES}}}
+
+    steps = [step(9.0, 1.0), step(1.0, 0.5), step(1.0, 0.5), step(1.0, 4.0)]
+    assert check.speedups(steps)["update"] == pytest.approx(3.0 / 5.0)
+    assert check.speedups(steps, statistic="median")["update"] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="statistic"):
+        check.speedups(steps, statistic="mean")
+
+
 def test_ideal_ratio_of_varied_lengths():
     s = check.CheckSettings(model="x", n=2, prompt_len=10)
     # groups [3, 5] and [1, 1]: unshared 13 + 15 + 11 + 11 = 50, shared (10 + 8) + (10 + 2) = 30

@@ -37,15 +37,23 @@ def compare(stock: List[dict], shared: List[dict], names=("stock", "shared")) ->
     return steps
 
 
-def speedups(steps: List[dict], names=("stock", "shared"), skip_first: bool = True) -> Dict[str, float]:
-    """Per phase, stock time / shared time summed over the steps (the first left out when there are
-    more: it carries one-off compilation and autotuning)."""
+def speedups(steps: List[dict], names=("stock", "shared"), skip_first: bool = True,
+             statistic: str = "sum") -> Dict[str, float]:
+    """Per phase, stock time / shared time over the steps (the first left out when there are more: it
+    carries one-off compilation and autotuning): of their sums (`statistic="sum"`), or of their
+    medians (`"median"`: a one-off event in a later step, such as a kernel compiled for a shape first
+    met there, which lands on whichever engine meets the shape first, does not decide)."""
+    import statistics
+
+    if statistic not in ("sum", "median"):
+        raise ValueError(f"statistic {statistic!r}: use 'sum' or 'median'")
+    reduce = sum if statistic == "sum" else statistics.median
     a, b = names
     use = steps[1:] if skip_first and len(steps) > 1 else steps
     out = {}
     for ph in PHASES:
-        ta = sum(s["phase_seconds"][a][ph] for s in use)
-        tb = sum(s["phase_seconds"][b][ph] for s in use)
+        ta = reduce([s["phase_seconds"][a][ph] for s in use])
+        tb = reduce([s["phase_seconds"][b][ph] for s in use])
         out[ph] = ta / tb if tb > 0 else float("nan")
     return out
 

@@ -57,6 +57,9 @@ def format_report(doc: dict) -> str:
     sp = cfg["speedup"]
     lines.append("speed-up (stock time / shared time, steps after the first): "
                  + ", ".join(f"{ph} {sp[ph]:.2f}x ({sp[ph] / cfg['ideal_speedup_S']:.2f} S)" for ph in PHASES))
+    med = cfg.get("speedup_median")
+    if med:
+        lines.append("  of the per-step medians instead of the sums: " + ", ".join(f"{ph} {med[ph]:.2f}x" for ph in PHASES))
     peaks = [(s["peak_memory_gib"][a].get("update"), s["peak_memory_gib"][b].get("update")) for s in steps]
     if peaks and peaks[0][0] is not None:
         pa, pb = max(p[0] for p in peaks), max(p[1] for p in peaks)

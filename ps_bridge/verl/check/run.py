@@ -209,6 +209,7 @@ def run_check(settings: CheckSettings, progress: Optional[Callable[[str], None]]
         "shared_backend": shared_backend(settings),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "speedup": speedups(steps, names),
+        "speedup_median": speedups(steps, names, statistic="median"),
     }
     doc = {"config": config, "steps": steps}
     if settings.noise_floor:
