@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from test_layout import check_inverse_map
-from tree_cases import distinct_prefixes, tree_samples
+from tree_cases import count_trie_builds, distinct_prefixes, tree_samples
 from ps_bridge.layout import Sample, build_layout
 from ps_bridge.tree.decide import node_children, token_trie
 from ps_bridge.tree.order import pack_order
@@ -315,8 +315,6 @@ def test_layout_from_a_decided_tree_equals_the_layout_deciding_it():
 
 
 def test_make_layout_builds_the_trie_once_and_the_rule_reads_it(qwen2_loaded, monkeypatch):
-    import ps_bridge.layout as layout_module
-    import ps_bridge.tree.decide as decide_module
     from ps_bridge.launch_rule import MicroBatchCounts, sharing_for
     from ps_bridge.layout import decide_tree
     from ps_bridge.runtime import make_layout
@@ -325,15 +323,7 @@ def test_make_layout_builds_the_trie_once_and_the_rule_reads_it(qwen2_loaded, mo
     config = qwen2_loaded.config
     saved = (config.tree, config.tree_min_shared)
     config.tree, config.tree_min_shared = True, 0
-    built = []
-    real = decide_module.token_trie
-
-    def counted(*args, **kwargs):
-        built.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(decide_module, "token_trie", counted)
-    monkeypatch.setattr(layout_module, "token_trie", counted)
+    built = count_trie_builds(monkeypatch)
     try:
         layout = make_layout(samples, qwen2_loaded)  # share=None: the rule decides, then the layout packs
         assert len(built) == 1
