@@ -372,13 +372,15 @@ def test_auto_picks_fla_on_trees_on_cuda():
 
 
 def test_parallel_settings_accept_trees():
+    """The parallel settings' one check knows nothing of trees (they run under every layout it accepts)."""
+    import inspect
+
     from ps_bridge.parallel import ParallelSettings
 
+    assert list(inspect.signature(ParallelSettings.check_supported).parameters) == ["self"]
     for settings_ in (ParallelSettings(), ParallelSettings(tp=2, sequence_parallel=True), ParallelSettings(pp=2),
                       ParallelSettings(cp=2), ParallelSettings(ep=2)):
-        settings_.check_supported(tree_depth=4)
-    with pytest.raises(ValueError, match="tree_depth=-1"):
-        ParallelSettings().check_supported(tree_depth=-1)
+        settings_.check_supported()
 
 
 # ---- the tree decided once per micro-batch (the sharing rule's counts and the layout) -------------

@@ -142,23 +142,10 @@ class PrefixSharingEngineMixin:
         resolve_provider(self._prefix_sharing().provider, archs)  # unsupported architecture -> clear error
 
     def _check_parallel_layout(self) -> None:
-        """`ParallelSettings.check_supported` for verl's engine config, and the engine's own limit:
-        with trees (`PS_BRIDGE_TREE=1`, deeper than one level) the engine runs on one model-parallel
-        rank so far. The layouts run trees under TP/SP/PP/CP/EP (tests/test_tree_parallel.py), but the
-        engine's tree micro-batches under them are not tested yet: refused here, before anything is
-        built, with the verl settings that avoid it."""
-        sharing = self._prefix_sharing()
-        settings = ParallelSettings.from_config(self.engine_config)
-        settings.check_supported()
-        deep_trees = sharing.enabled and sharing.tree and (sharing.tree_max_depth is None or sharing.tree_max_depth > 1)
-        if not deep_trees:
-            return
-        for name, value in (("tensor_model_parallel_size", settings.tp), ("pipeline_model_parallel_size", settings.pp),
-                            ("context_parallel_size", settings.cp), ("expert_model_parallel_size", settings.ep)):
-            if value > 1:
-                raise ValueError(
-                    f"prefix trees in verl's engine run with every model-parallel size 1 so far, got {name}={value}: "
-                    "unset PS_BRIDGE_TREE (or set PS_BRIDGE_TREE_MAX_DEPTH=1) for this parallel layout")
+        """`ParallelSettings.check_supported` (the one owner of what parallel settings are refused) for
+        verl's engine config. Prefix trees of any depth (`PS_BRIDGE_TREE=1`) run under every layout it
+        accepts (tests/test_verl_plugin.py: the engine on trees at TP=2, CP=2, PP=2, EP=2)."""
+        ParallelSettings.from_config(self.engine_config).check_supported()
 
     def initialize(self):
         from ps_bridge.compat import verl as verl_compat
