@@ -45,12 +45,11 @@ class ParallelSettings:
             ep=getattr(config, "expert_model_parallel_size", 1) or 1,
         )
 
-    def check_supported(self, tree_depth: Optional[int] = None) -> None:
+    def check_supported(self) -> None:
         """Refuse, naming the setting and the fix, what prefix sharing does not support. The only
         place that knows: the CLI (before any process group), our providers (when the model is
         built) and the verl engine (before it builds anything) all call this. Prefix trees of any
-        depth run under every supported setting (docs/tree.md); `tree_depth` (a micro-batch's) is
-        accepted from callers that pass it and refuses nothing but a negative depth."""
+        depth run under every supported setting (docs/tree.md), so nothing here depends on them."""
         sizes = (
             ("tensor_model_parallel_size", self.tp),
             ("pipeline_model_parallel_size", self.pp),
@@ -72,8 +71,6 @@ class ParallelSettings:
             )
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1 (SP is bound to TP)")
-        if tree_depth is not None and tree_depth < 0:
-            raise ValueError(f"a prefix tree's depth is >= 0, got tree_depth={tree_depth}")
 
     def check(self, world_size: Optional[int] = None, hf_config: Optional[dict] = None) -> None:
         """`check_supported`, that the checkpoint (`hf_config`, its config.json as a dict:

@@ -20,7 +20,8 @@ from typing import Callable, Dict, List
 
 import numpy as np
 
-from ps_bridge.layout import Sample, _flatten, build_layout, decide_tree, materialize
+from ps_bridge.layout import Sample, _flatten, build_layout, decide_tree
+from ps_bridge.tree.materialize import materialize
 from ps_bridge.tree.order import pack_order
 
 

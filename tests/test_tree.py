@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from test_layout import check_inverse_map
-from tree_cases import distinct_prefixes, tree_samples
+from tree_cases import count_trie_builds, distinct_prefixes, tree_samples
 from ps_bridge.layout import Sample, build_layout
 from ps_bridge.tree.decide import node_children, token_trie
 from ps_bridge.tree.order import pack_order
@@ -51,6 +51,98 @@ def check_tree_layout(layout, samples):
         path = torch.unique_consecutive(seg[layout.row_source[a:b]]).tolist()
         assert parent[path[0]] == -1 and all(parent[y] == x for x, y in zip(path, path[1:]))
         assert path[-1] == int(layout.sample_segment[i])
+
+
+# ---- the three steps alone, on one small batch ----------------------------------------------------
+#
+# s0 = [9 9 1 | 2 3], s1 = [9 9 1 | 2 4], s2 = [9 9 | 5], s3 = [9 | 9 1] (a prefix of s0 and s1, ending
+# inside their shared node). The radix tree: A = [9 9] (positions 0-2) with children B = [1 2] (2-4) and
+# C = [5] (2-3); B's children D = [3] and E = [4] (4-5); s3 ends inside B.
+
+STEP_SAMPLES = [Sample([9, 9, 1], [2, 3]), Sample([9, 9, 1], [2, 4]), Sample([9, 9], [5]), Sample([9], [9, 1])]
+
+
+def _nodes_by_path(tree, flat, offsets):
+    """Each node as the tokens of its path (its prefix up to its end) -> (start, end, parent's path),
+    and each sample's terminal node as its path: node ids carry no order."""
+
+    def path(n):
+        i = int(tree.node_sample[n])
+        return tuple(flat[offsets[i] : offsets[i] + int(tree.node_end[n])].tolist())
+
+    nodes = {path(n): (int(tree.node_start[n]), int(tree.node_end[n]),
+                       path(int(tree.node_parent[n])) if tree.node_parent[n] >= 0 else None)
+             for n in range(tree.num_nodes)}
+    assert len(nodes) == tree.num_nodes
+    return nodes, [path(int(n)) for n in tree.sample_node]
+
+
+def test_step1_token_trie_alone():
+    """`token_trie` on the flattened sequences: the radix tree, with the threshold and the depth limit."""
+    flat, offsets = _flat(STEP_SAMPLES)
+    nodes, terminal = _nodes_by_path(token_trie(flat, offsets), flat, offsets)
+    A, B, C, D, E = (9, 9), (9, 9, 1, 2), (9, 9, 5), (9, 9, 1, 2, 3), (9, 9, 1, 2, 4)
+    assert nodes == {A: (0, 2, None), B: (2, 4, A), C: (2, 3, A), D: (4, 5, B), E: (4, 5, B)}
+    assert terminal == [D, E, C, B]
+    # min_shared=3: the 2-token root, where no sample ends, is pushed into its children
+    nodes, terminal = _nodes_by_path(token_trie(flat, offsets, min_shared=3), flat, offsets)
+    assert nodes == {B: (0, 4, None), C: (0, 3, None), D: (4, 5, B), E: (4, 5, B)} and terminal == [D, E, C, B]
+    # max_depth=1: B's subtree becomes one leaf per sample through it, from B's start
+    nodes, terminal = _nodes_by_path(token_trie(flat, offsets, max_depth=1), flat, offsets)
+    assert nodes == {A: (0, 2, None), C: (2, 3, A), D: (2, 5, A), E: (2, 5, A), (9, 9, 1): (2, 3, A)}
+    assert terminal == [D, E, C, (9, 9, 1)]
+    # share classes: s2, of another class, shares nothing (its own root); the others' root is B
+    nodes, terminal = _nodes_by_path(token_trie(flat, offsets, classes=[0, 0, 1, 0]), flat, offsets)
+    assert nodes == {C: (0, 3, None), B: (0, 4, None), D: (4, 5, B), E: (4, 5, B)} and terminal == [D, E, C, B]
+
+
+def _step_tree():
+    """The tree of STEP_SAMPLES written by hand (node ids in no particular order): 0 = A, 1 = D, 2 = C,
+    3 = B, 4 = E."""
+    from ps_bridge.tree.decide import PrefixTree
+
+    a = lambda *x: np.asarray(x, dtype=np.int64)  # noqa: E731
+    return PrefixTree(node_sample=a(2, 0, 2, 0, 1), node_start=a(0, 4, 2, 2, 4), node_end=a(2, 5, 3, 4, 5),
+                      node_parent=a(-1, 3, 0, 0, 3), sample_node=a(1, 4, 2, 3))
+
+
+def test_step2_pack_order_alone():
+    """`pack_order` on a hand-written tree: level by level, depth first inside a level, siblings by
+    their first sample; parents as pack indices; the depth-first intervals."""
+    order = pack_order(_step_tree())
+    assert order.nodes.tolist() == [0, 3, 2, 1, 4]  # A | B C | D E
+    assert order.level.tolist() == [0, 1, 1, 2, 2] and order.level_offsets == [0, 1, 3, 5] and order.depth == 2
+    assert order.parent.tolist() == [-1, 0, 0, 1, 1]
+    assert order.tin.tolist() == [0, 1, 4, 2, 3] and order.tout.tolist() == [5, 4, 5, 3, 4]
+
+
+def test_step3_materialize_alone():
+    """`materialize` of a hand-written tree and order: tokens, positions and padding per segment, the
+    rows back (each sample's path, its own labels) and the read positions."""
+    from ps_bridge.layout import _flatten
+    from ps_bridge.tree.materialize import materialize
+
+    flat, offsets, prompt_lengths = _flatten(STEP_SAMPLES, None)
+    tree = _step_tree()
+    layout = materialize(flat, offsets, prompt_lengths, tree, pack_order(tree), shared=True, pad_multiple=2,
+                         total_multiple=4, pad_token_id=0, prompt_values=False)
+    P = 0
+    assert layout.tokens.tolist() == [9, 9, 1, 2, 5, P, 3, P, 4, P, P, P]  # A B C D E, the last padded to 12
+    assert layout.positions.tolist() == [0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7]
+    assert layout.valid.tolist() == [True] * 5 + [False, True, False, True, False, False, False]
+    assert layout.host["cu_seqlens_padded"] == [0, 2, 4, 6, 8, 12] and layout.host["cu_seqlens"] == [0, 2, 4, 5, 6, 7]
+    assert layout.segment_parent.tolist() == [-1, 0, 0, 1, 1] and layout.tree_depth == 2
+    assert layout.sample_segment.tolist() == [3, 4, 2, 1] and layout.group_size.tolist() == [4]
+    rows = [r.tolist() for r in torch.split(layout.row_source, layout.row_offsets.diff().tolist())]
+    labels = [r.tolist() for r in torch.split(layout.row_label, layout.row_offsets.diff().tolist())]
+    assert rows == [[0, 1, 2, 3, 6], [0, 1, 2, 3, 8], [0, 1, 4], [0, 1, 2]]
+    assert labels == [[9, 1, 2, 3, -1], [9, 1, 2, 4, -1], [9, 5, -1], [9, 1, -1]]
+    # read from row position P_i - 1 on: s0, s1 from 2, s2 from 1, s3 from 0
+    assert layout.output_positions.tolist() == [0, 1, 2, 3, 4, 6, 8]
+    assert (layout.tokens_shared, layout.tokens_unshared) == (7, 16)
+    # the three steps are what build_layout runs
+    built = build_layout(STEP_SAMPLES, share="tree", min_shared=0, pad_multiple=2, total_multiple=4, prompt_values=False)
+    assert built.tokens.tolist() == layout.tokens.tolist() and built.row_source.tolist() == layout.row_source.tolist()
 
 
 @settings(max_examples=25, deadline=None)
@@ -280,13 +372,15 @@ def test_auto_picks_fla_on_trees_on_cuda():
 
 
 def test_parallel_settings_accept_trees():
+    """The parallel settings' one check knows nothing of trees (they run under every layout it accepts)."""
+    import inspect
+
     from ps_bridge.parallel import ParallelSettings
 
+    assert list(inspect.signature(ParallelSettings.check_supported).parameters) == ["self"]
     for settings_ in (ParallelSettings(), ParallelSettings(tp=2, sequence_parallel=True), ParallelSettings(pp=2),
                       ParallelSettings(cp=2), ParallelSettings(ep=2)):
-        settings_.check_supported(tree_depth=4)
-    with pytest.raises(ValueError, match="tree_depth=-1"):
-        ParallelSettings().check_supported(tree_depth=-1)
+        settings_.check_supported()
 
 
 # ---- the tree decided once per micro-batch (the sharing rule's counts and the layout) -------------
@@ -315,8 +409,6 @@ def test_layout_from_a_decided_tree_equals_the_layout_deciding_it():
 
 
 def test_make_layout_builds_the_trie_once_and_the_rule_reads_it(qwen2_loaded, monkeypatch):
-    import ps_bridge.layout as layout_module
-    import ps_bridge.tree.decide as decide_module
     from ps_bridge.launch_rule import MicroBatchCounts, sharing_for
     from ps_bridge.layout import decide_tree
     from ps_bridge.runtime import make_layout
@@ -325,15 +417,7 @@ def test_make_layout_builds_the_trie_once_and_the_rule_reads_it(qwen2_loaded, mo
     config = qwen2_loaded.config
     saved = (config.tree, config.tree_min_shared)
     config.tree, config.tree_min_shared = True, 0
-    built = []
-    real = decide_module.token_trie
-
-    def counted(*args, **kwargs):
-        built.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(decide_module, "token_trie", counted)
-    monkeypatch.setattr(layout_module, "token_trie", counted)
+    built = count_trie_builds(monkeypatch)
     try:
         layout = make_layout(samples, qwen2_loaded)  # share=None: the rule decides, then the layout packs
         assert len(built) == 1

@@ -472,22 +472,29 @@ def host_micro_batches(samples, budget, min_shared):
 
 
 @pytest.mark.core
-def test_tree_batch_rows_match_stock_engine_with_fewer_micro_batches(engines, checkpoints, caplog):
+def test_tree_batch_rows_match_stock_engine_with_fewer_micro_batches(engines, checkpoints, caplog, monkeypatch):
     """A system prompt shared by every prompt and a multi-turn chain, dynamic budgets, temperature 0.7:
     our engine on prefix trees gives the stock engine's log-probs and entropy, packs trees deeper than
     one level, and needs fewer micro-batches than our engine sharing one level (the system prompt's
-    subtree is split over micro-batches, the system prompt computed once in each)."""
+    subtree is split over micro-batches, the system prompt computed once in each). The token trie is
+    built once for the batch's micro-batching and once per micro-batch (the sharing rule reads the
+    tree the layout packs)."""
+    from tree_cases import count_trie_builds
+
     _, hf = checkpoints("qwen2.5")
     samples = tree_batch(hf.config.vocab_size)
     budget = 2 * max(len(s.prompt) + len(s.response) for s in samples)
     td_args = dict(max_token_len=budget, temperature=0.7)
     stock = infer(engines("qwen2.5", "thd", "stock"), vt.grpo_micro_batch(samples, **td_args))
+    tries = count_trie_builds(monkeypatch)
     counts = {}
     for kind in ("ours", "ours_tree"):
         caplog.clear()
+        del tries[:]
         with caplog.at_level(logging.INFO, logger="ps_bridge"):
             ours = infer(engines("qwen2.5", "thd", kind), vt.grpo_micro_batch(samples, **td_args))
         counts[kind], depth = layouts_logged(caplog.text)
+        assert len(tries) == (1 + counts[kind] if kind == "ours_tree" else 0), (kind, len(tries), counts[kind])
         read = prompt_lengths(samples)
         lp = max_row_diff(ours["log_probs"], stock["log_probs"], labelled_only=True, prompt_lengths=read)
         ent = max_row_diff(ours["entropy"], stock["entropy"], prompt_lengths=read)

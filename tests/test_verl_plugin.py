@@ -71,23 +71,24 @@ def test_vanilla_mbridge_refused(qwen2_dir):
 
 
 @pytest.mark.core
-def test_trees_refused_under_model_parallelism():
-    """`PS_BRIDGE_TREE=1` with a model-parallel size above 1: refused before the engine builds anything,
-    naming the setting and the verl switch (trees deeper than one level run on one rank so far)."""
+def test_trees_accepted_under_model_parallelism():
+    """`PS_BRIDGE_TREE=1` under TP, PP, CP and EP: accepted (the engine runs trees there: the tree cases
+    below); what the engine refuses of a parallel layout is `ParallelSettings.check_supported`'s, with
+    or without trees (e.g. dynamic context parallelism, named with its fix)."""
     from types import SimpleNamespace
 
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.verl.engine import PrefixSharingEngineMixin
 
     engine = PrefixSharingEngineMixin()
-    engine.engine_config = SimpleNamespace(use_fused_kernels=False, tensor_model_parallel_size=2)
     engine.prefix_sharing_config = PrefixSharingConfig(enabled=True, tree=True)
-    with pytest.raises(ValueError, match="tensor_model_parallel_size=2.*PS_BRIDGE_TREE"):
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "expert_model_parallel_size"):
+        engine.engine_config = SimpleNamespace(use_fused_kernels=False, **{name: 2})
         engine._check_parallel_layout()
-    engine.prefix_sharing_config = PrefixSharingConfig(enabled=True, tree=True, tree_max_depth=1)
-    engine._check_parallel_layout()  # one level: as without trees
-    engine.prefix_sharing_config = PrefixSharingConfig(enabled=True)
-    engine._check_parallel_layout()
+    engine.engine_config = SimpleNamespace(use_fused_kernels=False, context_parallel_size=2, dynamic_context_parallel=True)
+    with pytest.raises(ValueError, match="dynamic_context_parallel=True; leave it off"):
+        engine._check_parallel_layout()
 
 
 @pytest.mark.core
@@ -194,11 +195,25 @@ def test_tensor_parallel_two_ranks_match_stock_engine(qwen2_dir, sequence_parall
     """TP=2 on two CPU processes (gloo): vocab-parallel log-probs / entropy on the packed logits,
     segments padded to the TP size, and the gradient shards, against the stock engine at TP=2
     (with sequence parallelism: the same, for both engines)."""
+    _tensor_parallel_comparison(qwen2_dir, ["sequence_parallel"] if sequence_parallel else [])
+
+
+def test_tree_tensor_parallel_two_ranks_match_stock_engine(qwen2_dir):
+    """Prefix trees (`PS_BRIDGE_TREE=1`, threshold 0) at TP=2 + SP on two CPU processes (gloo): a system
+    prompt shared by 4 prompts of 3 responses and a 4-turn chain, dynamic micro-batches; our engine's
+    log-probs (each row's unlabelled last one left out), entropy and gradient shards equal the stock
+    engine's at TP=2 + SP, on trees deeper than one level."""
+    for r in _tensor_parallel_comparison(qwen2_dir, ["sequence_parallel", "tree"], timeout=600):
+        assert r["thd_depths"] and max(r["thd_depths"]) >= 2, r
+
+
+def _tensor_parallel_comparison(qwen2_dir: str, flags: list, timeout: int = 300) -> list:
+    """`verl_harness.py CKPT *FLAGS` on two ranks: every difference its ranks report is below 1e-5."""
     inherited = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(Path(__file__).with_name("verl_harness.py")), qwen2_dir] + (["sequence_parallel"] if sequence_parallel else []),
-        env=inherited, capture_output=True, text=True, timeout=300,
+         str(Path(__file__).with_name("verl_harness.py")), qwen2_dir, *flags],
+        env=inherited, capture_output=True, text=True, timeout=timeout,
     )
     # the two ranks share stdout, so their lines can interleave: pick the JSON objects out
     results = [json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", proc.stdout)]
@@ -206,7 +221,8 @@ def test_tensor_parallel_two_ranks_match_stock_engine(qwen2_dir, sequence_parall
     assert sorted(r["rank"] for r in results) == [0, 1] and all(r["tp_size"] == 2 for r in results)
     for r in results:
         print(r)
-        assert all(v < 1e-5 for k, v in r.items() if k not in ("rank", "tp_size")), r
+        assert all(v < 1e-5 for k, v in r.items() if k not in ("rank", "tp_size") and not k.endswith("_depths")), r
+    return results
 
 
 def _harness_ranks(args: list, nproc: int, out: Path) -> list:
@@ -243,8 +259,9 @@ LAYOUTS = {
 LAYOUT_TOL = 1e-5
 
 
-def _layout(ckpt: str, nproc: int, tp: int, pp: int, cp: int, sp: bool, per_token: bool, out: Path):
-    return _harness_ranks(["layout", ckpt, tp, pp, cp, int(sp), int(per_token), out], nproc, out)
+def _layout(ckpt: str, nproc: int, tp: int, pp: int, cp: int, sp: bool, per_token: bool, out: Path, tree: bool = False):
+    return _harness_ranks(["layout", ckpt, tp, pp, cp, int(sp), int(per_token), out] + (["tree"] if tree else []),
+                          nproc, out)
 
 
 @pytest.fixture(scope="module")
@@ -290,9 +307,19 @@ def test_parallel_layout_with_context_parallel_matches_engine_at_cp1(qwen2_dir, 
     gradient reduction (`finalize_model_grads`) the gradients differ."""
     nproc, tp, pp, cp, sp, per_token, _ = LAYOUTS[name]
     results, ranks = _layout(qwen2_dir, nproc, tp, pp, cp, sp, per_token, tmp_path / name)
-    dp = nproc // (tp * pp * cp)
-    assert all((r["tp_size"], r["pp_size"], r["cp_size"], r["dp_size"]) == (tp, pp, cp, dp) for r in results), results
-    ref = engine_at_cp1_unshared
+    _check_layout_ranks(name, results, ranks, engine_at_cp1_unshared, (tp, pp, cp, nproc // (tp * pp * cp)))
+
+
+def _check_layout_ranks(name: str, results: list, ranks: list, ref: dict, sizes: tuple, tree: bool = False) -> None:
+    """Each rank of a layout run against the single-process unshared reference: sizes (TP, PP, CP, DP),
+    rows from position P - 1 on, every reduced gradient; the negative control (gradients without
+    megatron's reduction differ) where a reduction over ranks takes place (DP or CP > 1). With `tree`
+    (dynamic micro-batches, formed differently by the reference) each row's unlabelled last log-prob
+    is left out, and every rank must have run trees deeper than one level."""
+    tp, pp, cp, dp = sizes
+    assert all((r["tp_size"], r["pp_size"], r["cp_size"], r["dp_size"]) == sizes for r in results), results
+    if tree:
+        assert all(r["depths"] and max(r["depths"]) >= 2 for r in results), [r["depths"] for r in results]
     seen, worst = set(), {"rows": 0.0, "grads": 0.0}
     for rank, got in enumerate(ranks):
         if dp > 1:  # each DP rank a part of the batch, whole groups
@@ -305,7 +332,7 @@ def test_parallel_layout_with_context_parallel_matches_engine_at_cp1(qwen2_dir, 
                 # a row's last log-prob has no label: verl's label roll over its own padded packing
                 # fills it, and at TP > 1 that packing pads to the TP size (the stock engine's value at
                 # that TP, not the TP=1 reference's); verl slices it away
-                cut = -1 if key == "log_probs" and tp > 1 else None
+                cut = -1 if key == "log_probs" and (tp > 1 or tree) else None
                 # from row position P - 1 on (what verl's losses read; the shared run skips the other
                 # prompt positions: they hold 0)
                 starts = [got["prompt_lengths"][i] - 1 for i in got["samples"]]
@@ -316,10 +343,38 @@ def test_parallel_layout_with_context_parallel_matches_engine_at_cp1(qwen2_dir, 
             rel = _relative_grad_diff(grads, ref["grads"][mode])
             worst["grads"] = max(worst["grads"], rel)
             assert rel <= LAYOUT_TOL, (rank, mode, rel)
-        assert _relative_grad_diff(got["unreduced"], ref["grads"]["token-mean"]) > 1e-2, rank  # the control fails
+        if dp > 1 or cp > 1:
+            assert _relative_grad_diff(got["unreduced"], ref["grads"]["token-mean"]) > 1e-2, rank  # the control fails
     assert seen == set(range(16))
     print(f"{name}: max |diff| rows {worst['rows']:.2e}, max relative gradient diff {worst['grads']:.2e}; "
           f"rank 0 build {results[0]['build_s']} s, passes {results[0]['passes_s']} s")
+
+
+# prefix trees (`PS_BRIDGE_TREE=1`, threshold 0; dynamic micro-batches) at a parallel layout, against our
+# engine on one process, unshared, on the same tree samples (`verl_harness.tree_samples_for_engines`)
+# name: (processes, tp, pp, cp)
+TREE_LAYOUTS = {"tree_cp2": (2, 1, 1, 2), "tree_pp2": (2, 1, 2, 1)}
+
+
+@pytest.fixture(scope="module")
+def tree_engine_at_cp1_unshared(qwen2_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tree_layout_ref") / "ref"
+    _, (ref,) = _layout(qwen2_dir, 1, 1, 1, 1, False, False, out, tree=True)
+    assert ref["rows"] is not None and ref["samples"] == list(range(16)) and max(ref["depths"]) == 0
+    return ref
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(TREE_LAYOUTS))
+def test_tree_parallel_layout_matches_engine_at_cp1(qwen2_dir, tree_engine_at_cp1_unshared, tmp_path, name):
+    """Our engine on prefix trees at CP=2 (contiguous shards of the tree pack) and PP=2 (every stage packs
+    the same trees from the micro-batch), CPU processes (gloo, fp32): `infer_batch` log-probs and
+    entropy (temperature 0.7) and, for verl's token-mean and seq-mean-token-mean `ppo_loss`, every
+    reduced HF-named gradient equal our engine's at CP=1 unshared on one process (which equals verl's
+    stock engine: test_verl_engine.py; the stock engine has no CP on a CPU, without Transformer Engine)."""
+    nproc, tp, pp, cp = TREE_LAYOUTS[name]
+    results, ranks = _layout(qwen2_dir, nproc, tp, pp, cp, False, False, tmp_path / name, tree=True)
+    _check_layout_ranks(name, results, ranks, tree_engine_at_cp1_unshared, (tp, pp, cp, 1), tree=True)
 
 
 @pytest.fixture(scope="module")
@@ -342,12 +397,14 @@ def engine_at_ep1_unshared(qwen35_moe_dir, tmp_path_factory):
 EP_TOL = 1e-5
 
 
-def _expert_parallel_matches(ref: dict, ranks: list) -> dict:
+def _expert_parallel_matches(ref: dict, ranks: list, tree: bool = False) -> dict:
     """Each rank of an expert-parallel run against the EP=1 unshared reference: its `infer_batch`
     log-probs / entropy rows (from position P - 1 on) equal the reference's rows of its samples, and
     every gradient after megatron's DDP reduction equals the reference's: dense weights on every
     rank, local expert i of EP rank r against the reference's global expert r * (local count) + i.
-    The worst row and relative gradient differences."""
+    The worst row and relative gradient differences. With `tree` (the tree samples: groups of 3 and a
+    chain of single samples) the parts are not groups of 4, and each row's unlabelled last log-prob
+    (filled from the next sample of each run's own packing) is left out."""
     # the data-parallel ranks split the batch, each rank of one (its CP ranks) the same part
     parts = [tuple(got["samples"]) for got in ranks]
     dp = ranks[0]["dp_size"]
@@ -355,11 +412,13 @@ def _expert_parallel_matches(ref: dict, ranks: list) -> dict:
     assert sorted(i for p in set(parts) for i in p) == ref["samples"]
     worst = {"rows": 0.0, "grads": 0.0}
     for rank, got in enumerate(ranks):
-        assert len({i // 4 for i in got["samples"]}) * 4 == len(got["samples"])  # whole groups
+        assert tree or len({i // 4 for i in got["samples"]}) * 4 == len(got["samples"])  # whole groups
         for key in ("log_probs", "entropy"):  # every CP rank hands verl the full rows
             mine = [ref[key][i] for i in got["samples"]]
             assert [len(t) for t in got[key]] == [len(t) for t in mine]
-            diff = max((a[P - 1:] - b[P - 1:]).abs().max().item() for a, b, P in zip(got[key], mine, got["prompt_lengths"]))
+            cut = -1 if tree and key == "log_probs" else None
+            diff = max((a[P - 1:cut] - b[P - 1:cut]).abs().max().item()
+                       for a, b, P in zip(got[key], mine, got["prompt_lengths"]))
             worst["rows"] = max(worst["rows"], diff)
             assert diff <= EP_TOL, (rank, key, diff)
         experts = 0
@@ -373,7 +432,8 @@ def _expert_parallel_matches(ref: dict, ranks: list) -> dict:
             r = ref["grads"][name_ref]
             assert r.shape == g.shape and r.abs().max() > 0, name
             rel = ((g - r).abs().max() / r.abs().max()).item()
-            worst["grads"] = max(worst["grads"], rel)
+            if rel > worst["grads"]:
+                worst["grads"], worst["grad_name"] = rel, name
             assert rel <= EP_TOL, (rank, name, name_ref, rel)
         assert experts > 0 and len(got["grads"]) < len(ref["grads"])  # the experts really are split
     return worst
@@ -412,3 +472,22 @@ def test_expert_parallel_with_context_parallel_matches_engine_at_ep1(qwen35_moe_
     assert ranks[0]["samples"] == ranks[1]["samples"] and ranks[2]["samples"] == ranks[3]["samples"]
     worst = _expert_parallel_matches(engine_at_ep1_unshared, ranks)
     print(f"ep2_cp2: max |diff| rows {worst['rows']:.2e}, max relative gradient diff {worst['grads']:.2e}")
+
+
+@pytest.mark.slow
+def test_tree_expert_parallel_two_ranks_match_engine_at_ep1(qwen35_moe_dir, tmp_path):
+    """Prefix trees (`PS_BRIDGE_TREE=1`, threshold 0) at expert_model_parallel_size=2 on two CPU processes
+    (data parallel size 2, the samples split by uid as verl's trainer splits them: the system prompt on
+    both ranks, computed on each): rows and every reduced gradient (experts by their global ids) equal
+    our engine's at EP=1 on one process, unshared, over the whole batch; both ranks ran trees deeper
+    than one level."""
+    ref_out = tmp_path / "ep1_tree"
+    _, (ref,) = _harness_ranks(["expert_parallel", qwen35_moe_dir, 1, ref_out, 1, "tree"], 1, ref_out)
+    assert ref["samples"] == list(range(16)) and max(ref["depths"]) == 0
+    results, ranks = _harness_ranks(["expert_parallel", qwen35_moe_dir, 2, tmp_path / "ep2_tree", 1, "tree"], 2,
+                                    tmp_path / "ep2_tree")
+    assert [(r["ep_size"], r["dp_size"], r["cp_size"]) for r in results] == [(2, 2, 1)] * 2, results
+    assert all(max(got["depths"]) >= 2 for got in ranks), [got["depths"] for got in ranks]
+    worst = _expert_parallel_matches(ref, ranks, tree=True)
+    print(f"tree ep2: max |diff| rows {worst['rows']:.2e}, max relative gradient diff {worst['grads']:.2e} "
+          f"({worst.get('grad_name')})")

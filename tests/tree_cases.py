@@ -56,3 +56,21 @@ def distinct_prefixes(samples: List[Sample]) -> Counter:
         for t in range(len(seq)):
             counts[seq[: t + 1]] += 1
     return counts
+
+
+def count_trie_builds(monkeypatch) -> list:
+    """Patch the token trie (`ps_bridge.tree.decide.token_trie`, and the name `ps_bridge.layout` imported)
+    to append to the returned list at every build."""
+    import ps_bridge.layout as layout_module
+    import ps_bridge.tree.decide as decide_module
+
+    built: list = []
+    real = decide_module.token_trie
+
+    def counted(*args, **kwargs):
+        built.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decide_module, "token_trie", counted)
+    monkeypatch.setattr(layout_module, "token_trie", counted)
+    return built

@@ -8,8 +8,8 @@ tokens, samples that share a prefix kept together). Per micro-batch the forward 
 1. rebuilds every sample `prompt + response` from verl's nested `input_ids` and the prompt lengths
    (`ps_bridge.verl.batch`),
 2. packs them with `build_layout` (one prompt per group, or with `PrefixSharingConfig.tree` the token
-   prefix tree: every common prefix once; samples of different temperatures share nothing;
-   `pad_multiple` = TP size),
+   prefix tree: every common prefix once, decided once per micro-batch by `decide_tree` and read by
+   the sharing rule too; samples of different temperatures share nothing; `pad_multiple` = TP size),
 3. runs the prefix-aware model on the packed THD sequence (`ps_bridge.forward.run_packed`), whatever
    verl's data format (`use_remove_padding` only changes how the *stock* engine pads; our model
    always takes the pack),
@@ -41,7 +41,7 @@ import torch
 from ps_bridge.config import PrefixSharingConfig
 from ps_bridge.forward import cp_total_multiple, local_shard, run_packed, shard_tag
 from ps_bridge.launch_rule import ModelCost, SharingDecision, sharing_for
-from ps_bridge.layout import build_layout, log_layout
+from ps_bridge.layout import build_layout, decide_tree, log_layout
 from ps_bridge.parallel import ParallelSettings
 from ps_bridge.parallel_info import rank_tag
 from ps_bridge.rows import PackedRows
@@ -142,23 +142,10 @@ class PrefixSharingEngineMixin:
         resolve_provider(self._prefix_sharing().provider, archs)  # unsupported architecture -> clear error
 
     def _check_parallel_layout(self) -> None:
-        """`ParallelSettings.check_supported` for verl's engine config, and the engine's own limit:
-        with trees (`PS_BRIDGE_TREE=1`, deeper than one level) the engine runs on one model-parallel
-        rank so far. The layouts run trees under TP/SP/PP/CP/EP (tests/test_tree_parallel.py), but the
-        engine's tree micro-batches under them are not tested yet: refused here, before anything is
-        built, with the verl settings that avoid it."""
-        sharing = self._prefix_sharing()
-        settings = ParallelSettings.from_config(self.engine_config)
-        settings.check_supported()
-        deep_trees = sharing.enabled and sharing.tree and (sharing.tree_max_depth is None or sharing.tree_max_depth > 1)
-        if not deep_trees:
-            return
-        for name, value in (("tensor_model_parallel_size", settings.tp), ("pipeline_model_parallel_size", settings.pp),
-                            ("context_parallel_size", settings.cp), ("expert_model_parallel_size", settings.ep)):
-            if value > 1:
-                raise ValueError(
-                    f"prefix trees in verl's engine run with every model-parallel size 1 so far, got {name}={value}: "
-                    "unset PS_BRIDGE_TREE (or set PS_BRIDGE_TREE_MAX_DEPTH=1) for this parallel layout")
+        """`ParallelSettings.check_supported` (the one owner of what parallel settings are refused) for
+        verl's engine config. Prefix trees of any depth (`PS_BRIDGE_TREE=1`) run under every layout it
+        accepts (tests/test_verl_plugin.py: the engine on trees at TP=2, CP=2, PP=2, EP=2)."""
+        ParallelSettings.from_config(self.engine_config).check_supported()
 
     def initialize(self):
         from ps_bridge.compat import verl as verl_compat
@@ -235,15 +222,21 @@ class PrefixSharingEngineMixin:
         # A shared position's logits are scaled by one temperature: samples of different temperatures
         # share no position (`share_classes`)
         classes = temperature_classes(temperature)
+        # with cfg.tree the token prefix tree is decided once (`decide_tree`, with the share classes):
+        # the sharing rule reads its token count, the layout packs it
+        tree = None
+        if cfg.enabled and cfg.tree:
+            tree = decide_tree(samples, "tree", vocab_size=vocab, min_shared=cfg.tree_min_shared,
+                               max_depth=cfg.tree_max_depth, share_classes=classes)
         pack = partial(build_layout, samples, pad_multiple=pad, vocab_size=vocab, total_multiple=cp_total_multiple(),
-                       prompt_values=cfg.layout_prompt_values, min_shared=cfg.tree_min_shared,
-                       max_depth=cfg.tree_max_depth, share_classes=classes)
+                       prompt_values=cfg.layout_prompt_values, share_classes=classes)
         # the sharing rule (`ps_bridge.launch_rule`): shared only where the unshared GPU work outweighs
         # the shared path's host time; host integers only, so every TP/CP/PP rank decides alike
         decision = sharing_for(samples, cfg, self._model_cost(), device.type,
-                               str(unwrap_model(model).config.params_dtype).replace("torch.", ""))
-        # one level (identical prompts), or with cfg.tree the token prefix tree
-        layout = pack(share=cfg.layout_share(decision.share))
+                               str(unwrap_model(model).config.params_dtype).replace("torch.", ""), trie=tree)
+        # one level (identical prompts), or with cfg.tree the token prefix tree decided above
+        share = cfg.layout_share(decision.share)
+        layout = pack(share=share, tree=tree) if share == "tree" else pack(share=share)
         if layout.shared and not layout.has_sharing:
             if decision.share and classes is not None:
                 decision = SharingDecision(False, "samples that share a prefix carry different temperatures: not shared")

@@ -1,0 +1,166 @@
+"""Step 3 of the layout: materialize the pack's tensors and the way back.
+
+Given the samples' flattened sequences, the prefix tree (step 1, `ps_bridge.tree.decide`) and the
+pack order (step 2, `ps_bridge.tree.order`): one segment per node in pack order, padded at its end
+to `pad_multiple` (the last one further, so the pack is a multiple of `total_multiple`); per token
+its id, its position in its own sequence (padding continues the positions), its segment; per
+segment the tree (parent, level, depth-first interval); and the way back, each sample's row of
+`P_i + R_i` packed positions (its path from its root, a piece per node) with its own labels, and
+the read positions when `prompt_values` is off. All numpy over the tokens, a Python step per node
+of each sample's path only.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import numpy as np
+import torch
+
+from ps_bridge.tree.decide import PrefixTree
+from ps_bridge.tree.order import PackOrder
+
+
+def _padded(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _repeat_arange(lengths: np.ndarray):
+    """`(index of the run, offset inside the run)` for runs of `lengths`, concatenated."""
+    runs = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    return runs, np.arange(int(lengths.sum()), dtype=np.int64) - starts[runs]
+
+
+def materialize(
+    flat: np.ndarray,
+    offsets: np.ndarray,
+    prompt_lengths: np.ndarray,
+    tree: PrefixTree,
+    order: PackOrder,
+    *,
+    shared: bool,
+    pad_multiple: int = 1,
+    total_multiple: int = 1,
+    pad_token_id: int = 0,
+    prompt_values: bool = True,
+    vocab_size: Optional[int] = None,
+) -> PackedPrefixLayout:
+    """Step 3: the tensors of the pack in `order` (one segment per node, padded at its end to
+    `pad_multiple`, the last one further to make the pack a multiple of `total_multiple`) and the
+    way back (each sample's row of `P_i + R_i` packed positions and labels)."""
+    from ps_bridge.layout import PackedPrefixLayout, cumulative_offsets  # the layout's type (which imports this)
+
+    nodes = order.nodes
+    N = nodes.size
+    B = tree.num_samples
+    start, end, owner = tree.node_start[nodes], tree.node_end[nodes], tree.node_sample[nodes]
+    valid_lengths = (end - start).tolist()
+    padded_lengths = [_padded(n, pad_multiple) for n in valid_lengths]
+    padded_lengths[-1] += _padded(sum(padded_lengths), total_multiple) - sum(padded_lengths)
+    seg_offsets = cumulative_offsets(padded_lengths)
+    cu_valid = cumulative_offsets(valid_lengths)
+    padded = np.asarray(padded_lengths, dtype=np.int64)
+    seg_start = np.asarray(seg_offsets[:-1], dtype=np.int64)
+
+    # per token: its segment and its offset inside the segment (padding continues the positions so
+    # RoPE tables stay monotone; padding is never attended to)
+    segment, within = _repeat_arange(padded)
+    positions = start[segment] + within
+    valid = within < (end - start)[segment]
+    tokens = np.full(segment.size, pad_token_id, dtype=np.int64)
+    tokens[valid] = flat[(offsets[owner] + start)[segment[valid]] + within[valid]]
+
+    # each segment's root (parents come in earlier levels)
+    root = np.arange(N, dtype=np.int64)
+    for d in range(1, order.depth + 1):
+        k = np.arange(order.level_offsets[d], order.level_offsets[d + 1])
+        root[k] = root[order.parent[k]]
+    is_root = order.level == 0
+    pack_index = np.empty(N, dtype=np.int64)
+    pack_index[nodes] = np.arange(N)
+    terminal = pack_index[tree.sample_node]
+    sample_group = root[terminal]
+    num_roots = order.level_offsets[1]
+    group_size = np.bincount(sample_group, minlength=num_roots)
+
+    # the way back: each sample's path from its root, one piece of row per node
+    lengths = np.diff(offsets)
+    path_nodes: List[int] = []
+    path_count = np.empty(B, dtype=np.int64)
+    parent = order.parent.tolist()
+    for i, k in enumerate(terminal.tolist()):
+        path = []
+        while k >= 0:
+            path.append(k)
+            k = parent[k]
+        path_nodes.extend(reversed(path))
+        path_count[i] = len(path)
+    path_nodes = np.asarray(path_nodes, dtype=np.int64)
+    path_sample = np.repeat(np.arange(B, dtype=np.int64), path_count)
+    piece = np.minimum(end[path_nodes], lengths[path_sample]) - start[path_nodes]
+    row_node = np.repeat(path_nodes, piece)
+    row_sample, row_t = _repeat_arange(lengths)
+    row_source = seg_start[row_node] + row_t - start[row_node]
+    row_label = np.empty_like(flat)
+    row_label[:-1] = flat[1:]
+    row_label[offsets[1:] - 1] = -1
+    output_positions = None
+    if shared and not prompt_values:
+        # what verl's losses read: row positions P_i - 1 on (each response, with its fork position)
+        # (a mask over the pack, not a sort: linear in the tokens)
+        read = np.zeros(segment.size, dtype=bool)
+        read[row_source[row_t >= prompt_lengths[row_sample] - 1]] = True
+        output_positions = torch.from_numpy(np.flatnonzero(read))
+
+    as_long = lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))  # noqa: E731
+    level_list = order.level.tolist()
+    host = dict(
+        valid_lengths=valid_lengths,
+        padded_lengths=padded_lengths,
+        cu_seqlens=cu_valid,
+        cu_seqlens_padded=seg_offsets,
+        segment_group=root.tolist(),
+        segment_is_prompt=is_root.tolist(),
+        group_size=group_size.tolist(),
+        max_valid_length=max(valid_lengths),
+        max_padded_length=max(padded_lengths),
+        segment_parent=parent,
+        segment_level=level_list,
+        level_offsets=list(order.level_offsets),
+        depth=order.depth,
+    )
+    return PackedPrefixLayout(
+        tokens=as_long(tokens),
+        positions=as_long(positions),
+        segment_ids=as_long(segment),
+        group_ids=as_long(root[segment]),
+        is_prompt=torch.from_numpy(is_root[segment]),
+        valid=torch.from_numpy(valid),
+        segment_group=as_long(root),
+        segment_is_prompt=torch.from_numpy(is_root.copy()),
+        valid_lengths=torch.tensor(valid_lengths, dtype=torch.int32),
+        padded_lengths=torch.tensor(padded_lengths, dtype=torch.int32),
+        cu_seqlens=torch.tensor(cu_valid, dtype=torch.int32),
+        cu_seqlens_padded=torch.tensor(seg_offsets, dtype=torch.int32),
+        group_size=as_long(group_size),
+        sample_group=as_long(sample_group),
+        sample_segment=as_long(terminal),
+        sample_prompt_length=as_long(prompt_lengths),
+        sample_response_length=as_long(lengths - prompt_lengths),
+        row_offsets=as_long(offsets),
+        row_source=as_long(row_source),
+        row_label=as_long(row_label),
+        shared=shared,
+        pad_multiple=pad_multiple,
+        num_prompt_segments=num_roots,
+        tokens_unshared=int(offsets[-1]),
+        tokens_shared=int(sum(valid_lengths)),
+        host=host,
+        vocab_size=vocab_size,
+        output_positions=output_positions,
+        segment_parent=as_long(order.parent),
+        segment_level=as_long(order.level),
+        segment_tin=as_long(order.tin),
+        segment_tout=as_long(order.tout),
+    )
