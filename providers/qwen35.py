@@ -132,15 +132,14 @@ class PrefixSharedQwen35BridgeMixin:
 
     def provider_bridge(self, hf_pretrained):
         provider = super().provider_bridge(hf_pretrained)
+        compat_megatron_bridge.exact_attention_pattern(provider, hf_pretrained.config)
         if self.vl_provider_class is not None:
             provider.__class__ = self.vl_provider_class  # our subclass only adds methods and gdn_backend
         make_prefix_shared(provider, self.gdn_backend)
         return provider
 
     def mapping_registry(self):
-        from ps_bridge.compat.megatron_bridge import experts_as_stored
-
-        return experts_as_stored(super().mapping_registry(), getattr(self, "hf_pretrained", None))
+        return compat_megatron_bridge.experts_as_stored(super().mapping_registry(), getattr(self, "hf_pretrained", None))
 
 
 class PrefixSharedQwen35Bridge(PrefixSharedQwen35BridgeMixin, Qwen35Bridge):

@@ -229,7 +229,11 @@ def test_labels_with_read_positions_are_refused(qwen2_loaded):
 
 def test_qwen35_conditional_generation_language_model_runs_read_positions(tmp_path):
     """The Qwen3.5 ConditionalGeneration model's language model (Megatron-Bridge's Qwen3VLGPTModel)
-    takes the selection too; its response log-probs equal the unshared run's."""
+    takes the selection too; its response log-probs equal the unshared run's. Skipped where the VL
+    model is refused (Megatron-Bridge < 0.6.0)."""
+    from qwen35_helpers import skip_where_vl_refused
+
+    skip_where_vl_refused()
     from ps_bridge.models.qwen35_vl import PrefixSharedQwen3VLGPTModel
     from ps_bridge.runtime import load_model
     from ps_bridge.tiny_checkpoints import TINY_BUILDERS

@@ -7,6 +7,8 @@ is not declared (pyproject.toml says why); `ps-bridge doctor` checks it (tests/t
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -93,6 +95,20 @@ def test_dependencies_are_met_in_this_environment():
     assert not unmet, unmet
 
 
+def test_every_source_folder_is_a_listed_package():
+    """pyproject.toml lists the packages one by one (providers/ and models/ are mapped into
+    ps_bridge): a new sub-package left off the list would be missing from the wheel (and only from
+    the wheel: the editable install finds it)."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {ROOT / folder for folder in setuptools["package-dir"].values()}
+    listed = set()
+    for package in setuptools["packages"]:
+        mapped = max((p for p in setuptools["package-dir"] if package == p or package.startswith(p + ".")), key=len)
+        listed.add(ROOT / setuptools["package-dir"][mapped] / package[len(mapped):].lstrip(".").replace(".", "/"))
+    found = {path.parent for folder in folders for path in folder.rglob("*.py") if "__pycache__" not in path.parts}
+    assert found == listed, f"not listed: {sorted(map(str, found - listed))}; listed, not found: {sorted(map(str, listed - found))}"
+
+
 def _minors_allowed():
     spec = SpecifierSet(PROJECT["requires-python"])
     return [f"3.{m}" for m in range(8, 14) if spec.contains(f"3.{m}.0")]
@@ -176,3 +192,74 @@ def test_installing_the_wheel_changes_no_other_package(python, wheel):
     report = json.loads(proc.stdout)
     installs = [(i["metadata"]["name"], i["metadata"]["version"]) for i in report["install"]]
     assert installs == [("ps-bridge", PROJECT["version"])], installs
+
+
+# ---- the wheel, installed into a venv that holds a stack, then run ---------------------------------
+
+RUN_INSTALLED = """
+import json, sys
+from ps_bridge.tiny_checkpoints import build_tiny_qwen2
+build_tiny_qwen2(sys.argv[1])
+samples = [{"prompt": [1, 2, 3, 4], "response": [5, 6, 7]}, {"prompt": [1, 2, 3, 4], "response": [8, 9]}]
+open(sys.argv[2], "w").write(json.dumps({"samples": samples}))
+"""
+
+
+def _stack_overlay(python: Path, root: Path) -> Path:
+    """A fresh venv whose site-packages sees `python`'s venv (its stack) through links, without the
+    ps-bridge installed there: as if the stack had been installed into it first. Nothing is written
+    to the stack's venv; pip, which leaves packages outside its own venv alone, installs into ours."""
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True, timeout=120).stdout.strip())
+    stack = root / "stack"
+    stack.mkdir()
+    for entry in site.iterdir():
+        if not entry.name.lower().replace("-", "_").startswith(("ps_bridge", "__editable__", "__editable___ps_bridge")):
+            (stack / entry.name).symlink_to(entry)
+    base = subprocess.run([str(python), "-c", "import sys; print(sys._base_executable)"],
+                          capture_output=True, text=True, check=True, timeout=120).stdout.strip()
+    venv = root / "venv"
+    subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300)
+    purelib = Path(subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                  capture_output=True, text=True, check=True, timeout=120).stdout.strip())
+    (purelib / "_stack.pth").write_text(f"import site; site.addsitedir({str(stack)!r})\n")
+    return venv
+
+
+@pytest.mark.slow
+def test_wheel_installs_alone_into_a_stack_venv_and_its_commands_run(wheel, tmp_path):
+    """Issue 18's install check, offline, for the stack this test run is on (so `make test STACK=oldest`
+    runs it on the oldest, `make test-all` on the newest): pip (the stack venv's own, through its
+    resolver, no index) installs the wheel into a venv holding the stack; `pip freeze` changes by
+    ps-bridge alone; the installed `ps-bridge demo`, `logprobs` (a tiny local checkpoint) and `doctor`
+    exit 0, run from outside the checkout with no path to it."""
+    python = Path(sys.prefix) / "bin" / "python"
+    venv = _stack_overlay(python, tmp_path)
+    vpython = venv / "bin" / "python"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PS_WT", "VIRTUAL_ENV")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    pip = [str(python), "-m", "pip", "--python", str(vpython), "--disable-pip-version-check"]
+
+    def freeze():
+        proc = subprocess.run([*pip, "freeze", "--all"], capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return set(proc.stdout.splitlines())
+
+    before = freeze()
+    proc = subprocess.run([*pip, "install", "--no-index", str(wheel)], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    after = freeze()
+    assert before - after == set(), f"pip changed or removed: {sorted(before - after)}"
+    assert {re.split("==| @ ", line)[0] for line in after - before} == {"ps-bridge"}, sorted(after - before)
+
+    run = dict(capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+    proc = subprocess.run([str(vpython), "-c", "import ps_bridge, sys; print(ps_bridge.__file__)"], **run)
+    assert proc.returncode == 0 and str(venv) in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    proc = subprocess.run([str(vpython), "-c", RUN_INSTALLED, str(tmp_path / "ckpt"), str(tmp_path / "batch.json")], **run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cli = str(venv / "bin" / "ps-bridge")
+    for args in (["demo"], ["logprobs", "--hf-path", str(tmp_path / "ckpt"), "--batch", str(tmp_path / "batch.json"),
+                            "--out", str(tmp_path / "out.json")], ["doctor"]):
+        proc = subprocess.run([cli, *args], **run)
+        assert proc.returncode == 0, f"ps-bridge {' '.join(args)}: {proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    assert json.loads((tmp_path / "out.json").read_text())["groups"] == 1

@@ -54,15 +54,31 @@ def test_fla_backward_refused_on_hopper_with_old_triton(monkeypatch):
     assert "Triton to >= 3.7.1" in str(err.value) and "pip install tilelang" in str(err.value)
 
 
-@pytest.mark.parametrize(
-    "kw", [dict(tilelang=True), dict(triton_version="3.7.1"), dict(capability=(8, 0)), dict(triton_version="3.3.1")]
-)
+@pytest.mark.parametrize("kw", [dict(triton_version="3.7.1"), dict(capability=(8, 0)), dict(triton_version="3.3.1")])
 def test_fla_backward_allowed_otherwise(monkeypatch, kw):
     fake_gpu(monkeypatch, **kw)
     assert fla_backend.hopper_backward_problem(torch.device("cuda", 0)) is None
     check_gdn_backend_usable("fla", torch.device("cuda", 0))
     # torch_ref never needs fla
     check_gdn_backend_usable("torch_ref", torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("fla_version, allowed", [("0.6.0", True), ("0.4.2", False)])
+def test_tilelang_allows_the_hopper_backward_only_from_fla_0_6(monkeypatch, fla_version, allowed):
+    """With tilelang installed fla-core 0.6.0+ runs the Triton-sensitive kernel with tilelang
+    (compat/fla.py `tilelang_backward_route`); fla-core before 0.6.0 has no such route, so the refusal
+    stays and names the fla-core it needs (both cases on every stack: the version is faked)."""
+    import importlib.metadata
+
+    fake_gpu(monkeypatch, tilelang=True)
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: fla_version if name == "fla-core" else real_version(name))
+    problem = fla_backend.hopper_backward_problem(torch.device("cuda", 0))
+    if allowed:
+        assert problem is None
+        check_gdn_backend_usable("fla", torch.device("cuda", 0))
+    else:
+        assert "fla-core >= 0.6.0" in problem and "Triton to >= 3.7.1" in problem
 
 
 def test_check_runs_when_the_model_is_built(monkeypatch, tmp_path):

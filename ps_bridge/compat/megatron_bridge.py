@@ -7,6 +7,9 @@
   release (`dispatch_sources`).
 - How routed MoE experts are mapped: 0.5.x maps Qwen3.5 MoE decoder experts as fused tensors only;
   0.6 follows the checkpoint's layout (`experts_as_stored`).
+- Which layers are Gated DeltaNet: 0.5.x reads the HF config's `layer_types` as one interval (the
+  first full-attention layer's index + 1), so a checkpoint whose layer kinds are not periodic gets the
+  wrong kind at some layers; 0.6 takes the per-layer list (`exact_attention_pattern`).
 - The Qwen3.5 ConditionalGeneration (VL) model: on 0.5.x our prefix-shared run of it gave gradients
   that differ from the unshared run (relative 0.61, tests/test_qwen35_model.py's VL cases, cause not
   found), so it is refused there (`vl_refusal`); the text-only models are unaffected.
@@ -43,6 +46,26 @@ def vl_refusal() -> Optional[str]:
         f"megatron-bridge>={VL_SINCE} (`pip install --no-deps megatron-bridge==0.6.2`), or train the "
         "text-only model (a Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM checkpoint)."
     )
+
+
+_LAYER_KINDS = {"linear_attention": 1, "full_attention": 0}  # megatron's pattern: 1 = Gated DeltaNet
+
+
+def exact_attention_pattern(provider, hf_config) -> None:
+    """Set `provider.linear_attention_freq` to the per-layer pattern of the HF config's `layer_types`
+    (the text config's, for a ConditionalGeneration config), as Megatron-Bridge 0.6 does; 0.5.x sets
+    an interval, which is right only where the layer kinds are periodic. No `layer_types`: unchanged."""
+    text_config = getattr(hf_config, "text_config", None) or hf_config
+    layer_types = getattr(text_config, "layer_types", None)
+    if not isinstance(layer_types, (list, tuple)) or not layer_types:
+        return
+    unknown = sorted(set(layer_types) - set(_LAYER_KINDS))
+    if unknown:
+        raise ValueError(
+            f"the checkpoint's config.json `layer_types` has {unknown}: Qwen3.5 layers are "
+            f"{sorted(_LAYER_KINDS)}. Fix: a Qwen3.5 checkpoint, or another `PS_BRIDGE_PROVIDER`."
+        )
+    provider.linear_attention_freq = [_LAYER_KINDS[kind] for kind in layer_types]
 
 
 def dispatch_sources(source) -> List[object]:

@@ -200,6 +200,14 @@ def _megatron_rng_tracker_on_cpu() -> None:
     mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
 
 
+def cpu_device_module_can_empty_cache() -> None:
+    """verl 0.8.0 (no platform plugin) takes its device module as `getattr(torch, "cpu")` and calls
+    its `empty_cache()` after moving a model (e.g. `get_per_tensor_param`, the weight export); torch's
+    `torch.cpu` has none (2.9.1-2.14.1): give it a no-op, a CPU has no cache to empty."""
+    if not hasattr(torch.cpu, "empty_cache"):
+        torch.cpu.empty_cache = lambda: None
+
+
 def use_cpu_platform() -> None:
     """verl's device "cpu" where there is no accelerator, and its engine lookup taking the GPU
     engine's key from `VERL_ENGINE_DEVICE` (`ps_bridge.compat.verl`: verl 0.8.0 reads torch's device
@@ -211,6 +219,7 @@ def use_cpu_platform() -> None:
     verl_compat.engine_lookup_honours_device_override()
     platform_manager = verl_compat.platform_manager()
     if platform_manager is None:
+        cpu_device_module_can_empty_cache()
         return
     from verl.plugin.platform.platform_cuda import PlatformCUDA
 
