@@ -28,12 +28,14 @@ def export_checkpoint(checkpoint: str, out: str, hf_config_dir: str | None = Non
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
-    from ps_bridge.checkpoint import CheckpointFileError, InexactLoadError, check_checkpoint_files, refuse_mtp_mismatch
+    from ps_bridge.checkpoint import (CheckpointFileError, InexactLoadError, check_checkpoint_files, refuse_mtp_mismatch,
+                                     verl_tree_path)
 
-    dist_dir = os.path.join(checkpoint, "model", "dist_ckpt")
-    hf_dir = hf_config_dir or os.path.join(checkpoint, "model", "huggingface")
+    # verl 0.9.1: model/dist_ckpt, model/huggingface; verl 0.8.0: dist_ckpt (with the optimizer), huggingface
+    dist_dir = verl_tree_path(checkpoint, "model")
+    hf_dir = hf_config_dir or verl_tree_path(checkpoint, "huggingface")
     if not os.path.isfile(os.path.join(dist_dir, ".metadata")):
-        if any(n.endswith(".safetensors") for n in os.listdir(hf_dir) if os.path.isdir(hf_dir)):
+        if os.path.isdir(hf_dir) and any(n.endswith(".safetensors") for n in os.listdir(hf_dir)):
             raise UsageError(f"{checkpoint} holds HF weights already ({hf_dir}): use that directory directly")
         raise UsageError(f"no dist-checkpointed model in {dist_dir} (saved with use_dist_checkpointing=True?)")
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
