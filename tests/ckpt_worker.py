@@ -5,7 +5,7 @@
 verl checkpoint to SAVE_DIR, train one more step (the uninterrupted run); `resume ...` (same arguments):
 load SAVE_DIR into a freshly built engine and train that one step. Either way OUT (OUT.rank<r> under
 torch.distributed.run) gets the last step's per-micro-batch losses (last pipeline stage), grad norm,
-learning rate, this rank's parameters and, on more than one rank, the whole model under HF names
+learning rate, the RNG states after the save / the load (`rng`), this rank's parameters and, on more than one rank, the whole model under HF names
 (Megatron-Bridge's export: gathered over TP / PP / EP, comparable across layouts: `hf`; `run`: `saved_hf`, the
 model the checkpoint holds). ENGINE: `ours` (prefix sharing on), `stock`
 (verl's MegatronEngineWithLMHead on Megatron-Bridge's stock provider) or `sequential` (ours with
@@ -158,20 +158,54 @@ def main(mode, kind, hf_ckpt, save_dir, out, k, dist, distopt, layout=""):
         # the GPU first (which fails without one): the manager directly
         with engine_call_on_cpu():
             engine.checkpoint_mananager.save_checkpoint(local_path=save_dir, global_step=k)
+        rng = _rng_states()  # what verl's extra/ holds
     else:
+        _scramble_rng()  # so that only the load can give back the saved states
         with engine_call_on_cpu():
             engine.load_checkpoint(save_dir, del_local_after_load=False)
+        rng = _rng_states()
     rank = torch_dist.get_rank() if torch_dist.is_initialized() and torch_dist.get_world_size() > 1 else None
     # (our bridge's mapping exports grouped experts, not SequentialMLP)
     whole_model = rank is not None and kind != "sequential"
     saved_hf = _hf_weights(engine) if whole_model and mode == "run" else None  # what the checkpoint holds
     result = _step(engine, samples, k)
+    result["rng"] = rng
     result["params"] = {n: p.detach().clone() for n, p in engine.module[0].named_parameters()}
     if whole_model:
         result["hf"], result["saved_hf"] = _hf_weights(engine), saved_hf
     torch.save(result, out if rank is None else f"{out}.rank{rank}")
-    print("RESULT " + json.dumps({"rank": rank or 0, **{k: v for k, v in result.items() if k not in ("params", "hf", "saved_hf")}}),
+    print("RESULT " + json.dumps({"rank": rank or 0, **{k: v for k, v in result.items() if k not in ("params", "hf", "saved_hf", "rng")}}),
           flush=True)
+
+
+def _rng_states() -> dict:
+    """The RNG states verl's checkpoint saves (python, numpy, torch, megatron's tracker; the CUDA one is the
+    CPU one here), as plain Python values."""
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
+    np_state = np.random.get_state()
+    return {"random": random.getstate(), "numpy": (np_state[0], np_state[1].tolist(), *np_state[2:]),
+            "torch": torch.get_rng_state().tolist(), "tracker": {k: v.tolist() for k, v in sorted(tracker.items())}}
+
+
+def _scramble_rng() -> None:
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    random.seed(12345)
+    np.random.seed(12345)
+    torch.manual_seed(12345)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    tracker.set_states({k: torch.manual_seed(54321 + i).get_state() for i, k in enumerate(sorted(tracker.get_states()))})
+    torch.manual_seed(12345)
 
 
 def _hf_weights(engine) -> dict:

@@ -113,6 +113,8 @@ def test_ours_resumes_ours_exactly(runs, family, dist):
     resumed step's losses and grad norm bit-equal, the out-norm weights equal to fp32 rounding only)."""
     uninterrupted, resumed = _resume(runs, family, "ours", "ours", dist)
     assert_same_step(uninterrupted, resumed, exact=dist == 1 or family == "qwen2.5")
+    # verl's extra/: the RNG states the resumed process had scrambled before the load are the saved ones
+    assert resumed["rng"] == uninterrupted["rng"]
 
 
 @pytest.mark.slow
