@@ -202,9 +202,9 @@ def _scramble_rng() -> None:
 
     random.seed(12345)
     np.random.seed(12345)
-    torch.manual_seed(12345)
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    tracker.set_states({k: torch.manual_seed(54321 + i).get_state() for i, k in enumerate(sorted(tracker.get_states()))})
+    if not torch.cuda.is_available():  # megatron's tracker holds CPU generator states here (CUDA ones on a GPU)
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        tracker.set_states({k: torch.manual_seed(54321 + i).get_state() for i, k in enumerate(sorted(tracker.get_states()))})
     torch.manual_seed(12345)
 
 
