@@ -4,7 +4,8 @@ tests/ckpt_worker.py; a case costs two).
 
 - at TP=2 + SP, PP=2 with an uneven split (2 + 1 layers), CP=2 (Qwen2.5) and EP=2 (Qwen3.5 MoE): ours resumes
   ours bit for bit (every rank's losses, grad norm, learning rate, parameters, and the whole model);
-- the stock engine and ours resume each other at the same layout (Qwen2.5); at EP=2 megatron's own expert
+- the stock engine and ours resume each other at the same layout (Qwen2.5; not CP=2: the stock engine's CPU
+  attention stand-in has no context parallelism); at EP=2 megatron's own expert
   module (SequentialMLP, the stock engine's; the stock Qwen3.5 engine does not run on a CPU) and ours
   (bit for bit but the grad norm, to rounding);
 - `ps-bridge export` of a TP=2 + SP and an EP=2 checkpoint equals the bridge's export of the saved model;
@@ -124,8 +125,10 @@ def test_grouped_and_sequential_mlp_experts_resume_each_other_under_expert_paral
         assert_same_step(a, dict(b, grad_norm=a["grad_norm"]), exact=True)
 
 
+# not CP=2: the stock engine's CPU attention (ps_bridge/verl/side_by_side.py, a stand-in for TE's / flash's)
+# has no context parallelism (its run fails on the CP shard's sequence lengths)
 @pytest.mark.parametrize("saver,loader", [("ours", "stock"), ("stock", "ours")])
-@pytest.mark.parametrize("family,layout", LAYOUTS)
+@pytest.mark.parametrize("family,layout", [fl for fl in LAYOUTS if fl[1] != "cp2"])
 def test_the_stock_engine_and_ours_resume_each_other_at_a_parallel_layout(parallel_runs, family, layout, saver, loader):
     uninterrupted, resumed = _resume(parallel_runs, family, saver, loader, layout)
     for a, b in zip(uninterrupted, resumed):  # stock vs ours: fp32 rounding
