@@ -122,14 +122,30 @@ def check_hf_checkpoint_files(hf_dir: str) -> None:
     _check_sizes(hf_dir, _safetensors_files(hf_dir))
 
 
+# verl's checkpoint layouts: 0.9.1's v2 (a tree per content) and 0.8.0's (one dist_ckpt tree holding the
+# model, when dist-checkpointed, the optimizer, scheduler and RNG states; the HF weights beside it)
+_TREE_PATHS = {
+    "v2": {"model": ("model", "dist_ckpt"), "optimizer": ("optimizer", "dist_ckpt"),
+           "extra": ("extra", "dist_ckpt"), "huggingface": ("model", "huggingface")},
+    "v1": {"model": ("dist_ckpt",), "optimizer": ("dist_ckpt",), "extra": ("dist_ckpt",),
+           "huggingface": ("huggingface",)},
+}
+
+
+def verl_checkpoint_layout(local_path: str) -> str:
+    """"v1" for verl 0.8.0's layout (`dist_ckpt/`, `huggingface/`), else "v2" (verl 0.9.1's)."""
+    v2 = any(os.path.isdir(os.path.join(local_path, d)) for d in ("model", "optimizer", "extra"))
+    return "v1" if not v2 and os.path.isdir(os.path.join(local_path, "dist_ckpt")) else "v2"
+
+
+def verl_tree_path(local_path: str, tree: str) -> str:
+    """Where tree `model` / `optimizer` / `extra` / `huggingface` of the checkpoint at `local_path` lies."""
+    return os.path.join(local_path, *_TREE_PATHS[verl_checkpoint_layout(local_path)][tree])
+
+
 def verl_checkpoint_trees(local_path: str) -> Dict[str, str]:
-    """verl 0.9.1's checkpoint trees that exist under `local_path` (its v2 layout): name -> directory."""
-    trees = {
-        "model": os.path.join(local_path, "model", "dist_ckpt"),
-        "optimizer": os.path.join(local_path, "optimizer", "dist_ckpt"),
-        "extra": os.path.join(local_path, "extra", "dist_ckpt"),
-        "huggingface": os.path.join(local_path, "model", "huggingface"),
-    }
+    """verl's checkpoint trees that exist under `local_path` (either layout): name -> directory."""
+    trees = {t: verl_tree_path(local_path, t) for t in ("model", "optimizer", "extra", "huggingface")}
     return {k: v for k, v in trees.items() if os.path.isdir(v)}
 
 
@@ -140,17 +156,17 @@ def check_checkpoint_files(local_path: str, trees: Optional[Iterable[str]] = Non
         # and an empty model/dist_ckpt with HF weights
         trees = [t for t in present if any(
             t != "huggingface" or n.endswith((".safetensors", ".safetensors.index.json")) for n in os.listdir(present[t]))]
+    checked = set()
     for name in trees:
         if name not in present:
-            raise CheckpointFileError(f"checkpoint directory {os.path.join(local_path, *_TREE_PATHS[name])} is missing")
+            raise CheckpointFileError(f"checkpoint directory {verl_tree_path(local_path, name)} is missing")
+        if present[name] in checked:  # (verl 0.8.0: one tree for model, optimizer and extra)
+            continue
+        checked.add(present[name])
         if name == "huggingface":
             check_hf_checkpoint_files(present[name])
         else:
             check_dist_checkpoint_files(present[name])
-
-
-_TREE_PATHS = {"model": ("model", "dist_ckpt"), "optimizer": ("optimizer", "dist_ckpt"),
-               "extra": ("extra", "dist_ckpt"), "huggingface": ("model", "huggingface")}
 
 
 # ---- loads that cannot be exact ------------------------------------------------------------------
@@ -169,7 +185,7 @@ def dist_checkpoint_keys(ckpt_dir: str) -> List[str]:
 def refuse_mtp_mismatch(ckpt_dirs: Iterable[str], model_has_mtp: bool) -> None:
     """Multi-token-prediction weights in the checkpoint but not in the model (or the reverse) are refused:
     the distributed optimizer's flat buffers would hold other parameters at the saved offsets."""
-    for d in ckpt_dirs:
+    for d in sorted(set(ckpt_dirs)):
         if not os.path.exists(os.path.join(d, ".metadata")):
             continue
         saved = any(".mtp." in f".{k}" for k in dist_checkpoint_keys(d))
@@ -185,7 +201,7 @@ def refuse_mtp_mismatch(ckpt_dirs: Iterable[str], model_has_mtp: bool) -> None:
 
 # ---- the distributed optimizer's dp_reshardable format -----------------------------------------------
 
-LAYOUT_RECORD = "ps_bridge_layout.json"  # under the checkpoint's optimizer/ directory, written by our engine
+LAYOUT_RECORD = "ps_bridge_layout.json"  # beside the checkpoint's optimizer tree (optimizer/), written by our engine
 FULLY_RESHARDABLE_FIX = (
     "resume at the saved layout with the same model, or save the checkpoint with "
     "actor_rollout_ref.actor.megatron.dist_ckpt_optim_fully_reshardable=True (megatron's fully reshardable "
@@ -199,6 +215,12 @@ def parallel_layout(model_chunks) -> Dict[str, int]:
     return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
             "cp": ps.get_context_parallel_world_size(), "ep": ps.get_expert_model_parallel_world_size(),
             "etp": ps.get_expert_tensor_parallel_world_size(), "vpp": len(model_chunks)}
+
+
+def layout_record_path(local_path: str) -> str:
+    """The layout record beside the checkpoint's optimizer tree: `optimizer/` (verl 0.9.1), the step's
+    directory (verl 0.8.0)."""
+    return os.path.join(os.path.dirname(verl_tree_path(local_path, "optimizer")), LAYOUT_RECORD)
 
 
 def _domain() -> str:
@@ -228,7 +250,7 @@ def buffer_order(model_chunks) -> str:
 
 def write_layout_record(local_path: str, model_chunks) -> None:
     """After a save: the parallel layout and every model-parallel position's buffer order, to
-    `optimizer/ps_bridge_layout.json` (rank 0 writes; every rank must call)."""
+    `layout_record_path` (rank 0 writes; every rank must call)."""
     import torch.distributed as dist
 
     mine = (_domain(), buffer_order(model_chunks))
@@ -238,7 +260,7 @@ def write_layout_record(local_path: str, model_chunks) -> None:
         dist.all_gather_object(gathered, mine)
     if dist.is_initialized() and dist.get_rank() != 0:
         return
-    path = os.path.join(local_path, "optimizer", LAYOUT_RECORD)
+    path = layout_record_path(local_path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump({"layout": parallel_layout(model_chunks), "buffers": dict(gathered)}, f, indent=1, sort_keys=True)
@@ -262,8 +284,8 @@ def refuse_dp_reshardable_change(local_path: str, model_chunks, sharding_type: O
     shows the same layout and, at this rank's model-parallel position, the same buffer order."""
     if sharding_type != "dp_reshardable":
         return
-    path = os.path.join(local_path, "optimizer", LAYOUT_RECORD)
-    head = (f"{os.path.join(local_path, 'optimizer')}: the distributed optimizer's state was saved in megatron's "
+    path = layout_record_path(local_path)
+    head = (f"{verl_tree_path(local_path, 'optimizer')}: the distributed optimizer's state was saved in megatron's "
             "`dp_reshardable` format (flat DDP buckets), which loads correctly only at the saved parallel layout "
             "and parameter order")
     if not os.path.isfile(path):

@@ -29,7 +29,13 @@ def main(hf, tp, ep, pp, out):
         provider.moe_grouped_gemm = False
 
     qwen35.make_prefix_shared = with_sequential_mlp
-    stock = load_model(hf, tp=tp, ep=ep, pp=pp).model
+    from transformers import AutoConfig
+
+    from ps_bridge.runtime import load_model_from_hf_config
+
+    # megatron's random initial weights: only the layout is compared (Megatron-Bridge 0.5.0 could not load
+    # Qwen3.5 MoE's HF experts into SequentialMLP)
+    stock = load_model_from_hf_config(AutoConfig.from_pretrained(hf), tp=tp, ep=ep, pp=pp).model
     qwen35.make_prefix_shared = orig
     rank = dist.get_rank()
     torch.save({"ours": sharded_layout(ours.sharded_state_dict()),

@@ -5,8 +5,9 @@
 verl checkpoint to SAVE_DIR, train one more step (the uninterrupted run); `resume ...` (same arguments):
 load SAVE_DIR into a freshly built engine and train that one step. Either way OUT (OUT.rank<r> under
 torch.distributed.run) gets the last step's per-micro-batch losses (last pipeline stage), grad norm,
-learning rate, this rank's parameters and, on more than one rank, the whole model under HF names
-(Megatron-Bridge's export: gathered over TP / PP / EP, comparable across layouts). ENGINE: `ours` (prefix sharing on), `stock`
+learning rate, the RNG states after the save / the load (`rng`), this rank's parameters and, on more than one rank, the whole model under HF names
+(Megatron-Bridge's export: gathered over TP / PP / EP, comparable across layouts: `hf`; `run`: `saved_hf`, the
+model the checkpoint holds). ENGINE: `ours` (prefix sharing on), `stock`
 (verl's MegatronEngineWithLMHead on Megatron-Bridge's stock provider) or `sequential` (ours with
 megatron's own SequentialMLP experts in place of our grouped ones: the stock expert module); DIST:
 use_dist_checkpointing (0/1); DISTOPT: the distributed optimizer (0/1); LAYOUT: e.g. `tp2sp`, `pp2`,
@@ -50,6 +51,7 @@ def _engine(kind: str, hf_ckpt: str, dist: bool, distopt: bool, layout: dict):
     # a dist checkpoint, `dist_checkpointing_path`); the flag is set on the checkpoint manager below
     engine_config = McoreEngineConfig(forward_only=False, use_distributed_optimizer=distopt,
                                       use_dist_checkpointing=False, override_transformer_config=overrides,
+                                      vanilla_mbridge=False,  # (verl 0.8.0's default is True)
                                       dist_ckpt_optim_fully_reshardable=os.environ.get("PS_CKPT_FULLY_RESHARDABLE") == "1",
                                       **layout)
     # no clipping (megatron clips CUDA tensors only); a warm-up and a decay: the scheduler's state matters at the resumed step
@@ -75,6 +77,8 @@ def _engine(kind: str, hf_ckpt: str, dist: bool, distopt: bool, layout: dict):
                               optimizer_config=optimizer_config, forward_only=False, dtype=dtype)
         engine.prefix_sharing_config = PrefixSharingConfig(enabled=os.environ.get("PS_CKPT_SHARING", "on") == "on")
     engine.checkpoint_mananager.use_dist_checkpointing = dist
+    if hasattr(engine.checkpoint_mananager, "use_hf_checkpoint"):  # verl 0.8.0 reads this one too
+        engine.checkpoint_mananager.use_hf_checkpoint = not dist
     if os.environ.get("PS_CKPT_LOAD_CONTENTS"):  # verl's actor.checkpoint.load_contents
         engine.checkpoint_mananager.checkpoint_load_contents = os.environ["PS_CKPT_LOAD_CONTENTS"].split(",")
     return engine
@@ -154,19 +158,62 @@ def main(mode, kind, hf_ckpt, save_dir, out, k, dist, distopt, layout=""):
         # the GPU first (which fails without one): the manager directly
         with engine_call_on_cpu():
             engine.checkpoint_mananager.save_checkpoint(local_path=save_dir, global_step=k)
+        rng = _rng_states()  # what verl's extra/ holds
     else:
+        _scramble_rng()  # so that only the load can give back the saved states
         with engine_call_on_cpu():
             engine.load_checkpoint(save_dir, del_local_after_load=False)
-    result = _step(engine, samples, k)
-    result["params"] = {n: p.detach().clone() for n, p in engine.module[0].named_parameters()}
+        rng = _rng_states()
     rank = torch_dist.get_rank() if torch_dist.is_initialized() and torch_dist.get_world_size() > 1 else None
-    if rank is not None and kind != "sequential":  # (our bridge's mapping exports grouped experts)
-        with engine_call_on_cpu():
-            result["hf"] = {n: t.detach().clone() for n, t in
-                            engine.bridge.export_hf_weights(engine.module, cpu=True, show_progress=False)}
+    # (our bridge's mapping exports grouped experts, not SequentialMLP)
+    whole_model = rank is not None and kind != "sequential"
+    saved_hf = _hf_weights(engine) if whole_model and mode == "run" else None  # what the checkpoint holds
+    result = _step(engine, samples, k)
+    result["rng"] = rng
+    result["params"] = {n: p.detach().clone() for n, p in engine.module[0].named_parameters()}
+    if whole_model:
+        result["hf"], result["saved_hf"] = _hf_weights(engine), saved_hf
     torch.save(result, out if rank is None else f"{out}.rank{rank}")
-    print("RESULT " + json.dumps({"rank": rank or 0, **{k: v for k, v in result.items() if k not in ("params", "hf")}}),
+    print("RESULT " + json.dumps({"rank": rank or 0, **{k: v for k, v in result.items() if k not in ("params", "hf", "saved_hf", "rng")}}),
           flush=True)
+
+
+def _rng_states() -> dict:
+    """The RNG states verl's checkpoint saves (python, numpy, torch, megatron's tracker; the CUDA one is the
+    CPU one here), as plain Python values."""
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
+    np_state = np.random.get_state()
+    return {"random": random.getstate(), "numpy": (np_state[0], np_state[1].tolist(), *np_state[2:]),
+            "torch": torch.get_rng_state().tolist(), "tracker": {k: v.tolist() for k, v in sorted(tracker.items())}}
+
+
+def _scramble_rng() -> None:
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    random.seed(12345)
+    np.random.seed(12345)
+    if not torch.cuda.is_available():  # megatron's tracker holds CPU generator states here (CUDA ones on a GPU)
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        tracker.set_states({k: torch.manual_seed(54321 + i).get_state() for i, k in enumerate(sorted(tracker.get_states()))})
+    torch.manual_seed(12345)
+
+
+def _hf_weights(engine) -> dict:
+    """The whole model under HF names: Megatron-Bridge's export, gathered over TP / PP / EP (every rank calls)."""
+    from ps_bridge.compat.verl_on_cpu import engine_call_on_cpu
+
+    with engine_call_on_cpu():
+        return {n: t.detach().clone() for n, t in engine.bridge.export_hf_weights(engine.module, cpu=True, show_progress=False)}
 
 
 if __name__ == "__main__":

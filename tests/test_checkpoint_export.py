@@ -4,7 +4,6 @@ Qwen2.5 in the default suite, Qwen3.5 dense / MoE slow; one process each."""
 
 import json
 import os
-import shutil
 
 import pytest
 import torch
@@ -30,12 +29,13 @@ def test_export_equals_the_bridge_export_and_logprobs_equal_the_live_model(tmp_p
     with torch.no_grad():  # trained weights: not the HF checkpoint's
         for p in live.model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    ckpt = tmp_path / "global_step_3"  # verl's layout: model/dist_ckpt + model/huggingface (config, tokenizer)
+    # verl 0.9.1's layout with use_dist_checkpointing=True: model/dist_ckpt, no HF config (save_contents without
+    # 'hf_model'): --hf-config names the model the run started from
+    ckpt = tmp_path / "global_step_3"
     (ckpt / "model" / "dist_ckpt").mkdir(parents=True)
     dist_checkpointing.save(live.model.sharded_state_dict(), str(ckpt / "model" / "dist_ckpt"))
-    shutil.copytree(hf, ckpt / "model" / "huggingface", ignore=shutil.ignore_patterns("*.safetensors*"))
     out = str(tmp_path / "exported")
-    assert main(["export", "--checkpoint", str(ckpt), "--out", out]) == 0
+    assert main(["export", "--checkpoint", str(ckpt), "--out", out, "--hf-config", hf]) == 0
     exported = load_file(os.path.join(out, "model.safetensors"))
     reference = dict(live.bridge.export_hf_weights([live.model], cpu=True, show_progress=False))
     assert set(exported) == set(reference)

@@ -1,6 +1,6 @@
 """Our models' sharded checkpoints are megatron's stock ones (docs/checkpoints.md): the same keys, global
 shapes, offsets, fragmentations and replica ids as the stock modules of the same settings (megatron's
-local spec), single rank here; TP=2 / EP=2 / PP=2 (even and uneven) on two ranks (slow).
+local spec), single rank here (`core`: both stacks); TP=2 / EP=2 / PP=2 (even and uneven) on two ranks (slow).
 A grouped-expert checkpoint loads into megatron's SequentialMLP and back with equal values."""
 
 import pytest
@@ -14,19 +14,24 @@ def _load(path, monkeypatch=None, sequential=False, **kw):
 
     import_megatron_bridge()
     import ps_bridge.providers.qwen35 as qwen35
-    from ps_bridge.runtime import load_model
+    from ps_bridge.runtime import load_model, load_model_from_hf_config
 
-    if sequential:  # megatron's own SequentialMLP experts: the stock local spec's MoE experts
-        orig = qwen35.make_prefix_shared
+    if not sequential:
+        return load_model(path, **kw)
+    # megatron's own SequentialMLP experts (the stock local spec's MoE experts), with megatron's random
+    # initial weights: what the tests compare is saved from ours or loaded into it (Megatron-Bridge 0.5.0
+    # maps Qwen3.5 MoE's HF experts onto grouped experts only, so it could not load them here)
+    from transformers import AutoConfig
 
-        def with_sequential_mlp(provider, gdn_backend):
-            orig(provider, gdn_backend)
-            provider.moe_grouped_gemm = False
+    orig = qwen35.make_prefix_shared
 
-        monkeypatch.setattr(qwen35, "make_prefix_shared", with_sequential_mlp)
-    loaded = load_model(path, **kw)
-    if sequential:
-        monkeypatch.setattr(qwen35, "make_prefix_shared", orig)
+    def with_sequential_mlp(provider, gdn_backend):
+        orig(provider, gdn_backend)
+        provider.moe_grouped_gemm = False
+
+    monkeypatch.setattr(qwen35, "make_prefix_shared", with_sequential_mlp)
+    loaded = load_model_from_hf_config(AutoConfig.from_pretrained(path), **kw)
+    monkeypatch.setattr(qwen35, "make_prefix_shared", orig)
     return loaded
 
 
@@ -39,6 +44,7 @@ def moe_path(tmp_path_factory):
     return path
 
 
+@pytest.mark.core  # both stacks (a few seconds each)
 def test_grouped_experts_save_what_sequential_mlp_saves(moe_path, monkeypatch):
     from megatron.core.transformer.moe.experts import SequentialMLP
 
@@ -65,6 +71,7 @@ def test_grouped_experts_save_what_sequential_mlp_saves(moe_path, monkeypatch):
         assert f"decoder.layers.{i}.input_layernorm.weight" not in keys
 
 
+@pytest.mark.core  # both stacks (a few seconds each)
 def test_qwen2_saves_what_the_stock_local_spec_saves(tmp_path):
     """Qwen2.5 (attention, norms, vocabulary): our provider's model against megatron's local GPT layer
     spec on the same provider."""
@@ -86,12 +93,13 @@ def test_qwen2_saves_what_the_stock_local_spec_saves(tmp_path):
     assert any(r[0] == "decoder.layers.self_attention.linear_qkv.layer_norm_weight" for r in ours)
 
 
+@pytest.mark.core  # both stacks (a few seconds each)
 def test_grouped_checkpoint_loads_into_sequential_mlp_and_back(moe_path, monkeypatch, tmp_path):
     from megatron.core import dist_checkpointing
 
     ours = _load(moe_path).model
     stock = _load(moe_path, monkeypatch, sequential=True).model
-    with torch.no_grad():  # values the stock model cannot have from the HF checkpoint
+    with torch.no_grad():  # values neither model has from its initialisation
         for p in ours.parameters():
             p.add_(torch.randn_like(p) * 0.1)
         for p in stock.parameters():

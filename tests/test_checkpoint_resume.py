@@ -1,4 +1,5 @@
-"""Exact resume through verl 0.9.1's checkpoints (docs/checkpoints.md), CPU, fp32, one rank.
+"""Exact resume through verl's checkpoints (docs/checkpoints.md), CPU, fp32, one rank: verl 0.9.1 (its v2
+layout); the default case (`core`) on verl 0.8.0 too (its older layout).
 
 Each run is its own process (tests/ckpt_worker.py): train K steps, save, train one more step (the
 uninterrupted run); a NEW process builds an engine, loads the checkpoint and trains that one step. Its
@@ -19,7 +20,7 @@ import sys
 import pytest
 
 if importlib.util.find_spec("verl") is None:
-    pytest.skip("verl 0.9.1 is not installed (requirements-verl*.txt)", allow_module_level=True)
+    pytest.skip("verl is not installed (requirements-verl*.txt)", allow_module_level=True)
 
 import torch  # noqa: E402
 
@@ -98,9 +99,11 @@ def assert_same_step(a, b, exact: bool, params: str = "params"):
 
 
 @pytest.mark.parametrize("family,dist", [
-    ("qwen2.5", 0),  # verl's default: the model as HF safetensors through the bridge
+    # verl's default: the model as HF safetensors through the bridge; both stacks (verl 0.9.1 and 0.8.0)
+    pytest.param("qwen2.5", 0, marks=pytest.mark.core),
     pytest.param("qwen2.5", 1, marks=pytest.mark.slow),
     pytest.param("qwen3.5", 1, marks=pytest.mark.slow),
+    pytest.param("qwen3.5", 0, marks=pytest.mark.slow),
     pytest.param("qwen3.5-moe", 1, marks=pytest.mark.slow),
     pytest.param("qwen3.5-moe", 0, marks=pytest.mark.slow),
 ])
@@ -110,6 +113,8 @@ def test_ours_resumes_ours_exactly(runs, family, dist):
     resumed step's losses and grad norm bit-equal, the out-norm weights equal to fp32 rounding only)."""
     uninterrupted, resumed = _resume(runs, family, "ours", "ours", dist)
     assert_same_step(uninterrupted, resumed, exact=dist == 1 or family == "qwen2.5")
+    # verl's extra/: the RNG states the resumed process had scrambled before the load are the saved ones
+    assert resumed["rng"] == uninterrupted["rng"]
 
 
 @pytest.mark.slow
@@ -150,16 +155,19 @@ def test_the_distributed_optimizer_trains_and_saves_and_its_load_is_refused_here
     assert "InexactLoadError" in proc.stderr and "use_distributed_optimizer=False" in proc.stderr
 
 
+@pytest.mark.core  # (the default case's checkpoint: no run of its own)
 def test_a_truncated_or_missing_shard_is_named(runs, tmp_path):
-    from ps_bridge.checkpoint import CheckpointFileError, check_checkpoint_files
+    from ps_bridge.checkpoint import CheckpointFileError, check_checkpoint_files, verl_tree_path
 
     save, _, _ = runs("qwen2.5", "ours", 0)
     check_checkpoint_files(save)  # the saved checkpoint is whole
-    shards = {tree: os.path.join("model" if tree == "huggingface" else tree,
-                                 "huggingface" if tree == "huggingface" else "dist_ckpt",
-                                 "model.safetensors" if tree == "huggingface" else "__0_0.distcp")
-              for tree in ("optimizer", "extra", "huggingface")}
-    for tree, rel in shards.items():
+    shards = {}  # a shard of each tree the load reads (verl 0.8.0: one tree holds the optimizer and extra)
+    for tree in ("optimizer", "extra", "huggingface"):
+        d = verl_tree_path(save, tree)
+        name = "model.safetensors" if tree == "huggingface" else sorted(n for n in os.listdir(d) if n.endswith(".distcp"))[0]
+        shards.setdefault(os.path.relpath(os.path.join(d, name), save), tree)
+    assert len(shards) >= 2
+    for rel, tree in shards.items():
         copy = str(tmp_path / tree)
         shutil.copytree(save, copy)
         shard = os.path.join(copy, rel)
@@ -170,7 +178,7 @@ def test_a_truncated_or_missing_shard_is_named(runs, tmp_path):
         os.remove(shard)
         with pytest.raises(CheckpointFileError, match=f"{shard} is missing|no model.safetensors"):
             check_checkpoint_files(copy, [tree])  # the trees the engine's load reads
-    metadata = os.path.join(str(tmp_path / "optimizer"), "optimizer", "dist_ckpt", ".metadata")
+    metadata = os.path.join(verl_tree_path(str(tmp_path / "optimizer"), "optimizer"), ".metadata")
     os.remove(metadata)
     with pytest.raises(CheckpointFileError, match="metadata"):
         check_checkpoint_files(str(tmp_path / "optimizer"))

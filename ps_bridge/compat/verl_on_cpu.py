@@ -247,7 +247,10 @@ def use_cpu_platform() -> None:
 
 
 class _CudaFactoriesOnCpu(torch.overrides.TorchFunctionMode):
-    FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.tensor, torch.arange}
+    # the `*_like` ones: megatron's fully parallel dist-checkpoint load receives the shards other data-parallel
+    # ranks loaded into `torch.empty_like(t, device="cuda")` (dist_checkpointing/exchange_utils.py)
+    FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.tensor, torch.arange,
+                 torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
