@@ -17,6 +17,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 
+from ps_bridge.packed_layout import PackedPrefixLayout, cumulative_offsets
 from ps_bridge.tree.decide import PrefixTree
 from ps_bridge.tree.order import PackOrder
 
@@ -49,8 +50,6 @@ def materialize(
     """Step 3: the tensors of the pack in `order` (one segment per node, padded at its end to
     `pad_multiple`, the last one further to make the pack a multiple of `total_multiple`) and the
     way back (each sample's row of `P_i + R_i` packed positions and labels)."""
-    from ps_bridge.layout import PackedPrefixLayout, cumulative_offsets  # the layout's type (which imports this)
-
     nodes = order.nodes
     N = nodes.size
     B = tree.num_samples
