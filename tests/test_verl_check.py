@@ -127,7 +127,6 @@ def test_interleaved_engines_take_turns_and_are_freed(monkeypatch):
             closed.append(kind)
 
     monkeypatch.setattr(run_mod, "kind_steps", fake_steps)
-    monkeypatch.setattr(run_mod, "free_memory", lambda: None)
     runs = run_mod.run_interleaved(("stock", "shared"), None, None, None, [0, 1, 2], print)
     assert calls == [("stock", 0), ("shared", 0), ("shared", 1), ("stock", 1), ("stock", 2), ("shared", 2)]
     assert [r["step"] for r in runs["shared"]] == [0, 1, 2] and sorted(closed) == ["shared", "stock"]

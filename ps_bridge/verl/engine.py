@@ -236,7 +236,7 @@ class PrefixSharingEngineMixin:
                                str(unwrap_model(model).config.params_dtype).replace("torch.", ""), trie=tree)
         # one level (identical prompts), or with cfg.tree the token prefix tree decided above
         share = cfg.layout_share(decision.share)
-        layout = pack(share=share, tree=tree) if share == "tree" else pack(share=share)
+        layout = pack(share=share, tree=tree if share == "tree" else None)
         if layout.shared and not layout.has_sharing:
             if decision.share and classes is not None:
                 decision = SharingDecision(False, "samples that share a prefix carry different temperatures: not shared")

@@ -52,8 +52,7 @@ def run_interleaved(kinds, settings: CheckSettings, ckpt: str, cfg, batches,
                 runs[k].append(next(gens[k]))
     finally:
         for g in gens.values():
-            g.close()
-        free_memory()
+            g.close()  # runs its `finally`: the engines freed
     return runs
 
 
