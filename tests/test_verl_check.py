@@ -145,3 +145,36 @@ def test_trainer_config_overrides_reach_the_actor_config():
     assert ref.ppo_max_token_len_per_gpu == 32768 and rollout["max_token_len"] == 32768
     with pytest.raises(ValueError, match="bad verl setting"):  # a typo is refused, not ignored
         check.trainer_config(check.CheckSettings(model="x", overrides=["actor_rollout_ref.actor.ppo_max_token_len=1"]))
+
+
+def test_counting_compiles_sees_triton_hooks_and_restores_them():
+    """verl-check's per-phase compile count: the hooks it installs count each compile (start to end)
+    and chain to hooks already installed; on exit Triton's own hooks are back. The report lists
+    compiles in timed steps only."""
+    triton = pytest.importorskip("triton")
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        pytest.skip("this Triton has no JIT hooks")
+    from ps_bridge.verl.check.compiles import counting_compiles
+    from ps_bridge.verl.check.report import compile_lines
+
+    seen = []
+    runtime.jit_post_compile_hook = lambda **kw: seen.append(kw["fn"].name)
+    try:
+        fn = type("Fn", (), {"name": "causal_conv1d_fwd_kernel"})()
+        with counting_compiles() as rec:
+            for _ in range(2):
+                runtime.jit_cache_hook(fn=fn, key=None)
+                runtime.jit_post_compile_hook(fn=fn, key=None)
+        assert rec["count"] == 2 and rec["kernels"] == ["causal_conv1d_fwd_kernel"] * 2 and rec["seconds"] >= 0
+        assert seen == ["causal_conv1d_fwd_kernel"] * 2  # the earlier hook still called
+        assert runtime.jit_cache_hook is None and runtime.jit_post_compile_hook is not None
+        with counting_compiles() as none:
+            pass
+        assert none["count"] == 0
+    finally:
+        runtime.jit_post_compile_hook = None
+    steps = [{"step": t, "compiles": {"stock": {"update": rec if t == 1 else none}, "shared": {"update": rec}}}
+             for t in (1, 2)]
+    lines = compile_lines(steps, ("stock", "shared"))
+    assert lines[0].startswith("Triton compiles") and len(lines) == 2 and "step 2 shared update: 2" in lines[1]

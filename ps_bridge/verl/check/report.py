@@ -54,6 +54,7 @@ def format_report(doc: dict) -> str:
                          f"{s['logprob_max_abs_diff']:.2e}, ref|d| {s['ref_logprob_max_abs_diff']:.2e}, "
                          f"ent|d| {s['entropy_max_abs_diff']:.2e}, loss/grad-norm rel {rel:.2e}, "
                          f"micro-batches {s['micro_batches'][a]}/{s['micro_batches'][b]}")
+    lines.extend(compile_lines(steps, (a, b)))
     sp = cfg["speedup"]
     lines.append("speed-up (stock time / shared time, steps after the first): "
                  + ", ".join(f"{ph} {sp[ph]:.2f}x ({sp[ph] / cfg['ideal_speedup_S']:.2f} S)" for ph in PHASES))
@@ -65,3 +66,17 @@ def format_report(doc: dict) -> str:
         pa, pb = max(p[0] for p in peaks), max(p[1] for p in peaks)
         lines.append(f"update-phase peak memory: stock {pa:.2f} GiB, shared {pb:.2f} GiB ({pb / pa:.2f}x)")
     return "\n".join(lines)
+
+
+def compile_lines(steps, kinds) -> list:
+    """One line per timed step (after the first) in which Triton compiled kernels: a one-off cost that
+    lands on whichever engine meets a new kernel specialization first."""
+    lines = []
+    for s in steps[1:]:
+        for kind in kinds:
+            for phase, c in (s.get("compiles") or {}).get(kind, {}).items():
+                if c and c.get("count"):
+                    names = sorted(set(c["kernels"]))
+                    lines.append(f"  step {s['step']} {kind} {phase}: {c['count']} kernel compile(s), "
+                                 f"{c['seconds']:.2f} s ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})")
+    return (["Triton compiles in steps after the first:"] + lines) if lines else []

@@ -10,6 +10,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 import torch
 
 from ps_bridge.verl.check.compare import compare, speedups
+from ps_bridge.verl.check.compiles import counting_compiles
 from ps_bridge.verl.check.config import CheckSettings, role_configs, scaled_budgets, trainer_config
 from ps_bridge.verl.check.data import ideal_ratio, synthetic_batch
 from ps_bridge.verl.check.model import checkpoint_for, free_memory, stock_description
@@ -90,17 +91,18 @@ def _one_step(kind, step, batch, settings, arr, actor, ref, actor_cfg, resident_
     batch.meta_info["temperature"] = arr.rollout.temperature  # as the rollout leaves it
     # resident_before: what an earlier engine kind left allocated (included in this kind's peaks)
     record: Dict = {"phase_seconds": {}, "peak_memory_gib": {"resident_before": resident_before},
-                    "micro_batches": {}}
+                    "micro_batches": {}, "compiles": {}}
 
     def phase(name, fn, role):
         _sync()
         _peak_reset()
         before = role.micro_batches
         t0 = time.perf_counter()
-        with engine_call_on_cpu():
+        with engine_call_on_cpu(), counting_compiles() as compiled:
             out = fn()
-        _sync()
+            _sync()
         record["phase_seconds"][name] = time.perf_counter() - t0
+        record["compiles"][name] = compiled
         record["peak_memory_gib"][name] = _peak_gib()
         record["micro_batches"][name] = role.micro_batches - before
         progress(f"{kind} step {step + 1}: {name}")
