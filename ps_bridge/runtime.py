@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -16,13 +15,11 @@ from typing import Optional
 import torch
 
 from ps_bridge.config import PrefixSharingConfig
-from ps_bridge.forward import cp_total_multiple, local_shard, run_packed, shard_tag
-from ps_bridge.launch_rule import ModelCost, sharing_for
-from ps_bridge.layout import PackedPrefixLayout, build_layout, decide_tree, log_layout
-from ps_bridge.parallel_info import rank_tag
+from ps_bridge.forward import local_shard, run_packed
+from ps_bridge.launch_rule import ModelCost
+from ps_bridge.layout import PackedPrefixLayout
+from ps_bridge.prepare import decided_layout
 from ps_bridge.rows import PackedRows
-
-logger = logging.getLogger("ps_bridge")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -233,26 +230,11 @@ def make_layout(samples, loaded: LoadedModel, share: Optional[bool] = None) -> P
     layout lists the read positions unless `loaded.config.prompt_values` (`PrefixSharingConfig`).
     `share=None`: the sharing rule decides (`launch_rule.sharing_for`, as the verl engine);
     True / False: that packing. A shared packing is a prefix tree where `loaded.config.tree`; the
-    tree is decided once, the rule reading its token count and the layout packing it."""
-    config = loaded.config
-    tree = None
-    if share is None:
-        if config.enabled and config.tree:
-            tree = decide_tree(samples, "tree", vocab_size=loaded.vocab_size,
-                               min_shared=config.tree_min_shared, max_depth=config.tree_max_depth)
-        decision = sharing_for(samples, config, loaded.model_cost, loaded.device.type,
-                               str(loaded.dtype).replace("torch.", ""), trie=tree)
-        logger.info("[PS][prepare][%s] sharing: %s", rank_tag(), decision.describe())
-        share = decision.share
-    share = config.layout_share(share)
-    pad = config.pad_multiple or int(getattr(loaded.provider, "tensor_model_parallel_size", 1))
-    layout = build_layout(
-        samples, share=share, pad_multiple=pad, vocab_size=loaded.vocab_size, total_multiple=cp_total_multiple(),
-        prompt_values=config.layout_prompt_values,
-        min_shared=config.tree_min_shared, max_depth=config.tree_max_depth,
-        tree=tree if share == "tree" else None,
-    )
-    log_layout(layout, f"[{rank_tag()}]{shard_tag(layout)}")
+    tree is decided once, the rule reading its token count and the layout packing it
+    (`prepare.decided_layout`, the step the verl engine runs too)."""
+    pad = loaded.config.pad_multiple or int(getattr(loaded.provider, "tensor_model_parallel_size", 1))
+    layout, _ = decided_layout(samples, loaded.config, loaded.model_cost, loaded.device.type, loaded.dtype,
+                               pad_multiple=pad, vocab_size=loaded.vocab_size, share=share)
     return layout
 
 

@@ -43,10 +43,11 @@ def main() -> int:
     from ps_bridge.cli.verl_check import _prepare_process
 
     _prepare_process()  # before verl's engine is imported
-    from ps_bridge.verl import check, engine
+    from ps_bridge import prepare
+    from ps_bridge.verl import check
 
     decisions = []
-    rule = engine.sharing_for
+    rule = prepare.sharing_for  # the engine's forward step decides through prepare.decided_layout
 
     def counted(samples, config, *a, **kw):
         d = rule(samples, config, *a, **kw)
@@ -55,7 +56,7 @@ def main() -> int:
         decisions.append((config.enabled, torch.is_grad_enabled(), d.share))
         return d
 
-    engine.sharing_for = counted
+    prepare.sharing_for = counted
     results = []
     for spec in args.runs.split(","):
         model, P, R = spec.split(":")

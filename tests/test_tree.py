@@ -408,7 +408,12 @@ def test_layout_from_a_decided_tree_equals_the_layout_deciding_it():
         build_layout(samples, share="tree", tree=tree, vocab_size=4)
 
 
-def test_make_layout_builds_the_trie_once_and_the_rule_reads_it(qwen2_loaded, monkeypatch):
+def test_make_layout_builds_the_trie_once_and_the_rule_reads_it(qwen2_loaded, monkeypatch, caplog):
+    """`make_layout` (`prepare.decided_layout`, the verl engine's step too): one trie build, the rule
+    reading it, and the `[PS][prepare]` lines: the decision, then the layout with the tree's depth, node
+    count and trie tokens."""
+    import logging
+
     from ps_bridge.launch_rule import MicroBatchCounts, sharing_for
     from ps_bridge.layout import decide_tree
     from ps_bridge.runtime import make_layout
@@ -419,8 +424,13 @@ def test_make_layout_builds_the_trie_once_and_the_rule_reads_it(qwen2_loaded, mo
     config.tree, config.tree_min_shared = True, 0
     built = count_trie_builds(monkeypatch)
     try:
-        layout = make_layout(samples, qwen2_loaded)  # share=None: the rule decides, then the layout packs
+        with caplog.at_level(logging.INFO, logger="ps_bridge"):
+            layout = make_layout(samples, qwen2_loaded)  # share=None: the rule decides, then the layout packs
         assert len(built) == 1
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[PS][prepare][")]
+        assert len(lines) == 2 and " sharing: shared: " in lines[0], lines
+        assert " packed_batch_layout: " in lines[1] and lines[1].endswith(
+            f"depth={layout.tree_depth}, nodes={layout.num_segments}, trie_tokens={layout.tokens_shared}")
         tree = decide_tree(samples, "tree", min_shared=0)
         del built[:]
         with_tree = sharing_for(samples, config, qwen2_loaded.model_cost, "cpu", "float32", trie=tree)
@@ -429,6 +439,7 @@ def test_make_layout_builds_the_trie_once_and_the_rule_reads_it(qwen2_loaded, mo
     finally:
         config.tree, config.tree_min_shared = saved
     assert layout.tree_depth >= 2 and layout.tokens_shared == tree.trie_tokens
+    assert layout.num_segments == tree.num_nodes  # pad_multiple 1: one segment per node
     assert with_tree == without and len(built) == 1
     counts = MicroBatchCounts.of(samples, tree=True, min_shared=0, trie=tree)
     assert counts == MicroBatchCounts.of(samples, tree=True, min_shared=0)
@@ -497,7 +508,7 @@ def test_logprobs_cli_decides_sharing_once(tmp_path, qwen2_checkpoint, monkeypat
     import json
 
     import ps_bridge.launch_rule as launch_rule
-    import ps_bridge.runtime as runtime
+    import ps_bridge.prepare as prepare
     from ps_bridge.cli import main
 
     calls = []
@@ -508,7 +519,7 @@ def test_logprobs_cli_decides_sharing_once(tmp_path, qwen2_checkpoint, monkeypat
         return real(*args, **kwargs)
 
     monkeypatch.setattr(launch_rule, "sharing_for", counted)
-    monkeypatch.setattr(runtime, "sharing_for", counted)
+    monkeypatch.setattr(prepare, "sharing_for", counted)
     hf_path, _ = qwen2_checkpoint
     samples = tree_samples(2)
     batch = tmp_path / "b.json"
@@ -518,4 +529,4 @@ def test_logprobs_cli_decides_sharing_once(tmp_path, qwen2_checkpoint, monkeypat
                  "--tree-min-shared", "0"]) == 0
     got = json.loads(out.read_text())
     assert len(calls) == 1 and calls[0] is not None and calls[0].trie_tokens == got["tokens_shared"]
-    assert got["shared_path"] is True and got["tree_depth"] >= 2
+    assert got["shared_path"] is True and got["tree_depth"] >= 2 and got["tree_nodes"] == calls[0].num_nodes

@@ -405,10 +405,11 @@ def _expert_parallel_matches(ref: dict, ranks: list, tree: bool = False) -> dict
     The worst row and relative gradient differences. With `tree` (the tree samples: groups of 3 and a
     chain of single samples) the parts are not groups of 4, and each row's unlabelled last log-prob
     (filled from the next sample of each run's own packing) is left out."""
-    # the data-parallel ranks split the batch, each rank of one (its CP ranks) the same part
+    # the data-parallel ranks split the batch, each rank of one (its CP ranks) the same part (at data
+    # parallel size 1, EP carved out of the CP ranks, every rank the whole batch)
     parts = [tuple(got["samples"]) for got in ranks]
     dp = ranks[0]["dp_size"]
-    assert dp > 1 and len(set(parts)) == dp and all(parts.count(p) == len(ranks) // dp for p in parts)
+    assert len(set(parts)) == dp and all(parts.count(p) == len(ranks) // dp for p in parts)
     assert sorted(i for p in set(parts) for i in p) == ref["samples"]
     worst = {"rows": 0.0, "grads": 0.0}
     for rank, got in enumerate(ranks):
@@ -474,20 +475,47 @@ def test_expert_parallel_with_context_parallel_matches_engine_at_ep1(qwen35_moe_
     print(f"ep2_cp2: max |diff| rows {worst['rows']:.2e}, max relative gradient diff {worst['grads']:.2e}")
 
 
+@pytest.fixture(scope="module")
+def tree_engine_at_ep1_unshared(qwen35_moe_dir, tmp_path_factory):
+    """Our engine at EP=1 CP=1 on one process, sharing off, over the tree samples (in the micro-batches
+    of the EP=2 ranks' parts, one after the other): the reference of the tree runs with experts split."""
+    ref_out = tmp_path_factory.mktemp("ep1_tree") / "ep1_tree"
+    _, (ref,) = _harness_ranks(["expert_parallel", qwen35_moe_dir, 1, ref_out, 1, "tree"], 1, ref_out)
+    assert ref["samples"] == list(range(16)) and max(ref["depths"]) == 0
+    return ref
+
+
 @pytest.mark.slow
-def test_tree_expert_parallel_two_ranks_match_engine_at_ep1(qwen35_moe_dir, tmp_path):
+def test_tree_expert_parallel_two_ranks_match_engine_at_ep1(qwen35_moe_dir, tree_engine_at_ep1_unshared, tmp_path):
     """Prefix trees (`PS_BRIDGE_TREE=1`, threshold 0) at expert_model_parallel_size=2 on two CPU processes
     (data parallel size 2, the samples split by uid as verl's trainer splits them: the system prompt on
     both ranks, computed on each): rows and every reduced gradient (experts by their global ids) equal
     our engine's at EP=1 on one process, unshared, over the whole batch; both ranks ran trees deeper
     than one level."""
-    ref_out = tmp_path / "ep1_tree"
-    _, (ref,) = _harness_ranks(["expert_parallel", qwen35_moe_dir, 1, ref_out, 1, "tree"], 1, ref_out)
-    assert ref["samples"] == list(range(16)) and max(ref["depths"]) == 0
+    ref = tree_engine_at_ep1_unshared
     results, ranks = _harness_ranks(["expert_parallel", qwen35_moe_dir, 2, tmp_path / "ep2_tree", 1, "tree"], 2,
                                     tmp_path / "ep2_tree")
     assert [(r["ep_size"], r["dp_size"], r["cp_size"]) for r in results] == [(2, 2, 1)] * 2, results
     assert all(max(got["depths"]) >= 2 for got in ranks), [got["depths"] for got in ranks]
     worst = _expert_parallel_matches(ref, ranks, tree=True)
     print(f"tree ep2: max |diff| rows {worst['rows']:.2e}, max relative gradient diff {worst['grads']:.2e} "
+          f"({worst.get('grad_name')})")
+
+
+@pytest.mark.slow
+def test_tree_context_parallel_with_expert_parallel_two_ranks(qwen35_moe_dir, tree_engine_at_ep1_unshared, tmp_path):
+    """Prefix trees under context parallelism combined with another layout, on two CPU processes:
+    CP=2 x EP=2 (data parallel size 1: megatron carves the expert-parallel group out of the two CP ranks,
+    so each CP rank runs its contiguous shard of the tree pack and holds half of the experts; the MoE
+    token weights count the samples through each position of the shard). Rows (every CP rank hands verl
+    the full rows) and every reduced gradient (experts by their global ids) equal our engine's at
+    EP=1 CP=1 on one process, unshared, over the same micro-batches; both ranks ran trees deeper than
+    one level. (TP x CP and CP x PP need four processes.)"""
+    out = tmp_path / "cp2_ep2_tree"
+    results, ranks = _harness_ranks(["expert_parallel", qwen35_moe_dir, 2, out, 2, "tree"], 2, out)
+    assert [(r["ep_size"], r["dp_size"], r["cp_size"]) for r in results] == [(2, 1, 2)] * 2, results
+    assert [(got["cp_rank"], got["ep_rank"]) for got in ranks] == [(0, 0), (1, 1)]
+    assert all(max(got["depths"]) >= 2 for got in ranks), [got["depths"] for got in ranks]
+    worst = _expert_parallel_matches(tree_engine_at_ep1_unshared, ranks, tree=True)
+    print(f"tree cp2 x ep2: max |diff| rows {worst['rows']:.2e}, max relative gradient diff {worst['grads']:.2e} "
           f"({worst.get('grad_name')})")

@@ -19,6 +19,11 @@ micro-batch's unshared tokens n(P+R), so it is comparable between the modes.
 prompt shared across prompts, step-wise multi-turn trajectories, a search tree), shared as a token
 trie; each reports its trie tokens, S, F, x / S and x / F.
 
+`--min-shared-sweep K,K,...` measures the tree's threshold (`layout.DEFAULT_MIN_SHARED`): prompts that
+share only a leading run of K tokens (`catalog.template_samples`), packed as a token trie at
+`min_shared=0` and at `min_shared=K+1` and timed against each other, interleaved (`timing.run_pair`);
+its own table (`report.format_min_shared_table`, docs/tree.md "Choosing the threshold").
+
 Model shapes are table entries (`catalog.MODEL_SHAPES`), built by their family's HF-config builder
 (`catalog.FAMILIES`): a new family adds one builder and its shapes.
 
@@ -31,20 +36,23 @@ This module only re-exports their public names.
 """
 
 from ps_bridge.bench.catalog import (
-    DEFAULT_GRID, DEFAULT_MODELS, FAMILIES, MODEL_SHAPES, SMOKE_GRID, TREE_SHAPES, ModelShape, TreeShape,
-    ideal_speedup, make_samples, qwen2_hf_config, qwen35_hf_config, response_row_mask,
+    DEFAULT_GRID, DEFAULT_MODELS, FAMILIES, MIN_SHARED_SWEEP, MODEL_SHAPES, SMOKE_GRID, TREE_SHAPES, ModelShape,
+    TreeShape, ideal_speedup, make_samples, qwen2_hf_config, qwen35_hf_config, response_row_mask, template_samples,
 )
 from ps_bridge.bench.fp32_reference import Fp32Reference
-from ps_bridge.bench.report import RowResult, environment, format_table, write_plot
+from ps_bridge.bench.report import (
+    MinSharedRow, RowResult, environment, format_min_shared_table, format_table, write_plot,
+)
 from ps_bridge.bench.run import add_bench_arguments, run_bench, run_row
 from ps_bridge.bench.timing import (
-    UNSHARED_SPLITS, ModeResult, run_actor_step, run_mode, run_unshared, split_in_order,
+    UNSHARED_SPLITS, ModeResult, run_actor_step, run_mode, run_pair, run_unshared, split_in_order,
 )
 
 __all__ = [
-    "DEFAULT_GRID", "DEFAULT_MODELS", "FAMILIES", "MODEL_SHAPES", "SMOKE_GRID", "TREE_SHAPES", "ModelShape",
-    "TreeShape", "ideal_speedup",
-    "make_samples", "qwen2_hf_config", "qwen35_hf_config", "response_row_mask", "Fp32Reference", "RowResult",
-    "environment", "format_table", "write_plot", "add_bench_arguments", "run_bench", "run_row",
-    "UNSHARED_SPLITS", "ModeResult", "run_actor_step", "run_mode", "run_unshared", "split_in_order",
+    "DEFAULT_GRID", "DEFAULT_MODELS", "FAMILIES", "MIN_SHARED_SWEEP", "MODEL_SHAPES", "SMOKE_GRID", "TREE_SHAPES",
+    "ModelShape", "TreeShape", "ideal_speedup",
+    "make_samples", "qwen2_hf_config", "qwen35_hf_config", "response_row_mask", "template_samples", "Fp32Reference",
+    "MinSharedRow", "RowResult", "environment", "format_min_shared_table", "format_table", "write_plot",
+    "add_bench_arguments", "run_bench", "run_row",
+    "UNSHARED_SPLITS", "ModeResult", "run_actor_step", "run_mode", "run_pair", "run_unshared", "split_in_order",
 ]

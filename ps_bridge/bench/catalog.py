@@ -234,6 +234,36 @@ def search_samples(vocab: int, seed: int, prompt: int, depth: int, branching: in
     return samples
 
 
+def template_samples(vocab: int, seed: int, prompts: int, prompt: int, template: int, n: int, response: int):
+    """`prompts` prompts of `prompt` tokens that share only their first `template` tokens, each with
+    `n` responses of `response` tokens: the prompts' first tokens after the template differ, and so do
+    the first tokens of a prompt's responses, so the only run shared across prompts is the template
+    (a token trie of depth 2 when it is shared, `--min-shared-sweep`: 1 template node, `prompts`
+    prompt nodes, `prompts * n` response leaves; depth 1 without it)."""
+    from ps_bridge.layout import Sample
+
+    if not 1 <= template < prompt:
+        raise ValueError(f"the template ({template} tokens) must be shorter than the prompt ({prompt}) and non-empty")
+    if max(prompts, n) > vocab:
+        raise ValueError(f"{prompts} prompts and {n} responses need that many distinct tokens; the vocabulary has {vocab}")
+    g = torch.Generator().manual_seed(seed)
+    head = _tokens(g, vocab, template)
+    firsts = torch.randperm(vocab, generator=g)[:prompts].tolist()  # where the prompts diverge
+    samples = []
+    for first in firsts:
+        p = head + [first] + _tokens(g, vocab, prompt - template - 1)
+        starts = torch.randperm(vocab, generator=g)[:n].tolist()  # where its responses diverge
+        samples += [Sample(p, [s] + _tokens(g, vocab, response - 1)) for s in starts]
+    return samples
+
+
+# `--min-shared-sweep`'s run lengths and grid when none are given (the issue bounds the default threshold
+# by 64); with --smoke a tiny grid row and runs (P must exceed twice the run)
+MIN_SHARED_SWEEP: Tuple[int, ...] = (4, 8, 16, 32, 64)
+MIN_SHARED_GRID: Tuple[Tuple[int, int, int], ...] = ((512, 128, 8),)
+MIN_SHARED_SMOKE: Tuple[Tuple[Tuple[int, int, int], ...], Tuple[int, ...]] = (((24, 4, 2),), (4, 8))
+
+
 @dataclass(frozen=True)
 class TreeShape:
     """A named prefix-tree micro-batch (`--trees NAME`): its builder and sizes, and tiny sizes for

@@ -14,7 +14,9 @@ from ps_bridge.bench.timing import ModeResult
 
 
 @dataclass
-class RowResult:
+class RowCoordinates:
+    """Which model, backend and micro-batch shape a row measured (the first fields of every row)."""
+
     model: str
     layers: int
     backend: str
@@ -22,6 +24,10 @@ class RowResult:
     R: int
     n: int
     groups: int
+
+
+@dataclass
+class RowResult(RowCoordinates):
     tokens_unshared: int
     tokens_shared: int
     ideal_speedup: float
@@ -66,6 +72,65 @@ class RowResult:
         return (self.tree, "-", "-") if self.tree else (str(self.P), str(self.R), str(self.n))
 
 
+@dataclass
+class MinSharedRow(RowCoordinates):
+    """A `--min-shared-sweep` row: one micro-batch whose prompts share only a leading run of `run`
+    tokens (`catalog.template_samples`), packed as a token trie twice: at `min_shared=0` (the run
+    shared: one more tree level) and at `min_shared=run + 1` (the run computed in every prompt);
+    `actor_x` / `logprob_x` are the second's time over the first's (> 1: sharing the run pays)."""
+
+    run: int
+    tokens_shared_run: int  # trie tokens with the run shared (min_shared=0)
+    tokens_unshared_run: int  # trie tokens with the run in every prompt (min_shared=run + 1)
+    depth_shared_run: int
+    depth_unshared_run: int
+    nodes_shared_run: int
+    nodes_unshared_run: int
+    shared_run: ModeResult
+    unshared_run: ModeResult
+    actor_x: float
+    logprob_x: float
+    max_logprob_diff: float
+    error: Optional[str] = None
+
+    @classmethod
+    def failed(cls, model: str, layers: int, backend: str, P: int, R: int, n: int, groups: int, run: int,
+               error: str) -> "MinSharedRow":
+        none = ModeResult(0, math.nan, math.nan, None, None)
+        return cls(model, layers, backend, P, R, n, groups, run, 0, 0, 0, 0, 0, 0, none, none, math.nan, math.nan,
+                   math.nan, error=error)
+
+
+def format_min_shared_table(rows: Sequence[MinSharedRow]) -> str:
+    """The `--min-shared-sweep` table: per row the run length k, the two packings' trie tokens, depth and
+    nodes (k shared / k not shared), their median times and x = not shared / shared (> 1: sharing pays)."""
+    head = ("model", "layers", "backend", "P", "R", "n", "groups", "run k", "trie tok (k sh / not)",
+            "depth", "nodes", "actor ms (k sh / not)", "actor x", "logprob ms (k sh / not)", "logprob x",
+            "max |dlogp|")
+    lines = []
+    for r in rows:
+        coordinates = (r.model, str(r.layers), r.backend, str(r.P), str(r.R), str(r.n), str(r.groups), str(r.run))
+        if r.error:
+            lines.append(coordinates + ("-",) * 7 + (f"ERROR {r.error}",))
+            continue
+        lines.append(coordinates + (
+            f"{r.tokens_shared_run} / {r.tokens_unshared_run}", f"{r.depth_shared_run} / {r.depth_unshared_run}",
+            f"{r.nodes_shared_run} / {r.nodes_unshared_run}",
+            f"{r.shared_run.actor_ms:.2f} / {r.unshared_run.actor_ms:.2f}", f"{r.actor_x:.3f}",
+            f"{r.shared_run.logprob_ms:.2f} / {r.unshared_run.logprob_ms:.2f}", f"{r.logprob_x:.3f}",
+            f"{r.max_logprob_diff:.2e}",
+        ))
+    return _markdown(head, lines)
+
+
+def _markdown(head: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(head)]
+    fmt = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    out = [fmt(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [fmt(line) for line in lines]
+    return "\n".join(out)
+
+
 def format_table(results: Sequence[RowResult]) -> str:
     head = ("model", "layers", "backend", "P", "R", "n", "tok unsh", "tok sh (trie)", "ideal S", "F", "actor x",
             "x/S", "x/F", "logprob x", "peak unsh GiB", "peak sh GiB", "peak ratio", "tok/s unsh", "tok/s sh",
@@ -96,11 +161,7 @@ def format_table(results: Sequence[RowResult]) -> str:
         ) + (tuple(cell(x, ".2e") for x in (r.shared_rel_err_fp32, r.unshared_rel_err_fp32,
                                             r.shared_max_err_fp32, r.unshared_max_err_fp32))
              if with_fp32 else ()))
-    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(head)]
-    fmt = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    out = [fmt(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    out += [fmt(line) for line in lines]
-    return "\n".join(out)
+    return _markdown(head, lines)
 
 
 def write_plot(results: Sequence[RowResult], path: str) -> None:
@@ -156,7 +217,10 @@ def environment(device: torch.device) -> dict:
 
 
 def payload(env: dict, dtype: torch.dtype, warmup: int, repeats: int, groups: int, models: List[str],
-            results: Sequence[RowResult]) -> dict:
-    """What `--json` writes."""
-    return dict(environment=env, dtype=str(dtype), warmup=warmup, repeats=repeats, groups=groups,
-                models=models, rows=[asdict(r) for r in results])
+            results: Sequence[RowResult], min_shared_rows: Optional[Sequence[MinSharedRow]] = None) -> dict:
+    """What `--json` writes (`min_shared_rows` only for a `--min-shared-sweep` run)."""
+    out = dict(environment=env, dtype=str(dtype), warmup=warmup, repeats=repeats, groups=groups,
+               models=models, rows=[asdict(r) for r in results])
+    if min_shared_rows is not None:
+        out["min_shared_rows"] = [asdict(r) for r in min_shared_rows]
+    return out

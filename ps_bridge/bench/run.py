@@ -13,12 +13,15 @@ from typing import List, Optional, Tuple
 import torch
 
 from ps_bridge.bench.catalog import (
-    DEFAULT_GRID, DEFAULT_MODELS, FAMILIES, MODEL_SHAPES, SMOKE_GRID, TREE_SHAPES, ideal_speedup, make_samples,
+    DEFAULT_GRID, DEFAULT_MODELS, FAMILIES, MIN_SHARED_GRID, MIN_SHARED_SMOKE, MIN_SHARED_SWEEP, MODEL_SHAPES,
+    SMOKE_GRID, TREE_SHAPES, ideal_speedup, make_samples, template_samples,
 )
 from ps_bridge.bench.flops import flop_shape, layout_flop_ratio
 from ps_bridge.bench.fp32_reference import Fp32Reference, row_errors
-from ps_bridge.bench.report import RowResult, environment, format_table, payload, write_plot
-from ps_bridge.bench.timing import UNSHARED_SPLITS, ModeResult, run_mode, run_unshared
+from ps_bridge.bench.report import (
+    MinSharedRow, RowResult, environment, format_min_shared_table, format_table, payload, write_plot,
+)
+from ps_bridge.bench.timing import UNSHARED_SPLITS, ModeResult, run_mode, run_pair, run_unshared
 
 # ---- arguments --------------------------------------------------------------------------------
 
@@ -42,6 +45,16 @@ def _parse_grid(text: str) -> List[Tuple[int, int, int]]:
 
 def _parse_list(text: str) -> List[str]:
     return [x for x in text.replace(" ", "").split(",") if x]
+
+
+def _parse_runs(text: str) -> List[int]:
+    try:
+        runs = [int(x) for x in _parse_list(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--min-shared-sweep {text!r} is not a list of integers 'K,K,...'") from None
+    if not runs or min(runs) < 1:
+        raise argparse.ArgumentTypeError(f"--min-shared-sweep {text!r}: run lengths must be >= 1")
+    return runs
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +101,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop after the first row that fails (a grid of growing P: the next ones fail too)")
     parser.add_argument("--collective-timeout", type=float, default=None, metavar="SECONDS",
                         help="under --cp: abort a collective that waits longer (a peer ran out of memory)")
+    parser.add_argument("--min-shared-sweep", type=_parse_runs, nargs="?", const=[], default=None, metavar="K,K,...",
+                        help="measure the tree's threshold (layout.DEFAULT_MIN_SHARED): for each grid row (P, R, n) "
+                             "and each run length K (default " + ",".join(map(str, MIN_SHARED_SWEEP)) + "), --groups "
+                             "prompts of P tokens that share only their first K tokens, n responses of R each, packed "
+                             "as a token trie at min_shared=0 (the run shared: one more tree level) and at "
+                             "min_shared=K+1 (the run in every prompt), timed interleaved; x = the second's time over "
+                             "the first's (> 1: sharing a run of K pays). Needs --groups >= 2 and P > 2K; only these "
+                             "rows run (default grid " + ";".join(",".join(map(str, r)) for r in MIN_SHARED_GRID) + ")")
     parser.add_argument("--fp32-reference", action="store_true",
                         help="also compare both bf16 runs with a float32 reference on the same weights (unshared "
                              "packing, torch_ref kernels, TF32 off): relative error of the response log-probs")
@@ -213,7 +234,50 @@ def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, refer
     return results
 
 
+def run_min_shared_row(loaded, model_name, layers, backends, P, R, n, run, args, progress) -> List[MinSharedRow]:
+    """One `--min-shared-sweep` row: the template micro-batch (`catalog.template_samples`: --groups
+    prompts of P sharing their first `run` tokens) packed as a token trie at `min_shared=0` and at
+    `min_shared=run + 1`, timed against each other (`timing.run_pair`) with each backend."""
+    from ps_bridge.forward import cp_total_multiple
+    from ps_bridge.layout import build_layout
+
+    samples = template_samples(loaded.vocab_size, args.seed, args.groups, P, run, n, R)
+    pack = partial(build_layout, samples, share="tree", vocab_size=loaded.vocab_size,
+                   total_multiple=cp_total_multiple(), prompt_values=loaded.config.layout_prompt_values)
+    shared, unshared = pack(min_shared=0), pack(min_shared=run + 1)
+    results = []
+    for backend in backends:
+        a, a_rows, b, b_rows = run_pair(loaded, shared, unshared, backend, args.warmup, args.repeats,
+                                        args.logprob_chunk, progress)
+        results.append(MinSharedRow(
+            model=model_name, layers=layers, backend=backend, P=P, R=R, n=n, groups=args.groups, run=run,
+            tokens_shared_run=shared.tokens_shared, tokens_unshared_run=unshared.tokens_shared,
+            depth_shared_run=shared.tree_depth, depth_unshared_run=unshared.tree_depth,
+            nodes_shared_run=shared.num_segments, nodes_unshared_run=unshared.num_segments,
+            shared_run=a, unshared_run=b, actor_x=b.actor_ms / a.actor_ms, logprob_x=b.logprob_ms / a.logprob_ms,
+            max_logprob_diff=float((a_rows - b_rows).abs().max()),
+        ))
+    return results
+
+
 # ---- entry point ------------------------------------------------------------------------------------
+
+
+def _failure(e: Exception) -> str:
+    """A failed row's error cell: the exception's type and first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+
+
+def _min_shared_row(loaded, name, layers, P, R, n, k, args, progress, say) -> List[MinSharedRow]:
+    """`run_min_shared_row`, a failure kept as a row (the other rows still run), said as it ends."""
+    try:
+        rows = run_min_shared_row(loaded, name, layers, args.backends, P, R, n, k, args, progress)
+    except Exception as e:  # an OOM on one shape is a result too
+        rows = [MinSharedRow.failed(name, layers, b, P, R, n, args.groups, k, _failure(e)) for b in args.backends]
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    say("\n".join(format_min_shared_table(rows).splitlines()[2:]))
+    return rows
 
 
 def _error(message: str) -> int:
@@ -238,6 +302,25 @@ def _expert_parallel_problem(args, models, world_size: int):
     return None
 
 
+def _min_shared_sweep_problem(args, grid) -> Optional[str]:
+    """What keeps this run from `--min-shared-sweep`, or None."""
+    others = [flag for flag, on in (("--trees", args.trees), ("--cp", args.cp > 1), ("--ep", args.ep > 1),
+                                    ("--shared-only", args.shared_only), ("--fp32-reference", args.fp32_reference),
+                                    ("--plot", args.plot)) if on]
+    if others:
+        return f"--min-shared-sweep runs its own rows on one device: drop {', '.join(others)}"
+    if args.groups < 2:
+        return (f"--min-shared-sweep needs prompts that share the run: --groups {args.groups} gives one prompt; "
+                "use e.g. --groups 8")
+    for P, _, _ in grid:
+        too_long = [k for k in args.min_shared_sweep if P <= 2 * k]
+        if too_long:
+            return (f"--min-shared-sweep run {too_long[0]} needs prompts of more than {2 * too_long[0]} tokens (grid "
+                    f"row P={P}): at min_shared={too_long[0] + 1} a prompt's own {P - too_long[0]} tokens must still "
+                    "be shared by its responses; use a longer P or shorter runs")
+    return None
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.kernels.attention import BACKENDS
@@ -253,6 +336,13 @@ def run_bench(args: argparse.Namespace) -> int:
     )
     trees = args.trees or []
     grid = args.grid or ([] if trees else list(SMOKE_GRID if args.smoke else DEFAULT_GRID))
+    if args.min_shared_sweep is not None:
+        smoke_grid, smoke_runs = MIN_SHARED_SMOKE
+        grid = args.grid or list(smoke_grid if args.smoke else MIN_SHARED_GRID)
+        args.min_shared_sweep = args.min_shared_sweep or list(smoke_runs if args.smoke else MIN_SHARED_SWEEP)
+        problem = _min_shared_sweep_problem(args, grid)
+        if problem:
+            return _error(problem)
     for name in trees:
         if name not in TREE_SHAPES:
             return _error(f"unknown tree shape {name!r} (--trees); known: {', '.join(TREE_SHAPES)}")
@@ -307,6 +397,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
     steps_per_row = 1 + len(args.backends)
     total = len(models) * (len(grid) + len(trees)) * steps_per_row * (warmup + repeats)
+    if args.min_shared_sweep:
+        total = len(models) * len(grid) * len(args.min_shared_sweep) * 2 * len(args.backends) * (warmup + repeats)
     progress_bar = None
     if not args.no_progress and report:
         from tqdm import tqdm
@@ -318,14 +410,18 @@ def run_bench(args: argparse.Namespace) -> int:
             progress_bar.update(k)
 
     results: List[RowResult] = []
+    sweep: Optional[List[MinSharedRow]] = [] if args.min_shared_sweep else None
     model_info = []
     say = progress_bar.write if progress_bar else lambda text: out(text, flush=True)
+
+    def document():
+        return payload(env, dtype, warmup, repeats, args.groups, model_info, results, sweep)
 
     def write_json():  # after every row, so a run cut short still leaves its finished rows
         if args.json is None or args.json == "-" or not report:
             return
         with open(args.json, "w") as f:
-            f.write(json.dumps(payload(env, dtype, warmup, repeats, args.groups, model_info, results), indent=2) + "\n")
+            f.write(json.dumps(document(), indent=2) + "\n")
 
     for name in models:
         shape = MODEL_SHAPES[name]
@@ -340,21 +436,27 @@ def run_bench(args: argparse.Namespace) -> int:
                 f"{head_dim}, vocab {shape.dims['vocab_size']}, random weights")
         model_info.append(info)
         say(info)
-        for P, R, n, tree in [(P, R, n, None) for P, R, n in grid] + [(0, 0, 0, t) for t in trees]:
-            label = tree or f"({P}, {R}, {n})"
-            try:
-                row = run_row(loaded, name, layers, args.backends, P, R, n, args, progress, reference, tree=tree)
-            except Exception as e:  # keep the other rows (an OOM on one shape is a result too)
-                msg = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-                row = [RowResult.failed(name, layers, b, P, R, n, args.groups, msg, tree=tree) for b in args.backends]
-                if cuda:
-                    torch.cuda.empty_cache()
-            results += row
-            say(format_table(row).splitlines()[-1] if len(row) == 1 else "\n".join(format_table(row).splitlines()[2:]))
-            write_json()
-            if args.stop_on_failure and any(r.error for r in row):
-                say(f"stopping after the failed row {label} (--stop-on-failure)")
-                break
+        if sweep is not None:
+            for P, R, n in grid:
+                for k in args.min_shared_sweep:
+                    sweep += _min_shared_row(loaded, name, layers, P, R, n, k, args, progress, say)
+                    write_json()
+        else:
+            for P, R, n, tree in [(P, R, n, None) for P, R, n in grid] + [(0, 0, 0, t) for t in trees]:
+                label = tree or f"({P}, {R}, {n})"
+                try:
+                    row = run_row(loaded, name, layers, args.backends, P, R, n, args, progress, reference, tree=tree)
+                except Exception as e:  # keep the other rows (an OOM on one shape is a result too)
+                    row = [RowResult.failed(name, layers, b, P, R, n, args.groups, _failure(e), tree=tree)
+                           for b in args.backends]
+                    if cuda:
+                        torch.cuda.empty_cache()
+                results += row
+                say(format_table(row).splitlines()[-1] if len(row) == 1 else "\n".join(format_table(row).splitlines()[2:]))
+                write_json()
+                if args.stop_on_failure and any(r.error for r in row):
+                    say(f"stopping after the failed row {label} (--stop-on-failure)")
+                    break
         del loaded, reference
         if cuda:
             torch.cuda.empty_cache()
@@ -366,6 +468,14 @@ def run_bench(args: argparse.Namespace) -> int:
     print()
     for info in model_info:
         print(info)
+    if sweep is not None:
+        print(format_min_shared_table(sweep))
+        print("x: time with the run in every prompt (min_shared = K + 1) over time with it shared (min_shared = 0); "
+              "> 1: sharing a common run of K tokens pays")
+        if args.json == "-":
+            print(json.dumps(document(), indent=2))
+        write_json()
+        return 1 if any(r.error for r in sweep) else 0
     print(format_table(results))
     for r in results:
         if r.unshared.micro_batches > 1:
@@ -375,7 +485,7 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"OOM: the unshared batch did not fit in GPU memory even as {max(UNSHARED_SPLITS)} micro-batches; "
               "the shared one was timed alone.")
     if args.json == "-":
-        print(json.dumps(payload(env, dtype, warmup, repeats, args.groups, model_info, results), indent=2))
+        print(json.dumps(document(), indent=2))
     write_json()
     if args.plot:
         write_plot(results, args.plot)

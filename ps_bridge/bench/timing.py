@@ -1,6 +1,7 @@
 """How a packing of a micro-batch is timed: CUDA events (wall clock on a CPU) after warm-up, median
 of repeats, torch's peak allocated memory of one step; the actor step and the log-prob pass; and
-the unshared baseline split into micro-batches (gradient accumulation) when it does not fit at once.
+the unshared baseline split into micro-batches (gradient accumulation) when it does not fit at once;
+two packings of one micro-batch timed against each other, interleaved (`run_pair`).
 """
 
 from __future__ import annotations
@@ -73,6 +74,62 @@ def run_actor_step(loaded, layouts, masks, count: float, chunk: int) -> None:
         finish_gradients(loaded.model, loaded.provider, data_parallel_mean=True)
 
 
+class _Packing:
+    """One packing of the micro-batch, ready to time: its layouts on the device, the response-row
+    masks, the actor step and the log-prob pass (the rows of the last pass kept)."""
+
+    def __init__(self, loaded, layouts, chunk: int):
+        device = loaded.device
+        self.loaded, self.chunk = loaded, chunk
+        self.layouts = [layout.to(device) for layout in (layouts if isinstance(layouts, (list, tuple)) else [layouts])]
+        self.masks = [response_row_mask(layout).to(device) for layout in self.layouts]
+        self.count = float(sum(mask.sum() for mask in self.masks))
+        self.rows = None
+
+    def logprob_pass(self):
+        from ps_bridge.runtime import row_logprobs
+
+        with torch.no_grad():
+            self.rows = [row_logprobs(self.loaded, layout, chunk_rows=self.chunk) for layout in self.layouts]
+
+    def actor_step(self):
+        run_actor_step(self.loaded, self.layouts, self.masks, self.count, self.chunk)
+
+    def zero_grad(self):
+        self.loaded.model.zero_grad(set_to_none=True)
+
+    def warm_up(self, steps: int, progress) -> None:
+        for _ in range(steps):
+            self.zero_grad()
+            self.actor_step()
+            self.logprob_pass()
+            progress(1)
+
+    def peaks(self) -> Tuple[Optional[float], Optional[float]]:
+        """Peak memory (MiB) of one actor step and one log-prob pass; the response rows kept."""
+        self.zero_grad()
+        device = self.loaded.device
+        return _peak_mib(device, self.actor_step), _peak_mib(device, self.logprob_pass)
+
+    def response_rows(self) -> torch.Tensor:
+        return torch.cat([r[mask] for r, mask in zip(self.rows, self.masks)]).float().cpu()
+
+    def time_once(self, timer: "_Timer") -> Tuple[float, float]:
+        """One actor step and one log-prob pass, timed (ms)."""
+        self.zero_grad()
+        return timer.time(self.actor_step), timer.time(self.logprob_pass)
+
+    def result(self, actor_ms: List[float], logprob_ms: List[float], peaks) -> ModeResult:
+        return ModeResult(
+            tokens=sum(layout.tokens_shared for layout in self.layouts),  # packed tokens (= tokens_unshared when unshared)
+            actor_ms=statistics.median(actor_ms),
+            logprob_ms=statistics.median(logprob_ms),
+            actor_peak_mib=peaks[0],
+            logprob_peak_mib=peaks[1],
+            micro_batches=len(self.layouts),
+        )
+
+
 def run_mode(
     loaded, layouts, backend: str, warmup: int, repeats: int, chunk: int, progress, max_tokens: Optional[int] = None
 ) -> Tuple[ModeResult, torch.Tensor]:
@@ -92,56 +149,45 @@ def run_mode(
             raise torch.cuda.OutOfMemoryError(
                 f"skipped: {local} packed tokens per GPU > --max-tokens-per-gpu {max_tokens}"
             )
-    from ps_bridge.runtime import row_logprobs
-
-    device = loaded.device
     loaded.config.backend = backend
-    layouts = [layouts] if not isinstance(layouts, (list, tuple)) else list(layouts)
-    layouts = [layout.to(device) for layout in layouts]
-    masks = [response_row_mask(layout).to(device) for layout in layouts]
-    count = float(sum(mask.sum() for mask in masks))
-    model = loaded.model
-    timer = _Timer(device)
-    holder = {}
-
-    def logprob_pass():
-        with torch.no_grad():
-            holder["rows"] = [row_logprobs(loaded, layout, chunk_rows=chunk) for layout in layouts]
-
-    def actor_step():
-        run_actor_step(loaded, layouts, masks, count, chunk)
-
-    def zero_grad():
-        model.zero_grad(set_to_none=True)
-
-    model.train()
-    for _ in range(warmup):
-        zero_grad()
-        actor_step()
-        logprob_pass()
-        progress(1)
-    zero_grad()
-    actor_peak = _peak_mib(device, actor_step)
-    logprob_peak = _peak_mib(device, logprob_pass)
-    rows = torch.cat([r[mask] for r, mask in zip(holder["rows"], masks)]).float().cpu()
+    packing = _Packing(loaded, layouts, chunk)
+    timer = _Timer(loaded.device)
+    loaded.model.train()
+    packing.warm_up(warmup, progress)
+    peaks = packing.peaks()
+    rows = packing.response_rows()
     actor_ms, logprob_ms = [], []
     for _ in range(repeats):
-        zero_grad()
-        actor_ms.append(timer.time(actor_step))
-        logprob_ms.append(timer.time(logprob_pass))
+        actor, logprob = packing.time_once(timer)
+        actor_ms.append(actor), logprob_ms.append(logprob)
         progress(1)
-    zero_grad()
-    return (
-        ModeResult(
-            tokens=sum(layout.tokens_shared for layout in layouts),  # packed tokens (= tokens_unshared when unshared)
-            actor_ms=statistics.median(actor_ms),
-            logprob_ms=statistics.median(logprob_ms),
-            actor_peak_mib=actor_peak,
-            logprob_peak_mib=logprob_peak,
-            micro_batches=len(layouts),
-        ),
-        rows,
-    )
+    packing.zero_grad()
+    return packing.result(actor_ms, logprob_ms, peaks), rows
+
+
+def run_pair(loaded, first, second, backend: str, warmup: int, repeats: int, chunk: int, progress
+             ) -> Tuple[ModeResult, torch.Tensor, ModeResult, torch.Tensor]:
+    """Time two packings of the same micro-batch against each other, interleaved: each repeat runs
+    both, in turns (first-second, then second-first, ...), so that drift of the GPU's clocks or of the
+    host affects both alike (their difference may be a few per cent). Returns each one's timings and
+    response log-probs, as `run_mode`."""
+    loaded.config.backend = backend
+    packings = [_Packing(loaded, first, chunk), _Packing(loaded, second, chunk)]
+    timer = _Timer(loaded.device)
+    loaded.model.train()
+    for packing in packings:
+        packing.warm_up(warmup, progress)
+    peaks = [packing.peaks() for packing in packings]
+    rows = [packing.response_rows() for packing in packings]
+    times = [([], []), ([], [])]
+    for k in range(repeats):
+        for i in ((0, 1) if k % 2 == 0 else (1, 0)):
+            actor, logprob = packings[i].time_once(timer)
+            times[i][0].append(actor), times[i][1].append(logprob)
+            progress(1)
+    packings[0].zero_grad()
+    a, b = (packing.result(*t, p) for packing, t, p in zip(packings, times, peaks))
+    return a, rows[0], b, rows[1]
 
 
 def split_in_order(samples: list, parts: int) -> List[list]:

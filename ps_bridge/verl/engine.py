@@ -7,9 +7,10 @@ tokens, samples that share a prefix kept together). Per micro-batch the forward 
 
 1. rebuilds every sample `prompt + response` from verl's nested `input_ids` and the prompt lengths
    (`ps_bridge.verl.batch`),
-2. packs them with `build_layout` (one prompt per group, or with `PrefixSharingConfig.tree` the token
-   prefix tree: every common prefix once, decided once per micro-batch by `decide_tree` and read by
-   the sharing rule too; samples of different temperatures share nothing; `pad_multiple` = TP size),
+2. packs them with `prepare.decided_layout` (the sharing rule, then `build_layout`: one prompt per
+   group, or with `PrefixSharingConfig.tree` the token prefix tree: every common prefix once, decided
+   once per micro-batch by `decide_tree` and read by the sharing rule too; samples of different
+   temperatures share nothing; `pad_multiple` = TP size),
 3. runs the prefix-aware model on the packed THD sequence (`ps_bridge.forward.run_packed`), whatever
    verl's data format (`use_remove_padding` only changes how the *stock* engine pads; our model
    always takes the pack),
@@ -39,11 +40,11 @@ from typing import Optional
 import torch
 
 from ps_bridge.config import PrefixSharingConfig
-from ps_bridge.forward import cp_total_multiple, local_shard, run_packed, shard_tag
-from ps_bridge.launch_rule import ModelCost, SharingDecision, sharing_for
-from ps_bridge.layout import build_layout, decide_tree, log_layout
+from ps_bridge.forward import local_shard, run_packed
+from ps_bridge.launch_rule import ModelCost
 from ps_bridge.parallel import ParallelSettings
 from ps_bridge.parallel_info import rank_tag
+from ps_bridge.prepare import decided_layout
 from ps_bridge.rows import PackedRows
 from ps_bridge.verl.batch import per_sample_temperature, samples_from_micro_batch, temperature_classes
 from ps_bridge.verl.micro_batches import install_prefix_aware_micro_batching, keep_groups_whole, mark_packed_budget
@@ -216,34 +217,17 @@ class PrefixSharingEngineMixin:
         pad = cfg.pad_multiple or mpu.get_tensor_model_parallel_world_size()
         # the true vocabulary: a padded one's extra ids stay out of the log-probs (ps_bridge.rows)
         vocab = self.model_config.hf_config.get_text_config().vocab_size
-        # under context parallelism the whole pack is padded to equal CP shards (`cp_total_multiple`)
-        # shared layouts list the read positions (the output layer skips the other prompt positions)
-        # unless cfg.prompt_values; unshared ones (the stock computation) compute every position.
+        # decide what is shared and pack it (`prepare.decided_layout`, as `runtime.make_layout`): with
+        # cfg.tree the token prefix tree is decided once, the sharing rule (`ps_bridge.launch_rule`:
+        # shared only where the unshared GPU work outweighs the shared path's host time; host integers
+        # only, so every TP/CP/PP rank decides alike) reads its token count, the layout packs it.
         # A shared position's logits are scaled by one temperature: samples of different temperatures
-        # share no position (`share_classes`)
-        classes = temperature_classes(temperature)
-        # with cfg.tree the token prefix tree is decided once (`decide_tree`, with the share classes):
-        # the sharing rule reads its token count, the layout packs it
-        tree = None
-        if cfg.enabled and cfg.tree:
-            tree = decide_tree(samples, "tree", vocab_size=vocab, min_shared=cfg.tree_min_shared,
-                               max_depth=cfg.tree_max_depth, share_classes=classes)
-        pack = partial(build_layout, samples, pad_multiple=pad, vocab_size=vocab, total_multiple=cp_total_multiple(),
-                       prompt_values=cfg.layout_prompt_values, share_classes=classes)
-        # the sharing rule (`ps_bridge.launch_rule`): shared only where the unshared GPU work outweighs
-        # the shared path's host time; host integers only, so every TP/CP/PP rank decides alike
-        decision = sharing_for(samples, cfg, self._model_cost(), device.type,
-                               str(unwrap_model(model).config.params_dtype).replace("torch.", ""), trie=tree)
-        # one level (identical prompts), or with cfg.tree the token prefix tree decided above
-        share = cfg.layout_share(decision.share)
-        layout = pack(share=share, tree=tree if share == "tree" else None)
-        if layout.shared and not layout.has_sharing:
-            if decision.share and classes is not None:
-                decision = SharingDecision(False, "samples that share a prefix carry different temperatures: not shared")
-            # nothing to share: one THD sequence per sample, the stock engine's computation
-            layout = pack(share=False)
-        logger.info("[PS][prepare][%s] sharing: %s", rank_tag(), decision.describe())
-        log_layout(layout, f"[{rank_tag()}]{shard_tag(layout)}")
+        # share no position (the share classes; with nothing left to share, the unshared layout).
+        # Under context parallelism the whole pack is padded to equal CP shards; shared layouts list
+        # the read positions unless cfg.prompt_values, unshared ones compute every position.
+        layout, _ = decided_layout(samples, cfg, self._model_cost(), device.type,
+                                   unwrap_model(model).config.params_dtype, pad_multiple=pad, vocab_size=vocab,
+                                   share_classes=temperature_classes(temperature))
         layout = layout.to(device)
 
         # each CP rank runs its contiguous shard of the pack
