@@ -83,3 +83,38 @@ def test_system_prompt_tree_matches_the_formula():
     F = flop_ratio(flop_shape(model), samples, share="tree", min_shared=0)
     assert F == pytest.approx(unshared / shared, rel=1e-12)
     assert build_layout(samples, share="tree", min_shared=0).tree_depth == 2
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-7b", "qwen3.5-9b", "qwen3.5-35b-a3b"])
+def test_flop_shape_of_a_config_reads_the_family_off_it(name):
+    """`flop_shape_of_config` (verl-check's F, from a checkpoint's config) equals the bench's shape of
+    the same catalogue model, the family read off the config."""
+    from ps_bridge.bench.catalog import FAMILIES
+    from ps_bridge.bench.flops import flop_shape_of_config
+
+    model = MODEL_SHAPES[name]
+    assert flop_shape_of_config(FAMILIES[model.family](model.dims, 4)) == flop_shape(model, 4)
+
+
+def test_verl_check_phase_flops_count_each_micro_batch_once():
+    """verl-check's `PhaseFlops` (the shared engine's layout observer): a phase's count is the sum over
+    its micro-batches; F over the steps leaves the first out, as the speed-ups do."""
+    from ps_bridge.layout import build_layout
+    from ps_bridge.verl.check.flops import PhaseFlops, flop_ratios
+
+    shape = flop_shape(MODEL_SHAPES["qwen2.5-7b"], 2)
+    groups = [[Sample([1] * 64 + [g], [2 + r] * (8 + r)) for r in range(4)] for g in range(3)]
+    counter = PhaseFlops(shape)
+    for group in groups:  # three micro-batches of one group each
+        counter(group, build_layout(group, share=True, prompt_values=False))
+    counts = counter.take()
+    assert counter.take() == {"unshared": 0, "shared": 0}  # taken once
+    everything = [s for g in groups for s in g]
+    assert counts["unshared"] == pytest.approx(model_flops(shape, build_layout(everything, share=False)))
+    assert counts["shared"] == pytest.approx(sum(model_flops(shape, build_layout(g, share=True, prompt_values=False))
+                                                 for g in groups))
+    steps = [{"flops": {"shared": {"update": {"unshared": 100.0, "shared": 1.0}}}},
+             {"flops": {"shared": {"update": {"unshared": 6.0, "shared": 2.0}}}},
+             {"flops": {"shared": {"update": {"unshared": 4.0, "shared": 3.0}}}}]
+    assert flop_ratios(steps) == {"update": pytest.approx(10.0 / 5.0)}
+    assert flop_ratios([{"flops": {"shared": None}}]) is None

@@ -52,6 +52,16 @@ def test_verl_check_smoke(tmp_path):
         assert set(s["phase_seconds"]["shared"]) == set(check.PHASES)
     assert doc["config"]["ideal_speedup_S"] > 1
     assert "reference" in doc["config"]["stock_engine"]
+    # F: every micro-batch the shared engine packed was counted once per phase (each phase covers the
+    # step's samples: the same unshared FLOPs in all three), sharing computed fewer
+    F = doc["config"]["flop_ratio_F"]
+    assert set(F) == set(check.PHASES) and all(f > 1 for f in F.values())
+    for s in doc["steps"]:
+        counts = s["flops"]["shared"]
+        assert s["flops"]["stock"] is None
+        assert counts["update"]["unshared"] == pytest.approx(counts["old_log_prob"]["unshared"], rel=1e-12)
+        assert counts["ref"]["unshared"] == pytest.approx(counts["old_log_prob"]["unshared"], rel=1e-12)
+    assert " F)" in proc.stdout or " F," in proc.stdout
 
 
 def test_check_failures_catches_a_difference():

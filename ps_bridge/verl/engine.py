@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from functools import partial
-from typing import Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -111,6 +111,9 @@ class PrefixSharingEngineMixin:
     """Mixed in before verl's `MegatronEngineWithLMHead` (or its NPU subclass)."""
 
     prefix_sharing_config: Optional[PrefixSharingConfig] = None
+    # called with (samples, layout) for every micro-batch the forward step packs (`ps-bridge
+    # verl-check` counts the model FLOPs of what ran: `ps_bridge.verl.check.flops`)
+    layout_observer: Optional[Callable[[Sequence, Any], None]] = None
 
     # ---- configuration checks -----------------------------------------------------------------
     def _prefix_sharing(self) -> PrefixSharingConfig:
@@ -228,6 +231,8 @@ class PrefixSharingEngineMixin:
         layout, _ = decided_layout(samples, cfg, self._model_cost(), device.type,
                                    unwrap_model(model).config.params_dtype, pad_multiple=pad, vocab_size=vocab,
                                    share_classes=temperature_classes(temperature))
+        if self.layout_observer is not None:
+            self.layout_observer(samples, layout)
         layout = layout.to(device)
 
         # each CP rank runs its contiguous shard of the pack

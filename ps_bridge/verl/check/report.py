@@ -55,9 +55,16 @@ def format_report(doc: dict) -> str:
                          f"ent|d| {s['entropy_max_abs_diff']:.2e}, loss/grad-norm rel {rel:.2e}, "
                          f"micro-batches {s['micro_batches'][a]}/{s['micro_batches'][b]}")
     lines.extend(compile_lines(steps, (a, b)))
-    sp = cfg["speedup"]
+    sp, F = cfg["speedup"], cfg.get("flop_ratio_F")
+
+    def versus_f(ph):
+        return f", {sp[ph] / F[ph]:.2f} F" if F and F.get(ph) else ""
+
     lines.append("speed-up (stock time / shared time, steps after the first): "
-                 + ", ".join(f"{ph} {sp[ph]:.2f}x ({sp[ph] / cfg['ideal_speedup_S']:.2f} S)" for ph in PHASES))
+                 + ", ".join(f"{ph} {sp[ph]:.2f}x ({sp[ph] / cfg['ideal_speedup_S']:.2f} S{versus_f(ph)})" for ph in PHASES))
+    if F:
+        lines.append("  F (stock's model FLOPs / those of the shared engine's micro-batches): "
+                     + ", ".join(f"{ph} {F[ph]:.2f}" for ph in PHASES if ph in F))
     med = cfg.get("speedup_median")
     if med:
         lines.append("  of the per-step medians instead of the sums: " + ", ".join(f"{ph} {med[ph]:.2f}x" for ph in PHASES))

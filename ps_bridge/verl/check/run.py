@@ -11,6 +11,7 @@ import torch
 
 from ps_bridge.verl.check.compare import compare, speedups
 from ps_bridge.verl.check.compiles import counting_compiles
+from ps_bridge.verl.check.flops import PhaseFlops, checkpoint_flop_shape, flop_ratios
 from ps_bridge.verl.check.config import CheckSettings, role_configs, scaled_budgets, trainer_config
 from ps_bridge.verl.check.data import ideal_ratio, synthetic_batch
 from ps_bridge.verl.check.model import checkpoint_for, free_memory, stock_description
@@ -68,19 +69,23 @@ def kind_steps(kind: str, settings: CheckSettings, ckpt: str, cfg, batches,
     actor_cfg, ref_cfg, rollout = role_configs(cfg)
     resident_before = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
     actor_engine, ref_engine = build_role_engines(kind, ckpt, settings, actor_cfg, ref_cfg, rollout)
+    flops = None
+    if kind == "shared":  # the model FLOPs of the micro-batches it packs (F)
+        flops = PhaseFlops(checkpoint_flop_shape(ckpt))
+        actor_engine.layout_observer = ref_engine.layout_observer = flops
     actor_cfg.model_config = actor_engine.model_config
     actor = Role(actor_engine, partial(ppo_loss, config=actor_cfg))
     ref = Role(ref_engine, None)
     arr = cfg.actor_rollout_ref
     try:
         for step, batch in enumerate(batches):
-            yield _one_step(kind, step, batch, settings, arr, actor, ref, actor_cfg, resident_before, progress)
+            yield _one_step(kind, step, batch, settings, arr, actor, ref, actor_cfg, resident_before, progress, flops)
     finally:
         del actor, ref, actor_engine, ref_engine
         free_memory()
 
 
-def _one_step(kind, step, batch, settings, arr, actor, ref, actor_cfg, resident_before, progress) -> Dict:
+def _one_step(kind, step, batch, settings, arr, actor, ref, actor_cfg, resident_before, progress, flops=None) -> Dict:
     """One trainer step (old log-probs, ref log-probs, the update) of one engine kind: its record."""
     from verl.protocol import DataProto
     from verl.utils import tensordict_utils as tu
@@ -91,7 +96,7 @@ def _one_step(kind, step, batch, settings, arr, actor, ref, actor_cfg, resident_
     batch.meta_info["temperature"] = arr.rollout.temperature  # as the rollout leaves it
     # resident_before: what an earlier engine kind left allocated (included in this kind's peaks)
     record: Dict = {"phase_seconds": {}, "peak_memory_gib": {"resident_before": resident_before},
-                    "micro_batches": {}, "compiles": {}}
+                    "micro_batches": {}, "compiles": {}, "flops": {}}
 
     def phase(name, fn, role):
         _sync()
@@ -103,6 +108,8 @@ def _one_step(kind, step, batch, settings, arr, actor, ref, actor_cfg, resident_
             _sync()
         record["phase_seconds"][name] = time.perf_counter() - t0
         record["compiles"][name] = compiled
+        if flops is not None:
+            record["flops"][name] = flops.take()
         record["peak_memory_gib"][name] = _peak_gib()
         record["micro_batches"][name] = role.micro_batches - before
         progress(f"{kind} step {step + 1}: {name}")
@@ -211,6 +218,7 @@ def run_check(settings: CheckSettings, progress: Optional[Callable[[str], None]]
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "speedup": speedups(steps, names),
         "speedup_median": speedups(steps, names, statistic="median"),
+        "flop_ratio_F": flop_ratios(steps),
     }
     doc = {"config": config, "steps": steps}
     if settings.noise_floor:
