@@ -33,14 +33,9 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 
+from ps_bridge.compat import megatron_core as compat_megatron_core
+from ps_bridge.compat.torch import grouped_mm
 from ps_bridge.kernels.weighted_swiglu import weighted_swiglu
-
-
-def _grouped_mm():
-    fn = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-    if fn is None:
-        raise RuntimeError("torch.nn.functional.grouped_mm is missing: torch >= 2.9 is needed for grouped experts")
-    return fn
 
 
 def uses_grouped_mm(x: torch.Tensor) -> bool:
@@ -87,7 +82,7 @@ class _GroupedLinear(torch.autograd.Function):
         plan = _run_plan(tokens_per_expert, spans, x.device)
         ctx.save_for_backward(x, *weights)
         ctx.plan = plan
-        outs = [_grouped_mm()(x[rows], stacked(weights, first, end).transpose(-2, -1), offs=offs)
+        outs = [grouped_mm()(x[rows], stacked(weights, first, end).transpose(-2, -1), offs=offs)
                 for first, end, rows, offs in plan]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -104,14 +99,14 @@ class _GroupedLinear(torch.autograd.Function):
         for first, end, rows, offs in ctx.plan:
             g = grad_out[rows]
             if ctx.needs_input_grad[0]:
-                gx = _grouped_mm()(g, stacked(weights, first, end), offs=offs)
+                gx = grouped_mm()(g, stacked(weights, first, end), offs=offs)
                 if whole:
                     grad_x = gx  # one run over every row: no copy into a second buffer
                 else:
                     grad_x[rows] = gx
             if want_w:
                 # [E, out, in]: per expert grad_out_e^T @ x_e, grouped along the token dimension
-                grads_w[first:end] = _grouped_mm()(g.t(), x[rows], offs=offs).unbind(0)
+                grads_w[first:end] = grouped_mm()(g.t(), x[rows], offs=offs).unbind(0)
         return (grad_x, None, None, *grads_w)
 
 
@@ -321,13 +316,15 @@ class GroupedMMExperts(TEGroupedMLP):
             and c.moe_mlp_glu_interleave_size is None and c.activation_func_clamp_value is None
             and not c.glu_linear_offset
             and not (self.activation_recompute or self.offload_expert_fc1 or self.offload_moe_act
-                     # megatron-core 0.19's fused-group offloading; absent (off) in 0.18
-                     or getattr(self, "offload_fused_group_mlp", False) or self._with_fused_impl)
+                     or compat_megatron_core.offloads_fused_group_mlp(self) or self._with_fused_impl)
         )
 
-    def forward(self, hidden, tokens_per_expert, permuted_probs, output_buffer=None, grad_input_buffer=None):
-        if output_buffer is not None or grad_input_buffer is not None:  # megatron-core 0.19's buffers
-            return super().forward(hidden, tokens_per_expert, permuted_probs, output_buffer, grad_input_buffer)
+    def forward(self, hidden, tokens_per_expert, permuted_probs, **output_buffers):
+        """`output_buffers`: what megatron's MoE layer passes by keyword beyond the three inputs (the
+        zero-copy `output_buffer` / `grad_input_buffer`, `compat/megatron_core.py`): with any set,
+        megatron's own forward, which writes into them."""
+        if any(b is not None for b in output_buffers.values()):
+            return super().forward(hidden, tokens_per_expert, permuted_probs, **output_buffers)
         if not self._plain():
             return super().forward(hidden, tokens_per_expert, permuted_probs)
         h, _ = self.linear_fc1(hidden, tokens_per_expert)

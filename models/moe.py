@@ -269,8 +269,8 @@ class PrefixSharedMoETransformerLayer(TransformerLayer):
     _call_packed_seq_params = None
 
     def forward(self, *args, **kwargs):
-        # megatron-core 0.18's layer does not hand `packed_seq_params` on to `_forward_mlp` (0.19
-        # does): keep the call's for the MLP step, and drop it when the call ends
+        # the call's `packed_seq_params`, kept for the MLP step and dropped when the call ends (not
+        # every megatron-core hands it on to `_forward_mlp`: compat/megatron_core.py)
         self._call_packed_seq_params = kwargs.get("packed_seq_params")
         try:
             return super().forward(*args, **kwargs)
@@ -280,8 +280,5 @@ class PrefixSharedMoETransformerLayer(TransformerLayer):
     def _forward_mlp(self, hidden_states, *args, **kwargs):
         if not isinstance(self.mlp, PrefixSharedMoELayer):
             return super()._forward_mlp(hidden_states, *args, **kwargs)
-        packed_seq_params = kwargs.get("packed_seq_params", args[2] if len(args) > 2 else None)
-        if packed_seq_params is None:
-            packed_seq_params = self._call_packed_seq_params
-        with self.mlp.call_token_weights(getattr(packed_seq_params, "moe_token_weights", None)):
+        with self.mlp.call_token_weights(getattr(self._call_packed_seq_params, "moe_token_weights", None)):
             return super()._forward_mlp(hidden_states, *args, **kwargs)

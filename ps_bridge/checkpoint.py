@@ -271,10 +271,10 @@ def optimizer_sharding_type(optimizer_dir: str) -> Optional[str]:
     metadata's `distrib_optim_sharding_type`), None without one (the non-distributed optimizer)."""
     from megatron.core import dist_checkpointing
 
-    load = getattr(dist_checkpointing, "load_content_metadata", None)
-    if load is None or not os.path.isfile(os.path.join(optimizer_dir, ".metadata")):
+    if not os.path.isfile(os.path.join(optimizer_dir, ".metadata")):
         return None
-    return (load(checkpoint_dir=optimizer_dir) or {}).get("distrib_optim_sharding_type")
+    metadata = dist_checkpointing.load_content_metadata(checkpoint_dir=optimizer_dir) or {}
+    return metadata.get("distrib_optim_sharding_type")
 
 
 def refuse_dp_reshardable_change(local_path: str, model_chunks, sharding_type: Optional[str]) -> None:
@@ -314,7 +314,7 @@ def refuse_distributed_optimizer_load_without_fused_adam(optimizer) -> None:
         from megatron.core.optimizer import distrib_optimizer
     except ImportError:
         return
-    if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
+    if distrib_optimizer.HAVE_APEX_OR_TE:
         return
     chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     if any(isinstance(o, distrib_optimizer.DistributedOptimizer) for o in chained):

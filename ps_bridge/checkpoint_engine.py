@@ -25,10 +25,12 @@ import importlib.util
 import sys
 import types
 
+from ps_bridge.compat import verl as verl_compat
+
 
 def _fresh_model_state_for_optimizer(manager) -> None:
-    build = getattr(type(manager), "_build_optimizer_state_dict", None)
-    if build is None:  # verl 0.8.0's manager (its older checkpoint layout) has no such step: left as is
+    build = verl_compat.optimizer_state_dict_builder(type(manager))
+    if build is None:  # a manager without that step (compat/verl.py): left as is
         return
 
     def _build_optimizer_state_dict(self, model_sharded_state_dict, metadata, is_loading=False, *args, **kwargs):

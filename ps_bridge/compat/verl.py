@@ -13,6 +13,10 @@ preparation and the tests call these instead of checking versions themselves.
 | entropy chunking               | `entropy_from_logits_chunk_size`             | no setting: our default chunk            |
 | per-token loss (megatron's     | loss returns (sum, tokens, output);          | loss returns (loss, output): refused     |
 | `calculate_per_token_loss`)    | `_routed_num_tokens`                         | with `calculate_per_token_loss=True`     |
+| optimizer state of a dist-     | `MegatronCheckpointManager.                  | no such step (its older checkpoint       |
+| checkpoint load                | _build_optimizer_state_dict`                 | layout)                                  |
+| float32 engine optimizer       | `init_megatron_optim_config` takes `bf16`    | bf16 / fp16 only: megatron's fp32 one by |
+|                                |                                              | override                                 |
 """
 
 from __future__ import annotations
@@ -257,3 +261,13 @@ def fp32_optimizer_overrides(dtype: str) -> dict:
     if dtype not in ("float32", "fp32") or "bf16" in inspect.signature(init_megatron_optim_config).parameters:
         return {}
     return {"bf16": False, "fp16": False, "params_dtype": torch.float32}
+
+
+# ---- checkpoint manager ---------------------------------------------------------------------------
+
+
+def optimizer_state_dict_builder(manager_cls):
+    """verl 0.9.1's `MegatronCheckpointManager._build_optimizer_state_dict` (the unbound function of
+    `manager_cls`): the step of its checkpoint layout that builds the optimizer's sharded state from
+    the model's. verl 0.8.0's manager (an older checkpoint layout) has no such step: None."""
+    return getattr(manager_cls, "_build_optimizer_state_dict", None)

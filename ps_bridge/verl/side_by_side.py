@@ -115,18 +115,12 @@ def _reference_core_attention_class():
 
 
 def reference_gpt_layer_spec(config, vp_stage=None):
-    """Our layer spec with the reference core attention: the stock engine's stock-format model.
-    Takes the spec as a single layer `ModuleSpec` or as a block (`layer_specs`), whichever the
-    prefix-aware spec builder returns."""
-    import inspect
-
+    """Our block spec (this stage's layers) with the reference core attention: the stock engine's
+    stock-format model."""
     from ps_bridge.models.specs import prefix_shared_gpt_layer_spec
 
-    if "vp_stage" in inspect.signature(prefix_shared_gpt_layer_spec).parameters:
-        spec = prefix_shared_gpt_layer_spec(config, vp_stage=vp_stage)
-    else:
-        spec = prefix_shared_gpt_layer_spec(config)
-    for layer in getattr(spec, "layer_specs", None) or [spec]:
+    spec = prefix_shared_gpt_layer_spec(config, vp_stage=vp_stage)
+    for layer in spec.layer_specs:
         layer.submodules.self_attention.submodules.core_attention = _reference_core_attention_class()
     return spec
 

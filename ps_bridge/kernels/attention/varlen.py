@@ -23,11 +23,12 @@ Kernels:
 from __future__ import annotations
 
 import importlib.util
-import inspect
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
+
+from ps_bridge.compat import flash_attn as compat_flash_attn
 
 
 @dataclass
@@ -138,34 +139,18 @@ class TorchFlashKernel(VarlenKernel):
 
 
 class FlashAttnKernel(VarlenKernel):
-    """The flash-attn package's varlen kernels (2.x). Keyword arguments are filtered by the
-    installed version's signature, since their lists changed across releases."""
+    """The flash-attn package's varlen kernels (2.x), with the keywords of the installed release
+    (`compat/flash_attn.py`: their lists changed across releases)."""
 
     name = "flash_attn"
 
     def __init__(self):
-        from flash_attn import flash_attn_interface as fai
-
-        self._fwd = fai._flash_attn_varlen_forward
-        self._bwd = fai._flash_attn_varlen_backward
-        self._fwd_params = set(inspect.signature(self._fwd).parameters)
-        self._bwd_params = set(inspect.signature(self._bwd).parameters)
-
-    @staticmethod
-    def _window(params, kwargs):
-        if "window_size_left" in params:
-            kwargs.update(window_size_left=-1, window_size_right=-1)
-        elif "window_size" in params:
-            kwargs.update(window_size=(-1, -1))
-        for name, value in (("softcap", 0.0), ("alibi_slopes", None), ("deterministic", False)):
-            if name in params:
-                kwargs[name] = value
-        return kwargs
+        self._fwd, self._bwd = compat_flash_attn.varlen_functions()
 
     def forward(self, q, k, v, call, scale):
         _require_flash_support(q, "flash-attn")
         cu_q, cu_k = call.device_offsets(q.device)
-        kwargs = self._window(self._fwd_params, dict(return_softmax=False))
+        kwargs = compat_flash_attn.varlen_keywords(self._fwd, return_softmax=False)
         res = self._fwd(q, k, v, cu_q, cu_k, call.max_q, call.max_k, 0.0, scale, call.causal, **kwargs)
         out, lse, rng_state = res[0], res[1], res[-1]
         return out, _check_lse(lse, q.shape[1], q.shape[0], "flash_attn._flash_attn_varlen_forward"), rng_state
@@ -173,7 +158,7 @@ class FlashAttnKernel(VarlenKernel):
     def backward(self, dout, q, k, v, out, lse, call, scale, aux):
         cu_q, cu_k = call.device_offsets(q.device)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        kwargs = self._window(self._bwd_params, dict(rng_state=aux))
+        kwargs = compat_flash_attn.varlen_keywords(self._bwd, rng_state=aux)
         self._bwd(
             dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, call.max_q, call.max_k, 0.0, scale, call.causal,
             **kwargs,

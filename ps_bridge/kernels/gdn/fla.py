@@ -19,6 +19,7 @@ from typing import List, Optional
 import torch
 
 from ps_bridge.compat import fla as compat_fla
+from ps_bridge.compat import triton as compat_triton
 
 
 CHUNK_SIZE = 64  # chunk_gated_delta_rule's default chunk size, for which the chunk index is made
@@ -96,20 +97,12 @@ def hopper_backward_problem(device: torch.device) -> Optional[str]:
     major, _ = torch.cuda.get_device_capability(device)
     if major != 9:
         return None
-    try:
-        import triton
-        from packaging.version import Version
-
-        triton_version = Version(triton.__version__.split("+")[0])
-    except Exception:  # no triton at all: fla cannot run either; its own import error says so
-        return None
-    if not (Version("3.4.0") <= triton_version < Version("3.7.1")):
-        return None
-    if compat_fla.tilelang_backward_route():
+    triton_version = compat_triton.wrong_hopper_gdn_backward()
+    if triton_version is None or compat_fla.tilelang_backward_route():
         return None
     return (
         f"the fla Gated DeltaNet backward is refused on this Hopper GPU ({torch.cuda.get_device_name(device)}) "
-        f"with Triton {triton.__version__}: Triton >= 3.4.0 and < 3.7.1 computes wrong gradients for fla's "
+        f"with Triton {triton_version}: Triton >= 3.4.0 and < 3.7.1 computes wrong gradients for fla's "
         "gated chunk_bwd_dqkwg kernel. Fix it either way: upgrade Triton to >= 3.7.1 "
         "(e.g. a torch release that ships it), or `pip install tilelang` with fla-core >= "
         f"{compat_fla.TILELANG_ROUTE_SINCE} (fla then runs that kernel with tilelang; older fla-core has no "

@@ -1,0 +1,19 @@
+"""What differs between the torch releases ps-bridge runs on (2.9.1 - 2.14.1).
+
+- The grouped matrix multiply of the grouped MoE experts (`models/experts.py`): public as
+  `torch.nn.functional.grouped_mm` in 2.14.1; 2.9.1 has only the private `torch._grouped_mm` (same
+  arguments: `(mat_a, mat_b, offs=...)`). Releases in between were not read (`grouped_mm`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def grouped_mm():
+    """torch's grouped matrix multiply: `torch.nn.functional.grouped_mm` where this torch has it
+    (2.14.1), else `torch._grouped_mm` (2.9.1 has only this one). Neither (torch < 2.9): refused."""
+    fn = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if fn is None:
+        raise RuntimeError("torch.nn.functional.grouped_mm is missing: torch >= 2.9 is needed for grouped experts")
+    return fn

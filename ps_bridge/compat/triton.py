@@ -1,0 +1,27 @@
+"""What differs between Triton releases, for the kernels ps-bridge runs with Triton (fla's).
+
+- fla's gated `chunk_bwd_dqkwg` backward kernel (the Gated DeltaNet backward) is computed wrongly on
+  Hopper (sm_90) by Triton 3.4.0 up to 3.7.0; 3.7.1 is the first release that computes it right
+  (`wrong_hopper_gdn_backward`; the refusal and its fix are `ps_bridge/kernels/gdn/fla.py`'s).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+WRONG_HOPPER_GDN_BACKWARD = ("3.4.0", "3.7.1")  # [first wrong, first right again)
+
+
+def wrong_hopper_gdn_backward() -> Optional[str]:
+    """The installed Triton's version where it computes fla's gated `chunk_bwd_dqkwg` kernel wrongly
+    on Hopper (3.4.0 <= version < 3.7.1), else None (another version, or no Triton: fla cannot run
+    then, and its own import error says so)."""
+    try:
+        import triton
+        from packaging.version import Version
+
+        version = Version(triton.__version__.split("+")[0])
+    except Exception:
+        return None
+    first_wrong, first_right = (Version(v) for v in WRONG_HOPPER_GDN_BACKWARD)
+    return triton.__version__ if first_wrong <= version < first_right else None
