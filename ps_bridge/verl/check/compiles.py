@@ -3,8 +3,8 @@ its arguments (an integer's divisibility by 16, a pointer's alignment, ...), so 
 later step costs that step a compile. verl-check records, per phase, how many kernels Triton compiled
 and how long they took, to tell such one-off costs from the steady state (docs/never-slower.md).
 
-Uses Triton's `knobs.runtime.jit_cache_hook` (called before a compile) and `jit_post_compile_hook`
-(after); where Triton or the hooks are absent the counts are None. A kernel found in Triton's disk
+Uses Triton's JIT hooks (`ps_bridge.compat.triton.jit_runtime_hooks`: called before a compile and
+after it); where Triton or the hooks are absent the counts are None. A kernel found in Triton's disk
 cache still counts (it is loaded, not built: short). tilelang's compiles are not seen."""
 
 from __future__ import annotations
@@ -13,16 +13,7 @@ import contextlib
 import time
 from typing import Dict, Iterator, List, Optional
 
-
-def _runtime_knobs():
-    try:
-        import triton
-    except Exception:  # no Triton on this machine: nothing to count
-        return None
-    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
-        return None
-    return runtime
+from ps_bridge.compat.triton import jit_runtime_hooks
 
 
 @contextlib.contextmanager
@@ -30,7 +21,7 @@ def counting_compiles() -> Iterator[Dict]:
     """Yields a dict filled on exit: `count` (kernels compiled or loaded), `seconds` (their total
     time), `kernels` (names, in order); all None where Triton's hooks are unavailable."""
     record: Dict = {"count": None, "seconds": None, "kernels": None}
-    runtime = _runtime_knobs()
+    runtime = jit_runtime_hooks()
     if runtime is None:
         yield record
         return
