@@ -98,7 +98,7 @@ def test_wrong_response_positions_are_detected(qwen2_loaded, monkeypatch):
         assert resp.any()
         return lay
 
-    monkeypatch.setattr("ps_bridge.runtime.build_layout", restart_positions)
+    monkeypatch.setattr("ps_bridge.prepare.build_layout", restart_positions)
     bad = run_logprob_loss(qwen2_loaded, samples, share=True, backward=False)
     assert max_abs_diff(good.logprobs, bad.logprobs) > 1e-3
 
