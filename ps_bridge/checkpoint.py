@@ -82,7 +82,8 @@ def _safetensors_files(hf_dir: str) -> Dict[str, int]:
     else:
         names = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
         if not names:
-            raise CheckpointFileError(f"no model.safetensors in {hf_dir}: the checkpoint's HF weights are missing; {DAMAGED_FIX}")
+            raise CheckpointFileError(f"checkpoint file {os.path.join(hf_dir, 'model.safetensors')} is missing (no "
+                                      f".safetensors file in the directory: the checkpoint's HF weights); {DAMAGED_FIX}")
     need = {}
     for name in names:
         path = os.path.join(hf_dir, name)

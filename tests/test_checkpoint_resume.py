@@ -176,7 +176,7 @@ def test_a_truncated_or_missing_shard_is_named(runs, tmp_path):
         with pytest.raises(CheckpointFileError, match=f"{shard} is truncated"):
             check_checkpoint_files(copy)
         os.remove(shard)
-        with pytest.raises(CheckpointFileError, match=f"{shard} is missing|no model.safetensors"):
+        with pytest.raises(CheckpointFileError, match=f"{shard} is missing"):
             check_checkpoint_files(copy, [tree])  # the trees the engine's load reads
     metadata = os.path.join(verl_tree_path(str(tmp_path / "optimizer"), "optimizer"), ".metadata")
     os.remove(metadata)
@@ -219,10 +219,7 @@ def test_the_engine_load_names_a_truncated_or_missing_model_shard(runs, tmp_path
     for (how, shard, _), err in zip(damaged, seen):
         assert err is not None and err["type"] == "CheckpointFileError" and not err["chained"], (how, err)
         message = err["message"]
-        # (a lone model.safetensors deleted: no index names it, the directory has none left)
-        named = f"{shard} is {how}" in message or (
-            how == "missing" and f"no model.safetensors in {os.path.dirname(shard)}" in message)
-        assert named and "\n" not in message, message
+        assert f"{shard} is {how}" in message and "\n" not in message, message
         assert message.endswith("save it again or resume from an earlier one"), message
     if dist:
         from ps_bridge.cli import main
