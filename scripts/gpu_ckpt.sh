@@ -12,7 +12,7 @@
 #                                                                           -> uninterrupted_off.pt
 # 3. a new process loads (1)'s checkpoint with sharing OFF, one step        -> resumed_off.pt
 # 4. a new process loads (1)'s checkpoint with sharing ON, one step         -> resumed_on.pt
-# (1) and (2) run side by side, then (3) and (4): each is its own process either way
+# (1) runs alone, then (2), (3) and (4) side by side: each is its own process either way
 # $OUT/ckpt_check.json: the 3rd step's losses, grad norm, learning rate and largest parameter difference of
 # each run against (1); $OUT/ckpt.log the workers' output. Pass: resumed_on equals (1) (up to the GPU kernels'
 # run-to-run noise) and resumed_off differs from (1) no more than (2) does, which is to be within verl-check's
@@ -44,28 +44,30 @@ PY
 [ -f "$HF/config.json" ] || { echo "no checkpoint written ($HF): see $log" | tee -a "$log"; exit 1; }
 echo "=== checkpoint $HF ($(date +%T))" | tee -a "$log"
 # step NAME SHARING MODE SAVE_DIR LIMIT_S: one worker process (run / resume), K=2, HF-safetensors model (DIST 0),
-# the non-distributed optimizer (DISTOPT 0), its output in $WORK/NAME.log (appended to $log after its wave)
+# the non-distributed optimizer (DISTOPT 0), its output in $WORK/NAME.log (appended to $log at the end)
 step() {
   echo "=== $1: sharing $2, $3 ($(date +%T))" | tee -a "$log"
   (cd tests && PS_CKPT_SHARING=$2 timeout "$5" python3 ckpt_worker.py "$3" ours "$HF" "$WORK/$4" "$WORK/$1.pt" 2 0 0) \
     >"$WORK/$1.log" 2>&1
   echo "=== $1 exit $? ($(date +%T))" >>"$WORK/$1.log"
 }
-# two waves of two independent processes side by side on the GPU (a 0.8B model each; nothing here is timed):
-# the uninterrupted runs (sharing on saves the checkpoint; the first wave autotunes fla's GDN kernels where
-# the cache lacks them), then, once the save is written, the two resumes, each a new process
-wave() {
-  step "$@" &
-  local first=$!
-  shift 5
-  step "$@"
-  wait "$first"
-  save_autotune
+# (1) alone: it autotunes fla's GDN kernels where the cache lacks them, and only its autotune results are
+# kept (`save_autotune`: results found with other processes on the GPU could be slower configs); then, once
+# its checkpoint is written, (2), (3) and (4) side by side (three independent processes of a 0.8B model; nothing
+# here is timed; each resume is a new process)
+side_by_side() {  # side_by_side NAME SHARING MODE SAVE_DIR LIMIT_S [NAME ...]: those steps at once
+  local pids=()
+  while [ $# -ge 5 ]; do
+    step "$1" "$2" "$3" "$4" "$5" &
+    pids+=($!)
+    shift 5
+  done
+  wait "${pids[@]}"
 }
-wave uninterrupted_on on run saved 300   uninterrupted_off off run unused 300
-cat "$WORK/uninterrupted_on.log" "$WORK/uninterrupted_off.log" >>"$log"
-wave resumed_off off resume saved 150   resumed_on on resume saved 150
-cat "$WORK/resumed_off.log" "$WORK/resumed_on.log" >>"$log"
+step uninterrupted_on on run saved 300
+save_autotune
+side_by_side uninterrupted_off off run unused 300   resumed_off off resume saved 300   resumed_on on resume saved 300
+cat "$WORK/uninterrupted_on.log" "$WORK/uninterrupted_off.log" "$WORK/resumed_off.log" "$WORK/resumed_on.log" >>"$log"
 grep -h "^=== .* exit" "$WORK"/*.log | tee -a "$log"
 python3 - "$OUT" "$WORK" <<'PY' 2>&1 | tee -a "$log"
 import json, os, sys
