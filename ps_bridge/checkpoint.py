@@ -53,6 +53,9 @@ class CheckpointFileError(RuntimeError):
     """A checkpoint file named by its metadata is missing or shorter than the metadata says."""
 
 
+DAMAGED_FIX = "the checkpoint is incomplete (an interrupted save or copy): save it again or resume from an earlier one"
+
+
 def _dist_ckpt_files(ckpt_dir: str) -> Dict[str, int]:
     """{file: bytes it must hold at least} of a torch_dist `dist_checkpointing` directory."""
     import torch.distributed.checkpoint as dcp
@@ -61,8 +64,7 @@ def _dist_ckpt_files(ckpt_dir: str) -> Dict[str, int]:
         metadata = dcp.FileSystemReader(ckpt_dir).read_metadata()
     except Exception as err:  # noqa: BLE001 - any unreadable metadata is reported by its file name
         raise CheckpointFileError(
-            f"checkpoint metadata {os.path.join(ckpt_dir, '.metadata')} is missing or unreadable ({err}); "
-            "the checkpoint is incomplete: save it again or resume from an earlier one"
+            f"checkpoint metadata {os.path.join(ckpt_dir, '.metadata')} is missing or unreadable ({err}); {DAMAGED_FIX}"
         ) from None
     need: Dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
@@ -80,7 +82,8 @@ def _safetensors_files(hf_dir: str) -> Dict[str, int]:
     else:
         names = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
         if not names:
-            raise CheckpointFileError(f"no model.safetensors in {hf_dir}: the checkpoint's HF weights are missing")
+            raise CheckpointFileError(f"checkpoint file {os.path.join(hf_dir, 'model.safetensors')} is missing (no "
+                                      f".safetensors file in the directory: the checkpoint's HF weights); {DAMAGED_FIX}")
     need = {}
     for name in names:
         path = os.path.join(hf_dir, name)
@@ -90,12 +93,12 @@ def _safetensors_files(hf_dir: str) -> Dict[str, int]:
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise CheckpointFileError(f"checkpoint file {path} is truncated ({len(head)} bytes)")
+                raise CheckpointFileError(f"checkpoint file {path} is truncated ({len(head)} bytes); {DAMAGED_FIX}")
             (size,) = struct.unpack("<Q", head)
             try:
                 header = json.loads(f.read(size))
             except ValueError:
-                raise CheckpointFileError(f"checkpoint file {path} is truncated (its header is cut)") from None
+                raise CheckpointFileError(f"checkpoint file {path} is truncated (its header is cut); {DAMAGED_FIX}") from None
         ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
         need[name] = 8 + size + max(ends, default=0)
     return need
@@ -105,13 +108,11 @@ def _check_sizes(directory: str, need: Dict[str, int]) -> None:
     for name, size in sorted(need.items()):
         path = os.path.join(directory, name)
         if not os.path.exists(path):
-            raise CheckpointFileError(f"checkpoint file {path} is missing (named by the checkpoint's metadata)")
+            raise CheckpointFileError(f"checkpoint file {path} is missing (named by the checkpoint's metadata); {DAMAGED_FIX}")
         have = os.path.getsize(path)
         if have < size:
             raise CheckpointFileError(
-                f"checkpoint file {path} is truncated: {have} bytes, its metadata needs {size}; "
-                "save the checkpoint again or resume from an earlier one"
-            )
+                f"checkpoint file {path} is truncated: {have} bytes, its metadata needs {size}; {DAMAGED_FIX}")
 
 
 def check_dist_checkpoint_files(ckpt_dir: str) -> None:
@@ -159,7 +160,7 @@ def check_checkpoint_files(local_path: str, trees: Optional[Iterable[str]] = Non
     checked = set()
     for name in trees:
         if name not in present:
-            raise CheckpointFileError(f"checkpoint directory {verl_tree_path(local_path, name)} is missing")
+            raise CheckpointFileError(f"checkpoint directory {verl_tree_path(local_path, name)} is missing; {DAMAGED_FIX}")
         if present[name] in checked:  # (verl 0.8.0: one tree for model, optimizer and extra)
             continue
         checked.add(present[name])

@@ -12,6 +12,7 @@
 #                                                                           -> uninterrupted_off.pt
 # 3. a new process loads (1)'s checkpoint with sharing OFF, one step        -> resumed_off.pt
 # 4. a new process loads (1)'s checkpoint with sharing ON, one step         -> resumed_on.pt
+# (1) runs alone, then (2), (3) and (4) side by side: each is its own process either way
 # $OUT/ckpt_check.json: the 3rd step's losses, grad norm, learning rate and largest parameter difference of
 # each run against (1); $OUT/ckpt.log the workers' output. Pass: resumed_on equals (1) (up to the GPU kernels'
 # run-to-run noise) and resumed_off differs from (1) no more than (2) does, which is to be within verl-check's
@@ -32,38 +33,42 @@ if ! python3 -c "import psutil" 2>/dev/null; then
 fi
 export PS_CKPT_DTYPE=bfloat16
 WORK=/tmp/ps-ckpt && rm -rf "$WORK" && mkdir -p "$WORK"
-# the checkpoint of a catalogue shape, written by `ps-bridge verl-check`'s own helper (wherever it lives in ps_bridge.verl)
+# the checkpoint of a catalogue shape, written by `ps-bridge verl-check`'s own helper
 HF=$(python3 - "$WORK" 2>>"$log" <<'PY' | tail -1
-import importlib, pkgutil, sys
-import ps_bridge.verl as pkg
-found = {}
-for name in ["check"] + sorted(m.name for m in pkgutil.iter_modules(pkg.__path__)):
-    try:
-        mod = importlib.import_module(f"ps_bridge.verl.{name}")
-    except Exception:
-        continue
-    for attr in ("CheckSettings", "checkpoint_for"):
-        found.setdefault(attr, getattr(mod, attr, None))
-    if all(found.values()):
-        break
-print(found["checkpoint_for"](found["CheckSettings"](model="qwen3.5-0.8b", dtype="bfloat16"), sys.argv[1]))
+import sys
+from ps_bridge.verl.check.config import CheckSettings
+from ps_bridge.verl.check.model import checkpoint_for
+print(checkpoint_for(CheckSettings(model="qwen3.5-0.8b", dtype="bfloat16"), sys.argv[1]))
 PY
 )
 [ -f "$HF/config.json" ] || { echo "no checkpoint written ($HF): see $log" | tee -a "$log"; exit 1; }
 echo "=== checkpoint $HF ($(date +%T))" | tee -a "$log"
 # step NAME SHARING MODE SAVE_DIR LIMIT_S: one worker process (run / resume), K=2, HF-safetensors model (DIST 0),
-# the non-distributed optimizer (DISTOPT 0)
+# the non-distributed optimizer (DISTOPT 0), its output in $WORK/NAME.log (appended to $log at the end)
 step() {
   echo "=== $1: sharing $2, $3 ($(date +%T))" | tee -a "$log"
   (cd tests && PS_CKPT_SHARING=$2 timeout "$5" python3 ckpt_worker.py "$3" ours "$HF" "$WORK/$4" "$WORK/$1.pt" 2 0 0) \
-    >>"$log" 2>&1
-  echo "=== exit $?" | tee -a "$log"
-  save_autotune
+    >"$WORK/$1.log" 2>&1
+  echo "=== $1 exit $? ($(date +%T))" >>"$WORK/$1.log"
 }
-step uninterrupted_on on run saved 300   # the first one autotunes fla's GDN kernels where the cache lacks them
-step uninterrupted_off off run unused 120
-step resumed_off off resume saved 100
-step resumed_on on resume saved 100
+# (1) alone: it autotunes fla's GDN kernels where the cache lacks them, and only its autotune results are
+# kept (`save_autotune`: results found with other processes on the GPU could be slower configs); then, once
+# its checkpoint is written, (2), (3) and (4) side by side (three independent processes of a 0.8B model; nothing
+# here is timed; each resume is a new process)
+side_by_side() {  # side_by_side NAME SHARING MODE SAVE_DIR LIMIT_S [NAME ...]: those steps at once
+  local pids=()
+  while [ $# -ge 5 ]; do
+    step "$1" "$2" "$3" "$4" "$5" &
+    pids+=($!)
+    shift 5
+  done
+  wait "${pids[@]}"
+}
+step uninterrupted_on on run saved 300
+save_autotune
+side_by_side uninterrupted_off off run unused 300   resumed_off off resume saved 300   resumed_on on resume saved 300
+cat "$WORK/uninterrupted_on.log" "$WORK/uninterrupted_off.log" "$WORK/resumed_off.log" "$WORK/resumed_on.log" >>"$log"
+grep -h "^=== .* exit" "$WORK"/*.log | tee -a "$log"
 python3 - "$OUT" "$WORK" <<'PY' 2>&1 | tee -a "$log"
 import json, os, sys
 import torch

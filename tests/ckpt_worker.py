@@ -3,9 +3,11 @@
 
 `python tests/ckpt_worker.py run ENGINE HF_CKPT SAVE_DIR OUT K DIST DISTOPT [LAYOUT]`: train K steps, save a
 verl checkpoint to SAVE_DIR, train one more step (the uninterrupted run); `resume ...` (same arguments):
-load SAVE_DIR into a freshly built engine and train that one step. Either way OUT (OUT.rank<r> under
+load SAVE_DIR into a freshly built engine and train that one step; `refuse ...` (SAVE_DIR: damaged
+checkpoints, comma-separated): the engine's load of each, its error to OUT as JSON. Either way OUT (OUT.rank<r> under
 torch.distributed.run) gets the last step's per-micro-batch losses (last pipeline stage), grad norm,
-learning rate, the RNG states after the save / the load (`rng`), this rank's parameters and, on more than one rank, the whole model under HF names
+learning rate, the RNG states after the save / the load (`rng`), this rank's parameters after the step (`params`)
+and when saved / just loaded (`at_checkpoint`) and, on more than one rank, the whole model under HF names
 (Megatron-Bridge's export: gathered over TP / PP / EP, comparable across layouts: `hf`; `run`: `saved_hf`, the
 model the checkpoint holds). ENGINE: `ours` (prefix sharing on), `stock`
 (verl's MegatronEngineWithLMHead on Megatron-Bridge's stock provider) or `sequential` (ours with
@@ -144,6 +146,8 @@ def main(mode, kind, hf_ckpt, save_dir, out, k, dist, distopt, layout=""):
     from ps_bridge.tiny_checkpoints import grpo_like_samples
 
     engine = _engine(kind, hf_ckpt, bool(int(dist)), bool(int(distopt)), parse_layout(layout))
+    if mode == "refuse":
+        return _refusals(engine, save_dir.split(","), out)
     from megatron.core import parallel_state
 
     # data-parallel ranks (EP=2) take two groups each: the same number of micro-batches on every rank (the
@@ -164,18 +168,41 @@ def main(mode, kind, hf_ckpt, save_dir, out, k, dist, distopt, layout=""):
         with engine_call_on_cpu():
             engine.load_checkpoint(save_dir, del_local_after_load=False)
         rng = _rng_states()
+    at_checkpoint = {n: p.detach().clone() for n, p in engine.module[0].named_parameters()}  # saved / loaded
     rank = torch_dist.get_rank() if torch_dist.is_initialized() and torch_dist.get_world_size() > 1 else None
     # (our bridge's mapping exports grouped experts, not SequentialMLP)
     whole_model = rank is not None and kind != "sequential"
     saved_hf = _hf_weights(engine) if whole_model and mode == "run" else None  # what the checkpoint holds
     result = _step(engine, samples, k)
-    result["rng"] = rng
+    result["rng"], result["at_checkpoint"] = rng, at_checkpoint
     result["params"] = {n: p.detach().clone() for n, p in engine.module[0].named_parameters()}
     if whole_model:
         result["hf"], result["saved_hf"] = _hf_weights(engine), saved_hf
     torch.save(result, out if rank is None else f"{out}.rank{rank}")
-    print("RESULT " + json.dumps({"rank": rank or 0, **{k: v for k, v in result.items() if k not in ("params", "hf", "saved_hf", "rng")}}),
+    print("RESULT " + json.dumps({"rank": rank or 0, **{k: v for k, v in result.items() if k not in ("params", "hf", "saved_hf", "rng", "at_checkpoint")}}),
           flush=True)
+
+
+def _refusals(engine, save_dirs, out) -> None:
+    """`refuse` mode: the engine's load_checkpoint of each (damaged) checkpoint in turn, in one process (the
+    checks run before verl's load reads anything): OUT gets, per directory, the exception's type, its
+    message and whether it carries a chained exception (a second traceback under it)."""
+    import json
+
+    from ps_bridge.compat.verl_on_cpu import engine_call_on_cpu
+
+    seen = []
+    for save_dir in save_dirs:
+        try:
+            with engine_call_on_cpu():
+                engine.load_checkpoint(save_dir, del_local_after_load=False)
+            seen.append(None)
+        except Exception as err:  # noqa: BLE001 - what the user would see is recorded
+            seen.append({"type": type(err).__name__, "message": str(err),
+                         "chained": err.__cause__ is not None or (err.__context__ is not None and not err.__suppress_context__)})
+    with open(out, "w") as f:
+        json.dump(seen, f)
+    print("RESULT " + json.dumps(seen), flush=True)
 
 
 def _rng_states() -> dict:

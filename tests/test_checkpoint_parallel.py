@@ -1,5 +1,6 @@
 """Exact resume through verl 0.9.1's checkpoints at parallel layouts (docs/checkpoints.md): two CPU processes
-(gloo) per run, fp32, `use_dist_checkpointing=True`; all slow (each run is a torch.distributed.run of
+(gloo) per run, fp32, `use_dist_checkpointing=True` (verl's default HF-safetensors model path: Qwen2.5 at TP=2 +
+SP and PP=2); all slow (each run is a torch.distributed.run of
 tests/ckpt_worker.py; a case costs two).
 
 - at TP=2 + SP, PP=2 with an uneven split (2 + 1 layers), CP=2 (Qwen2.5) and EP=2 (Qwen3.5 MoE): ours resumes
@@ -47,7 +48,8 @@ def _ranks(*args, **env) -> None:
 
 @pytest.fixture(scope="module")
 def parallel_runs(tmp_path_factory):
-    """(family, engine, layout) -> (checkpoint dir, uninterrupted results by rank, HF checkpoint)."""
+    """(family, engine, layout[, dist]) -> (checkpoint dir, uninterrupted results by rank, HF checkpoint);
+    dist: use_dist_checkpointing (1 unless given)."""
     from ps_bridge.tiny_checkpoints import TINY_BUILDERS
     from ps_bridge.verl.side_by_side import save_tiny_tokenizer
 
@@ -62,12 +64,12 @@ def parallel_runs(tmp_path_factory):
             save_tiny_tokenizer(hf[family], model.config.vocab_size)
         return hf[family]
 
-    def get(family, engine, layout):
-        key = (family, engine, layout)
+    def get(family, engine, layout, dist=1):
+        key = (family, engine, layout, str(dist))
         if key not in made:
             name = "_".join(key).replace(".", "_")
             save, out = str(root / f"ckpt_{name}"), str(root / f"run_{name}.pt")
-            _ranks("run", engine, checkpoint(family), save, out, K, 1, 0, layout)
+            _ranks("run", engine, checkpoint(family), save, out, K, dist, 0, layout)
             made[key] = (save, [torch.load(f"{out}.rank{r}") for r in range(2)], hf[family])
         return made[key]
 
@@ -75,11 +77,11 @@ def parallel_runs(tmp_path_factory):
     return get
 
 
-def _resume(parallel_runs, family, saver, loader, layout, load_layout=None, **env):
-    save, uninterrupted, hf = parallel_runs(family, saver, layout)
+def _resume(parallel_runs, family, saver, loader, layout, load_layout=None, dist=1, **env):
+    save, uninterrupted, hf = parallel_runs(family, saver, layout, dist)
     load_layout = load_layout or layout
-    out = str(parallel_runs.root / f"resumed_{family}_{saver}_{loader}_{layout}_{load_layout}.pt".replace(".", "_", 1))
-    _ranks("resume", loader, hf, save, out, K, 1, 0, load_layout, **env)
+    out = str(parallel_runs.root / f"resumed_{family}_{saver}_{loader}_{layout}_{load_layout}_{dist}.pt".replace(".", "_", 1))
+    _ranks("resume", loader, hf, save, out, K, dist, 0, load_layout, **env)
     return uninterrupted, [torch.load(f"{out}.rank{r}") for r in range(2)]
 
 
@@ -96,6 +98,25 @@ def test_ours_resumes_ours_exactly_at_a_parallel_layout(parallel_runs, family, l
         assert_same_step(a, b, exact=True, params="hf")  # the whole model (each rank holds half the experts)
     if layout == "ep2":
         _assert_every_expert_saved_once(parallel_runs(family, "ours", layout)[0])
+
+
+@pytest.mark.parametrize("layout", ["tp2sp", "pp2f2l1"])
+def test_ours_resumes_ours_exactly_through_hf_safetensors_at_a_parallel_layout(parallel_runs, layout):
+    """verl's default model path (`use_dist_checkpointing=False`) at two ranks: Megatron-Bridge gathers the
+    TP shards / PP stages into HF safetensors at the save and splits them again at the load (the optimizer,
+    scheduler and RNG go through dist checkpointing, per rank): Qwen2.5, bit for bit on every rank and the
+    whole model."""
+    uninterrupted, resumed = _resume(parallel_runs, "qwen2.5", "ours", "ours", layout, dist=0)
+    from ps_bridge.checkpoint import dist_checkpoint_keys, verl_tree_path
+
+    save = parallel_runs("qwen2.5", "ours", layout, 0)[0]  # (verl 0.9.1's layout or 0.8.0's)
+    assert any(n.endswith(".safetensors") for n in os.listdir(verl_tree_path(save, "huggingface")))
+    model_tree = verl_tree_path(save, "model")  # no model tensor there (verl 0.8.0: the optimizer's tree too)
+    if os.path.isfile(os.path.join(model_tree, ".metadata")):
+        assert not [k for k in dist_checkpoint_keys(model_tree) if "decoder." in k and not k.startswith("optimizer.")]
+    for a, b in zip(uninterrupted, resumed):
+        assert_same_step(a, b, exact=True)
+        assert_same_step(a, b, exact=True, params="hf")
 
 
 def _assert_every_expert_saved_once(save_dir, num_experts=4):
@@ -133,6 +154,31 @@ def test_the_stock_engine_and_ours_resume_each_other_at_a_parallel_layout(parall
     uninterrupted, resumed = _resume(parallel_runs, family, saver, loader, layout)
     for a, b in zip(uninterrupted, resumed):  # stock vs ours: fp32 rounding
         assert_same_step(a, b, exact=False)
+
+
+def test_our_context_parallel_checkpoint_loads_into_the_stock_engine_without_it(parallel_runs):
+    """Stock <-> ours at CP=2 cannot run here (the stock engine's CPU attention, and megatron's local one,
+    have no context parallelism; TE's has): our engine's CP=2 checkpoint (`use_dist_checkpointing=True`) is
+    loaded by the stock engine in one process (CP=1; megatron drops the CP replicas): the loaded model equals
+    the saved one bit for bit, the learning rate too, and the step that follows the uninterrupted CP=2 run's
+    to fp32 rounding (another layout: another summation order). The keys at CP=2 against megatron's local
+    spec: tests/test_checkpoint_keys.py."""
+    from test_checkpoint_resume import _worker
+
+    save, uninterrupted, hf = parallel_runs("qwen2.5", "ours", "cp2")
+    out = str(parallel_runs.root / "resumed_cp2_in_stock.pt")
+    _worker("resume", "stock", hf, save, out, K, 1, 0)
+    resumed = torch.load(out)
+    for a in uninterrupted:  # (each CP rank holds the whole model)
+        assert set(a["at_checkpoint"]) == set(resumed["at_checkpoint"])
+        for n, p in a["at_checkpoint"].items():
+            assert torch.equal(p, resumed["at_checkpoint"][n]), n
+        assert a["lr"] == resumed["lr"]
+        assert a["losses"] == pytest.approx(resumed["losses"], rel=1e-5, abs=1e-6)  # (every CP rank has them all)
+        for n, p in a["params"].items():
+            assert (p - resumed["params"][n]).abs().max().item() < 1e-5, n
+    norms = [a["grad_norm"] for a in uninterrupted if a["grad_norm"] is not None]  # (reported where rows are output)
+    assert norms and all(g == pytest.approx(resumed["grad_norm"], rel=1e-5) for g in norms)
 
 
 def test_a_tensor_parallel_checkpoint_resumes_at_another_layout(parallel_runs):

@@ -176,9 +176,56 @@ def test_a_truncated_or_missing_shard_is_named(runs, tmp_path):
         with pytest.raises(CheckpointFileError, match=f"{shard} is truncated"):
             check_checkpoint_files(copy)
         os.remove(shard)
-        with pytest.raises(CheckpointFileError, match=f"{shard} is missing|no model.safetensors"):
+        with pytest.raises(CheckpointFileError, match=f"{shard} is missing"):
             check_checkpoint_files(copy, [tree])  # the trees the engine's load reads
     metadata = os.path.join(verl_tree_path(str(tmp_path / "optimizer"), "optimizer"), ".metadata")
     os.remove(metadata)
     with pytest.raises(CheckpointFileError, match="metadata"):
         check_checkpoint_files(str(tmp_path / "optimizer"))
+
+
+@pytest.mark.parametrize("dist", [
+    pytest.param(0, marks=pytest.mark.core),  # verl's default: the model's HF safetensors; both stacks
+    pytest.param(1, marks=pytest.mark.slow),  # use_dist_checkpointing=True: the model's dist_ckpt shards
+])
+def test_the_engine_load_names_a_truncated_or_missing_model_shard(runs, tmp_path, capsys, dist):
+    """Our engine's `load_checkpoint` (one new process, tests/ckpt_worker.py `refuse`) of a checkpoint it saved,
+    with one model file truncated to half, and (a second copy) deleted: a `CheckpointFileError` whose one-line
+    message names the file and what to do, with no exception chained under it (no second traceback); with
+    `use_dist_checkpointing=True`, `ps-bridge export` of the truncated copy prints that message, no traceback."""
+    import json
+
+    from ps_bridge.checkpoint import verl_tree_path
+
+    save, _, hf = runs("qwen2.5", "ours", dist)
+    tree = "model" if dist else "huggingface"
+    suffix = ".distcp" if dist else ".safetensors"
+    name = sorted(n for n in os.listdir(verl_tree_path(save, tree)) if n.endswith(suffix))[0]
+    damaged = []
+    for how in ("truncated", "missing"):
+        copy = str(tmp_path / how)
+        shutil.copytree(save, copy)
+        shard = os.path.join(verl_tree_path(copy, tree), name)
+        if how == "truncated":
+            with open(shard, "r+b") as f:
+                f.truncate(os.path.getsize(shard) // 2)
+        else:
+            os.remove(shard)
+        damaged.append((how, shard, copy))
+    out = str(tmp_path / "refusals.json")
+    _worker("refuse", "ours", hf, ",".join(d[2] for d in damaged), out, K, dist, 0)
+    with open(out) as f:
+        seen = json.load(f)
+    for (how, shard, _), err in zip(damaged, seen):
+        assert err is not None and err["type"] == "CheckpointFileError" and not err["chained"], (how, err)
+        message = err["message"]
+        assert f"{shard} is {how}" in message and "\n" not in message, message
+        assert message.endswith("save it again or resume from an earlier one"), message
+    if dist:
+        from ps_bridge.cli import main
+
+        capsys.readouterr()
+        assert main(["export", "--checkpoint", damaged[0][2], "--out", str(tmp_path / "o"), "--hf-config", hf]) == 2
+        printed = capsys.readouterr()
+        assert f"{damaged[0][1]} is truncated" in printed.err + printed.out
+        assert "Traceback" not in printed.err + printed.out
