@@ -143,14 +143,15 @@ def test_the_distributed_optimizer_trains_and_saves_and_its_load_is_refused_here
     ps_bridge.compat.verl_on_cpu) and computes the non-distributed run's step; megatron-core loads its state
     only on Transformer Engine's / Apex's Adam, absent here: our engine refuses the load naming
     use_distributed_optimizer (the GPU check: scripts/gpu_ckpt.sh)."""
-    from ps_bridge.checkpoint import LAYOUT_RECORD, optimizer_sharding_type
+    from ps_bridge.checkpoint import LAYOUT_RECORD, optimizer_sharding_type, verl_tree_path
 
     save, distributed, hf = runs("qwen2.5", "ours", 1, 1)
     _, plain, _ = runs("qwen2.5", "ours", 1)
     assert distributed["losses"] == pytest.approx(plain["losses"], rel=1e-6, abs=1e-7)
     assert distributed["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-6)
-    assert optimizer_sharding_type(os.path.join(save, "optimizer", "dist_ckpt")) == "dp_reshardable"
-    assert os.path.isfile(os.path.join(save, "optimizer", LAYOUT_RECORD))
+    optimizer_tree = verl_tree_path(save, "optimizer")  # verl 0.9.1: optimizer/dist_ckpt; 0.8.0: dist_ckpt
+    assert optimizer_sharding_type(optimizer_tree) == "dp_reshardable"
+    assert os.path.isfile(os.path.join(os.path.dirname(optimizer_tree), LAYOUT_RECORD))
     proc = _worker("resume", "ours", hf, save, str(runs.root / "refused.pt"), K, 1, 1, fails=True)
     assert "InexactLoadError" in proc.stderr and "use_distributed_optimizer=False" in proc.stderr
 
