@@ -126,7 +126,10 @@ def _assert_every_expert_saved_once(save_dir, num_experts=4):
     chunk per expert on the expert axis, the two ranks' halves included, none twice."""
     import torch.distributed.checkpoint as dcp
 
-    metadata = dcp.FileSystemReader(os.path.join(save_dir, "model", "dist_ckpt")).read_metadata()
+    from ps_bridge.checkpoint import verl_tree_path
+
+    # verl 0.9.1: model/dist_ckpt; 0.8.0: dist_ckpt (the model and the optimizer in one tree)
+    metadata = dcp.FileSystemReader(verl_tree_path(save_dir, "model")).read_metadata()
     experts = {k: v for k, v in metadata.state_dict_metadata.items() if re.search(r"mlp\.experts\.experts\.linear_fc[12]\.weight$", k)}
     assert experts
     for key, meta in experts.items():  # (linear_fc1: each expert's gate and up halves, two chunks)
