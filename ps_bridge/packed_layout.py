@@ -155,7 +155,11 @@ class PackedPrefixLayout:
         return self.derived(("host", name), lambda: getattr(self, name).tolist())
 
     def to(self, device) -> "PackedPrefixLayout":
-        """Move the tensors to `device`; host copies stay on the CPU."""
+        """Move the tensors to `device`; host copies stay on the CPU. The rows' offsets (`PackedRows`)
+        are read to the host first where they are still there: read back from the device, they would
+        make the host wait for the GPU's queued work."""
+        if self.row_offsets.device.type == "cpu":
+            self.host_lengths("row_offsets")
         moved = {}
         for name, value in self.__dict__.items():
             moved[name] = value.to(device) if isinstance(value, torch.Tensor) else value

@@ -59,7 +59,7 @@ class PackedRows:
         self.labels = (layout.row_label if labels is None else labels).to(device=device, dtype=torch.long)
         if self.labels.shape != source.shape:
             raise ValueError(f"{self.labels.numel()} row labels for {source.numel()} row positions")
-        self.offsets = layout.row_offsets.tolist()
+        self.offsets = layout.host_lengths("row_offsets")
         if cp_shard is None:
             local, start = layout.num_tokens, 0
             in_shard = torch.ones_like(source, dtype=torch.bool)

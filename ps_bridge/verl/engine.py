@@ -107,6 +107,14 @@ def _stock_row_labels(engine, model, batch, data_format: str) -> torch.Tensor:
     return torch.cat([rolled[i, :n] for i, n in enumerate(lengths)])
 
 
+def _engine_device() -> torch.device:
+    """The device verl moves each micro-batch to (`batch.to(get_device_id())`), as a torch device."""
+    from verl.utils.device import get_device_id, get_device_name
+
+    index = get_device_id()
+    return torch.device(get_device_name(), index) if isinstance(index, int) else torch.device(index)
+
+
 class PrefixSharingEngineMixin:
     """Mixed in before verl's `MegatronEngineWithLMHead` (or its NPU subclass)."""
 
@@ -202,7 +210,6 @@ class PrefixSharingEngineMixin:
         from verl.utils.megatron_utils import unwrap_model
 
         batch = next(batch_iter)
-        batch = batch.to(get_device_id())
         for key, what in UNSUPPORTED_BATCH_KEYS.items():
             if tu.get_non_tensor_data(batch, key=key, default=False):
                 _refuse(what)
@@ -213,13 +220,18 @@ class PrefixSharingEngineMixin:
         calculate_entropy = tu.get_non_tensor_data(batch, key="calculate_entropy", default=False)
         calculate_sum_pi_squared = tu.get_non_tensor_data(batch, key="calculate_sum_pi_squared", default=False)
 
+        # Everything the host reads of the micro-batch (the samples' tokens, their temperatures, verl's
+        # labels) and the whole layout are prepared from verl's batch as it arrives (on the CPU), before
+        # anything is moved to the device: a copy to the device waits for the GPU's queued work (the
+        # previous micro-batch's backward), so host work done before it runs while the GPU computes,
+        # and host work done after it (or reads of device tensors) leaves the GPU idle.
         cfg = self._prefix_sharing()
         samples = samples_from_micro_batch(batch)
-        device = batch["input_ids"].device
-        temperature = per_sample_temperature(batch, len(samples), device)
+        temperature = per_sample_temperature(batch, len(samples), "cpu")
         pad = cfg.pad_multiple or mpu.get_tensor_model_parallel_world_size()
         # the true vocabulary: a padded one's extra ids stay out of the log-probs (ps_bridge.rows)
         vocab = self.model_config.hf_config.get_text_config().vocab_size
+        device = _engine_device()
         # decide what is shared and pack it (`prepare.decided_layout`, as `runtime.make_layout`): with
         # cfg.tree the token prefix tree is decided once, the sharing rule (`ps_bridge.launch_rule`:
         # shared only where the unshared GPU work outweighs the shared path's host time; host integers
@@ -233,15 +245,21 @@ class PrefixSharingEngineMixin:
                                    share_classes=temperature_classes(temperature))
         if self.layout_observer is not None:
             self.layout_observer(samples, layout)
-        layout = layout.to(device)
+        post_process = unwrap_model(model).post_process
+        if post_process:
+            data_format = "thd" if self.engine_config.use_remove_padding else "bshd"
+            labels = stock_row_labels(self, model, batch, data_format)
+        all_ones = bool((temperature == 1).all())
 
+        batch = batch.to(get_device_id())
+        layout = layout.to(device)
+        temperature = temperature.to(device)
         # each CP rank runs its contiguous shard of the pack
         output = run_packed(model, layout, cfg)
-        if unwrap_model(model).post_process:
-            data_format = "thd" if self.engine_config.use_remove_padding else "bshd"
-            labels = stock_row_labels(self, model, batch, data_format).to(device)
-            rows = PackedRows(layout, labels=labels, cp_shard=local_shard(layout))
-            output = self._packed_outputs(output, rows, temperature, calculate_entropy, calculate_sum_pi_squared)
+        if post_process:
+            rows = PackedRows(layout, labels=labels.to(device), cp_shard=local_shard(layout))
+            output = self._packed_outputs(output, rows, temperature, calculate_entropy, calculate_sum_pi_squared,
+                                          all_ones)
         # static CP: verl's postprocess takes no local_cp_size (that is dynamic CP's); the rows are whole
         return output, partial(postprocess_micro_batch_func, data=batch, local_cp_size=None)
 
@@ -266,7 +284,7 @@ class PrefixSharingEngineMixin:
         return result
 
     def _packed_outputs(self, logits, rows: PackedRows, temperature: torch.Tensor, calculate_entropy: bool,
-                        calculate_sum_pi_squared: bool):
+                        calculate_sum_pi_squared: bool, temperature_all_one: bool):
         """Rows of log-probs (and entropy, sum of squared probabilities) from the packed TP-sharded
         logits, each position scaled by its samples' temperature. Log-probs and entropy are taken
         chunk by chunk (`ps_bridge.rows`): no float32 copy of the logits; with every temperature 1
@@ -278,7 +296,7 @@ class PrefixSharingEngineMixin:
 
         logits = logits.reshape(-1, logits.shape[-1])
         layout = rows.layout
-        if not bool((temperature == 1).all()):
+        if not temperature_all_one:
             # the rows reading a packed position share a temperature (the layout's share classes);
             # the positions the model computed (this rank's shard under CP, the read
             # positions by default: rows.source indexes them)

@@ -1,0 +1,210 @@
+"""Profile one verl-check phase on the GPU: where does the time of the stock and the prefix-shared engine go?
+
+    python3 scripts/profile_verl_phase.py --model qwen2.5-7b --layers 4 --prompts 32 --n 8 \
+        --system-prompt-len 2048 --prompt-len 512 --response-len 512 --phase update --out DIR [OVERRIDES...]
+
+Builds verl-check's checkpoint, trainer config and synthetic batches (`ps_bridge.verl.check`), then per
+engine kind (`--kinds`, default stock and shared) runs verl-check's trainer steps: the first warms up, the
+second runs `--phase` under torch's profiler, the third under CUDA's sync-debug mode. Reports per kind:
+- wall: the phase's time (profiled step), GPU busy: the union of its kernels' and copies' intervals, idle =
+  wall - busy (time the GPU waited for the host);
+- host seconds inside our forward step's parts and verl's loss (timers around them, profiled step);
+- syncs: the calls that made the host wait for the GPU (`torch.cuda.set_sync_debug_mode`), counted by
+  their innermost project / verl / megatron frames (third step);
+- the top host ops by self CPU time and GPU kernels by time (DIR/profile_verl_<kind>_<phase>.txt).
+A diagnostic, not a measurement of speed-up (that is `ps-bridge verl-check`'s job).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import os
+import time
+import traceback
+import warnings
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+TIMED = {}  # "module:function" -> seconds of host time in the profiled step
+
+
+def _timed(owner, name: str, label: str):
+    inner = getattr(owner, name)
+
+    @functools.wraps(inner)
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            TIMED[label] = TIMED.get(label, 0.0) + time.perf_counter() - t0
+
+    setattr(owner, name, wrapper)
+
+
+def _install_timers() -> None:
+    import ps_bridge.verl.engine as engine
+    import ps_bridge.verl.micro_batches as mb
+    from verl.workers.utils import losses
+
+    for name in ("decided_layout", "samples_from_micro_batch", "stock_row_labels", "run_packed", "PackedRows"):
+        _timed(engine, name, f"engine.{name}")
+    _timed(engine.PrefixSharingEngineMixin, "_packed_outputs", "engine._packed_outputs")
+    _timed(mb, "prefix_aware_micro_batches", "micro_batches.prefix_aware_micro_batches")
+    _timed(mb, "mark_packed_budget", "micro_batches.mark_packed_budget")
+    _timed(losses, "ppo_loss", "verl.ppo_loss")
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _sync_debug(mode) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.set_sync_debug_mode(mode)
+
+
+def _busy_seconds(prof) -> float:
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0, None
+    for s, e in spans:
+        if end is None or s > end:
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    return busy / 1e6
+
+
+INTERESTING = ("ps_bridge", "verl", "megatron", "tensordict")
+
+
+def _sync_site() -> str:
+    frames = [f for f in traceback.extract_stack()[:-3] if any(k in f.filename for k in INTERESTING)]
+    keep = frames[-3:]
+    return " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno}:{f.name}" for f in reversed(keep)) or "?"
+
+
+def run(args) -> None:
+    from omegaconf import OmegaConf
+    from transformers import AutoConfig
+
+    from ps_bridge.verl.side_by_side import prepare_side_by_side
+
+    prepare_side_by_side()  # as `ps-bridge verl-check`: verl's imports in the order that works without TE
+    from ps_bridge.verl.check import roles
+    from ps_bridge.verl.check.config import CheckSettings, trainer_config
+    from ps_bridge.verl.check.data import synthetic_batch
+    from ps_bridge.verl.check.model import checkpoint_for
+    from ps_bridge.verl.check.run import kind_steps
+
+    settings = CheckSettings(model=args.model, layers=args.layers, prompts=args.prompts, n=args.n,
+                             prompt_len=args.prompt_len, system_prompt_len=args.system_prompt_len,
+                             response_len=args.response_len, steps=3, overrides=list(args.overrides),
+                             dtype=args.dtype, workdir=args.workdir)
+    cfg = trainer_config(settings)
+    ckpt = checkpoint_for(settings, args.workdir)
+    vocab = AutoConfig.from_pretrained(ckpt).get_text_config().vocab_size
+    algo = OmegaConf.to_container(cfg.algorithm, resolve=True)
+    batches = [synthetic_batch(settings, vocab, t, algo)[0] for t in range(3)]
+    _install_timers()
+    method = "train" if args.phase == "update" else "infer"
+    which = {"old_log_prob": 0, "ref": 1, "update": 0}[args.phase]  # infer: the actor's is called first
+    mode = {"step": 0}
+    original = getattr(roles.Role, method)
+    report = {}
+
+    def wrapped(self, td):
+        mine = mode["seen"].setdefault(id(self), len(mode["seen"]))
+        if mode["step"] == 0 or (method == "infer" and mine != which):
+            return original(self, td)
+        if mode["step"] == 1:
+            TIMED.clear()
+            _sync()
+            t0 = time.perf_counter()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                out = original(self, td)
+                _sync()
+            wall = time.perf_counter() - t0
+            mode["result"].update(wall_s=wall, gpu_busy_s=_busy_seconds(prof), host_s=dict(TIMED))
+            mode["averages"] = prof.key_averages()
+            return out
+        sites = collections.Counter()
+
+        def hook(message, category, filename, lineno, file=None, line=None):
+            if "synchroniz" in str(message):
+                sites[_sync_site()] += 1
+
+        saved = warnings.showwarning
+        warnings.showwarning = hook
+        _sync_debug("warn")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.showwarning = hook
+                out = original(self, td)
+                _sync()
+        finally:
+            _sync_debug(0)
+            warnings.showwarning = saved
+        mode["result"]["syncs"] = dict(sites.most_common())
+        mode["result"]["sync_count"] = sum(sites.values())
+        return out
+
+    setattr(roles.Role, method, wrapped)
+    for kind in args.kinds.split(","):
+        mode.update(step=0, seen={}, result={})
+        gen = kind_steps(kind, settings, ckpt, cfg, batches, lambda m: None)
+        try:
+            for step in range(3):
+                mode["step"] = step
+                rec = next(gen)
+                print(f"[{kind}] step {step + 1}: {rec['phase_seconds']}  micro-batches {rec['micro_batches']}",
+                      flush=True)
+        finally:
+            gen.close()
+        res = mode["result"]
+        res["idle_s"] = res["wall_s"] - res["gpu_busy_s"]
+        report[kind] = res
+        print(json.dumps({kind: res}, indent=1), flush=True)
+        with open(os.path.join(args.out, f"profile_verl_{kind}_{args.phase}.txt"), "w") as f:
+            f.write(json.dumps(res, indent=1) + "\n\nhost: top ops by self CPU time\n")
+            f.write(mode["averages"].table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
+            f.write("\n\nGPU: top kernels by GPU time\n")
+            f.write(mode["averages"].table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
+        with open(os.path.join(args.out, f"profile_verl_{args.phase}.json"), "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def main() -> None:
+    from ps_bridge.compat.quiet import quiet_third_party
+
+    quiet_third_party(verbose=False)
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen2.5-7b")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--system-prompt-len", type=int, default=2048)
+    p.add_argument("--response-len", type=int, default=512)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--phase", default="update", choices=("old_log_prob", "ref", "update"))
+    p.add_argument("--kinds", default="shared,stock")
+    p.add_argument("--workdir", default="/tmp/verl-check")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
