@@ -71,11 +71,51 @@ DEFAULT_MIN_SHARED = 16
 SHARE_MODES = ("prompt", "tree")
 
 
+class SampleBatch(list):
+    """A list of `Sample`s cut from one flat token array (verl's nested `input_ids`:
+    `ps_bridge.verl.batch.samples_from_micro_batch`) that keeps the array: the layout takes the tokens
+    from it instead of converting every token of the lists again (the largest part of the host time).
+    The array serves only while the list holds exactly the samples it was made with."""
+
+    def __init__(self, samples: Sequence[Sample], tokens: np.ndarray, offsets: np.ndarray, prompt_lengths: np.ndarray):
+        super().__init__(samples)
+        self._made_of = tuple(self)
+        self._sequences = (np.asarray(tokens, dtype=np.int64), np.asarray(offsets, dtype=np.int64),
+                           np.asarray(prompt_lengths, dtype=np.int64))
+
+    def sequences(self):
+        """(tokens, offsets, prompt lengths) as `_flatten` returns them, or None if the list changed."""
+        if len(self) != len(self._made_of) or any(a is not b for a, b in zip(self, self._made_of)):
+            return None
+        return self._sequences
+
+
+def _as_samples(samples) -> List[Sample]:
+    """`Sample`s (a `SampleBatch` as it is, tuples converted)."""
+    if isinstance(samples, SampleBatch):
+        return samples
+    return [s if isinstance(s, Sample) else Sample(*s) for s in samples]
+
+
+def _check_not_empty(prompt_lengths: np.ndarray, offsets: np.ndarray) -> None:
+    empty_prompt, empty_response = prompt_lengths == 0, np.diff(offsets) == prompt_lengths
+    if empty_prompt.any():
+        raise ValueError(f"sample {int(np.argmax(empty_prompt))}: the prompt is empty (a prompt needs at least one token)")
+    if empty_response.any():
+        raise ValueError(f"sample {int(np.argmax(empty_response))}: the response is empty (a response needs at least one token)")
+
+
 def _flatten(samples: Sequence[Sample], vocab_size: Optional[int]):
     """Every sample's `prompt + response` as one int64 array, its offsets and prompt lengths,
     checked without a Python loop over the tokens."""
     if len(samples) == 0:
         raise ValueError("the micro-batch is empty: at least one sample is needed")
+    given = samples.sequences() if isinstance(samples, SampleBatch) else None
+    if given is not None:  # cut from an integer array: the tokens are integers
+        flat, offsets, prompt_lengths = given
+        _check_not_empty(prompt_lengths, offsets)
+        _check_ids(flat, offsets, prompt_lengths, vocab_size)
+        return flat, offsets, prompt_lengths
     for i, s in enumerate(samples):
         if len(s.prompt) == 0:
             raise ValueError(f"sample {i}: the prompt is empty (a prompt needs at least one token)")
@@ -175,7 +215,7 @@ def decide_tree(
     """Step 1 alone, from the samples (ids checked as `build_layout` checks them): the prefix tree
     `build_layout` would pack. Built once, it serves both the sharing rule's counts
     (`launch_rule.sharing_for(..., tree=...)`) and the layout (`build_layout(..., tree=...)`)."""
-    samples = [s if isinstance(s, Sample) else Sample(*s) for s in samples]
+    samples = _as_samples(samples)
     flat, offsets, prompt_lengths = _flatten(samples, vocab_size)
     _check_share_classes(share_classes, len(samples))
     tree = decide_sharing(
@@ -245,7 +285,7 @@ def build_layout(
         raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
     if total_multiple < 1:
         raise ValueError(f"total_multiple must be >= 1, got {total_multiple}")
-    samples = [s if isinstance(s, Sample) else Sample(*s) for s in samples]
+    samples = _as_samples(samples)
     _check_share_classes(share_classes, len(samples))
     if tree is None:
         flat, offsets, prompt_lengths = _flatten(samples, vocab_size)

@@ -12,6 +12,8 @@ from typing import Callable, Hashable, Iterable, List, Optional, TypeVar
 
 import torch
 
+from ps_bridge.transfer import to_device
+
 T = TypeVar("T")
 
 
@@ -162,7 +164,7 @@ class PackedPrefixLayout:
             self.host_lengths("row_offsets")
         moved = {}
         for name, value in self.__dict__.items():
-            moved[name] = value.to(device) if isinstance(value, torch.Tensor) else value
+            moved[name] = to_device(value, device) if isinstance(value, torch.Tensor) else value
         return PackedPrefixLayout(**moved)
 
     def cp_shard(self, cp_rank: int, cp_size: int) -> slice:
@@ -187,7 +189,7 @@ class PackedPrefixLayout:
         key = ("local_output_positions", str(self.device), None if cp_shard is None else (cp_shard.start, cp_shard.stop))
 
         def build():
-            positions = self.output_positions.to(self.device)
+            positions = to_device(self.output_positions, self.device)
             if cp_shard is None:
                 return positions
             inside = positions[(positions >= cp_shard.start) & (positions < cp_shard.stop)] - cp_shard.start
@@ -203,7 +205,7 @@ class PackedPrefixLayout:
 
         def build():
             mask = torch.zeros(self.num_tokens, dtype=torch.bool, device=self.device)
-            mask[self.output_positions.to(self.device)] = True
+            mask.index_fill_(0, to_device(self.output_positions, self.device), True)
             return mask
 
         return self.derived(("output_mask", str(self.device)), build)

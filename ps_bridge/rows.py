@@ -273,7 +273,11 @@ class _VocabParallelRowLogprobs(torch.autograd.Function):
         logits, src, col, local, lse = ctx.saved_tensors
         g = grad_rows.float()
         grad = _minus_weighted_softmax(logits, lse, src, g, ctx.chunk_rows, ctx.keep)
-        grad.view(-1).index_put_((src[local] * logits.shape[1] + col[local],), g[local].to(grad.dtype), accumulate=True)
+        # the label's own column, where this rank holds it; elsewhere 0 added at index 0 (exact, and
+        # no boolean indexing: that would make the host wait for the GPU)
+        where = torch.where(local, src * logits.shape[1] + col, torch.zeros_like(src))
+        add = torch.where(local, g, torch.zeros_like(g)).to(grad.dtype)
+        grad.view(-1).index_put_((where,), add, accumulate=True)
         return grad, None, None, None, None, None, None
 
 

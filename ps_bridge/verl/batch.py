@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+import numpy as np
 import torch
 
-from ps_bridge.layout import Sample
+from ps_bridge.layout import Sample, SampleBatch
 
 
 def uid_list(batch) -> Optional[list]:
@@ -29,18 +30,20 @@ def prompt_lengths(batch) -> List[int]:
     return batch["attention_mask"][:, : prompts.shape[1]].sum(dim=1).tolist()
 
 
-def samples_from_micro_batch(batch) -> List[Sample]:
+def samples_from_micro_batch(batch) -> SampleBatch:
     """Each sample's own tokens from verl's nested `input_ids` (the exact tokens the stock engine
-    feeds), cut at its prompt length."""
+    feeds), cut at its prompt length; the flat token array kept with them (`layout.SampleBatch`)."""
     input_ids = batch["input_ids"]
     uids = uid_list(batch)
-    offsets = input_ids.offsets().tolist()
-    flat = input_ids.values().tolist()
+    offsets = input_ids.offsets().cpu().numpy().astype(np.int64)
+    flat = input_ids.values().cpu().numpy().astype(np.int64)  # a copy: later changes of the batch stay out
+    # a prompt length past its sequence cuts the whole sequence (the layout then refuses its empty response)
+    prompts = np.minimum(np.asarray(prompt_lengths(batch), dtype=np.int64), np.diff(offsets))
+    tokens = flat.tolist()
     samples = []
-    for i, P in enumerate(prompt_lengths(batch)):
-        tokens = flat[offsets[i] : offsets[i + 1]]
-        samples.append(Sample(tokens[:P], tokens[P:], None if uids is None else uids[i]))
-    return samples
+    for i, (start, end, P) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist(), prompts.tolist())):
+        samples.append(Sample(tokens[start : start + P], tokens[start + P : end], None if uids is None else uids[i]))
+    return SampleBatch(samples, flat, offsets, prompts)
 
 
 def per_sample_temperature(batch, num_samples: int, device) -> torch.Tensor:

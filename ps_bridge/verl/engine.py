@@ -46,6 +46,7 @@ from ps_bridge.parallel import ParallelSettings
 from ps_bridge.parallel_info import rank_tag
 from ps_bridge.prepare import decided_layout
 from ps_bridge.rows import PackedRows
+from ps_bridge.transfer import to_device
 from ps_bridge.verl.batch import per_sample_temperature, samples_from_micro_batch, temperature_classes
 from ps_bridge.verl.micro_batches import install_prefix_aware_micro_batching, keep_groups_whole, mark_packed_budget
 
@@ -251,13 +252,13 @@ class PrefixSharingEngineMixin:
             labels = stock_row_labels(self, model, batch, data_format)
         all_ones = bool((temperature == 1).all())
 
-        batch = batch.to(get_device_id())
+        batch = batch.to(get_device_id(), non_blocking=True)
         layout = layout.to(device)
-        temperature = temperature.to(device)
+        temperature = to_device(temperature, device)
         # each CP rank runs its contiguous shard of the pack
         output = run_packed(model, layout, cfg)
         if post_process:
-            rows = PackedRows(layout, labels=labels.to(device), cp_shard=local_shard(layout))
+            rows = PackedRows(layout, labels=to_device(labels, device), cp_shard=local_shard(layout))
             output = self._packed_outputs(output, rows, temperature, calculate_entropy, calculate_sum_pi_squared,
                                           all_ones)
         # static CP: verl's postprocess takes no local_cp_size (that is dynamic CP's); the rows are whole

@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ps_bridge.compat import flash_attn as compat_flash_attn
+from ps_bridge.transfer import to_device
 
 
 @dataclass
@@ -66,8 +67,8 @@ class VarlenCall:
         device = torch.device(device)
         if device not in self._device_cu:
             self._device_cu[device] = (
-                torch.tensor(self.cu_q, dtype=torch.int32, device=device),
-                torch.tensor(self.cu_k, dtype=torch.int32, device=device),
+                to_device(torch.tensor(self.cu_q, dtype=torch.int32), device),
+                to_device(torch.tensor(self.cu_k, dtype=torch.int32), device),
             )
         return self._device_cu[device]
 
