@@ -187,9 +187,9 @@ def test_split_group_is_still_exact(engines, checkpoints, caplog):
 def test_dynamic_budget_smaller_than_a_group_still_exact(engines, checkpoints, caplog, monkeypatch):
     """Groups of 4 longer than the token budget cannot be forced whole (verl would refuse): they are
     split by verl's balancing and the results stay exact."""
-    import ps_bridge.verl.micro_batches as micro_batches
+    import ps_bridge.tree.split as split
 
-    monkeypatch.setattr(micro_batches, "_warned", set())  # the warning is once per process
+    monkeypatch.setattr(split, "_warned", set())  # the warning is once per process
     _, hf = checkpoints("qwen2.5")
     samples = grouped_samples(hf.config.vocab_size, num_prompts=4, n=4, seed=8)
     budget = max(len(s.prompt) + len(s.response) for s in samples) + 8

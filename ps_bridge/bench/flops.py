@@ -146,12 +146,14 @@ def model_flops(shape: FlopShape, layout: PackedPrefixLayout) -> float:
     return total
 
 
-def layout_flop_ratio(shape: FlopShape, shared: PackedPrefixLayout, unshared: PackedPrefixLayout) -> float:
-    """F of two layouts of the same samples: `model_flops(unshared) / model_flops(shared)` (the
-    bench passes the layouts it times)."""
-    if unshared.shared or unshared.tokens_unshared != shared.tokens_unshared:
+def layout_flop_ratio(shape: FlopShape, shared, unshared: PackedPrefixLayout) -> float:
+    """F of two packings of the same samples: `model_flops(unshared) / model_flops(shared)` (the
+    bench passes the layouts it times). `shared`: one layout, or the micro-batches the samples were
+    split into (each computing its own prefixes), whose FLOPs add up."""
+    parts = list(shared) if isinstance(shared, (list, tuple)) else [shared]
+    if unshared.shared or unshared.tokens_unshared != sum(p.tokens_unshared for p in parts):
         raise ValueError("layout_flop_ratio needs an unshared layout (share=False) of the shared layout's samples")
-    return model_flops(shape, unshared) / model_flops(shape, shared)
+    return model_flops(shape, unshared) / sum(model_flops(shape, p) for p in parts)
 
 
 def flop_ratio(shape: FlopShape, samples: Sequence[Sample], share="tree", pad_multiple: int = 1, **layout_options) -> float:

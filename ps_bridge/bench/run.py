@@ -21,7 +21,7 @@ from ps_bridge.bench.fp32_reference import Fp32Reference, row_errors
 from ps_bridge.bench.report import (
     MinSharedRow, RowResult, environment, format_min_shared_table, format_table, payload, write_plot,
 )
-from ps_bridge.bench.timing import UNSHARED_SPLITS, ModeResult, run_mode, run_pair, run_unshared
+from ps_bridge.bench.timing import UNSHARED_SPLITS, ModeResult, run_mode, run_pair, run_shared, run_unshared
 
 # ---- arguments --------------------------------------------------------------------------------
 
@@ -201,7 +201,11 @@ def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, refer
         reference_rows = _whole_batch_rows(reference.response_logprobs(layouts))
     results = []
     for backend in backends:
-        shared, rows = run_mode(loaded, shared_layout, backend, **common)
+        # one micro-batch, or split where it does not fit (each part then computes its prefixes: F counts that)
+        shared, rows, shared_layouts = run_shared(loaded, samples, shared_layout, pack, backend, **common)
+        if len(shared_layouts) > 1 and len(samples) == len(batch):
+            flops = layout_flop_ratio(flop_shape(MODEL_SHAPES[model_name], layers), shared_layouts,
+                                      build_layout(batch, share=False, vocab_size=loaded.vocab_size))
         shared, rows = _slowest_rank(shared), _whole_batch_rows(rows)
         fp32 = row_errors(reference_rows, rows, base_rows)
         useful = whole.tokens_unshared
@@ -478,9 +482,10 @@ def run_bench(args: argparse.Namespace) -> int:
         return 1 if any(r.error for r in sweep) else 0
     print(format_table(results))
     for r in results:
-        if r.unshared.micro_batches > 1:
-            print(f"{r.model} {r.tree or (r.P, r.R, r.n)}: the unshared batch did not fit in GPU memory at once and ran as "
-                  f"{r.unshared.micro_batches} micro-batches (gradient accumulation); the shared one ran as one.")
+        if r.unshared.micro_batches > 1 or r.shared.micro_batches > 1:
+            print(f"{r.model} {r.tree or (r.P, r.R, r.n)}: the batch did not fit in GPU memory at once; it ran as "
+                  f"{r.unshared.micro_batches} unshared and {r.shared.micro_batches} shared micro-batches (gradient "
+                  "accumulation; the shared ones compute each prefix they hold, F counts that).")
     if any(r.unshared_out_of_memory for r in results):
         print(f"OOM: the unshared batch did not fit in GPU memory even as {max(UNSHARED_SPLITS)} micro-batches; "
               "the shared one was timed alone.")

@@ -221,3 +221,49 @@ def run_unshared(loaded, samples: list, backend: str, **timing) -> Tuple[Optiona
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     return None, None, layouts
+
+
+# The shared micro-batch is split into at most this many micro-batches when it does not fit at once.
+SHARED_SPLITS = (1, 2, 4, 8)
+
+
+def run_shared(loaded, samples: list, layout, pack, backend: str, **timing) -> Tuple[ModeResult, torch.Tensor, list]:
+    """Time the shared packing `layout` of `samples`; when it does not fit in GPU memory at once (a
+    248k vocabulary's logits of 88k read positions are 44 GB), its samples in micro-batches of at most
+    1/k of its packed tokens for k in `SHARED_SPLITS` (`tree.split.budget_micro_batches`: each shared
+    prefix in as few micro-batches as fit, computed once in each, as the verl engine's micro-batching
+    splits a subtree over its budget; `pack` packs one), with gradient accumulation. Returns its
+    timings, its response log-probs in the samples' order, and the layouts it ran."""
+    from ps_bridge.tree.split import budget_micro_batches
+
+    for parts in SHARED_SPLITS:
+        groups = [list(range(len(samples)))]
+        layouts = [layout]
+        if parts > 1:
+            try:
+                groups = budget_micro_batches(layout, -(-layout.num_tokens // parts))
+            except ValueError:  # a sample longer than the budget: no finer split
+                break
+            layouts = [pack([samples[i] for i in group]) for group in groups]
+        try:
+            result, rows = run_mode(loaded, layouts if parts > 1 else layout, backend, **timing)
+        except torch.cuda.OutOfMemoryError:
+            loaded.model.zero_grad(set_to_none=True)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            continue
+        return result, _in_sample_order(rows, samples, groups), layouts
+    raise torch.cuda.OutOfMemoryError(
+        f"the shared micro-batch did not fit in GPU memory even as {len(layouts)} micro-batches")
+
+
+def _in_sample_order(rows: torch.Tensor, samples: list, groups: List[List[int]]) -> torch.Tensor:
+    """Response rows concatenated micro-batch by micro-batch (`groups`: each one's sample indices, in
+    its order) put back in the samples' order."""
+    order = [i for group in groups for i in group]
+    if order == list(range(len(samples))):
+        return rows
+    pieces = rows.split([len(samples[i].response) for i in order])
+    by_sample = dict(zip(order, pieces))
+    return torch.cat([by_sample[i] for i in range(len(samples))])
+

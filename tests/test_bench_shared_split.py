@@ -1,0 +1,55 @@
+"""`ps-bridge bench` where the shared micro-batch does not fit in GPU memory at once (the Qwen3.5-9B
+shape's `search` and `system` trees: 248k-vocabulary logits): the shared packing then runs split
+into micro-batches by the verl engine's rule (`tree.split.budget_micro_batches`), its log-probs in
+the samples' order, and F counts the prefixes each part computes. On a CPU, with the out-of-memory
+error raised for the whole micro-batch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from ps_bridge import bench
+from ps_bridge.bench import timing
+
+
+def test_shared_run_splits_when_the_whole_tree_does_not_fit(capsys, monkeypatch):
+    real = timing.run_mode
+    ran = []
+
+    def whole_does_not_fit(loaded, layouts, backend, **kw):
+        parts = layouts if isinstance(layouts, (list, tuple)) else [layouts]
+        if any(p.shared for p in parts):
+            ran.append([(p.num_samples, p.tokens_shared) for p in parts])
+            if len(parts) == 1:
+                raise torch.cuda.OutOfMemoryError("whole tree (simulated)")
+        return real(loaded, layouts, backend, **kw)
+
+    monkeypatch.setattr(timing, "run_mode", whole_does_not_fit)
+    parser = argparse.ArgumentParser()
+    bench.add_bench_arguments(parser)
+    args = parser.parse_args(["--smoke", "--no-progress", "--models", "tiny-qwen2.5", "--trees", "system",
+                              "--json", "-"])
+    assert bench.run_bench(args) == 0
+    out = capsys.readouterr().out
+    doc = json.loads(out[out.index("{"):])
+    (row,) = doc["rows"]
+    whole, split = ran[0], ran[1]
+    assert len(whole) == 1 and len(split) >= 2  # tried whole, then split (at most half its tokens each)
+    samples = whole[0][0]
+    assert sum(n for n, _ in split) == samples
+    # each part computes the system prompt: more packed tokens than the whole tree, fewer than unshared
+    assert whole[0][1] < sum(t for _, t in split) < row["tokens_unshared"]
+    assert row["shared"]["micro_batches"] == len(split) and row["error"] is None
+    # the log-probs, put back in the samples' order, equal the unshared run's
+    assert row["max_logprob_diff"] < 2e-5
+    # F: of the micro-batches that ran (each part computes the system prompt), below the whole tree's
+    from ps_bridge.bench.catalog import MODEL_SHAPES, TREE_SHAPES
+    from ps_bridge.bench.flops import flop_ratio, flop_shape
+
+    samples = TREE_SHAPES["system"].samples(256, 1234, smoke=True)  # F reads lengths and sharing
+    whole_F = flop_ratio(flop_shape(MODEL_SHAPES["tiny-qwen2.5"], row["layers"]), samples)
+    assert 1 < row["flop_ratio"] < whole_F
+    assert f"{len(split)} shared micro-batches" in out
