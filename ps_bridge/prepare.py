@@ -43,12 +43,12 @@ def decided_tree(
     *,
     vocab_size: Optional[int],
     share_classes: Optional[Sequence[Hashable]] = None,
-    share: Optional[Union[bool, str]] = None,
 ) -> PrefixTree:
-    """Step 1: the tree `build_layout` packs for `config.layout_share(share)` (default: the packing
-    `config` shares with; the prefix tree under `config.tree`), with `config`'s threshold and depth
-    limit; the ids are checked against `vocab_size` (a bad id fails here, before any model work)."""
-    return decide_tree(samples, config.layout_share(share), vocab_size=vocab_size,
+    """Step 1: the tree `build_layout` packs for `config.layout_share()` (the prefix tree under
+    `config.tree`, the one-level tree of identical prompts without it, one sequence per sample with
+    sharing off), with `config`'s threshold and depth limit; the ids are checked against `vocab_size`
+    (a bad id fails here, before any model work)."""
+    return decide_tree(samples, config.layout_share(), vocab_size=vocab_size,
                        min_shared=config.tree_min_shared, max_depth=config.tree_max_depth,
                        share_classes=share_classes)
 
