@@ -14,6 +14,13 @@ verl engine's forward step (`ps_bridge.verl.engine`) both run:
 
 A caller that already knows the packing (`share=True / False / "tree"`) skips the rule: no decision
 is made, logged or returned.
+
+Steps 1 and 2 are also callable alone, for a caller that decides for a whole batch and packs later:
+`decided_tree` (step 1) and `decided_sharing` (step 2, logging the `sharing:` line). `ps-bridge
+logprobs` runs them on its whole batch (the tree before loading the model, to check the ids and
+report the trie, the rule once the model's cost is known), then every micro-batch runs that packing
+(`decided_layout` with `share` given). `decided_layout` runs the same two functions: they are the one
+place that decides a batch's tree and runs the sharing rule.
 """
 
 from __future__ import annotations
@@ -24,10 +31,54 @@ from typing import Hashable, Optional, Sequence, Tuple, Union
 from ps_bridge.config import PrefixSharingConfig
 from ps_bridge.forward import cp_total_multiple, shard_tag
 from ps_bridge.launch_rule import ModelCost, SharingDecision, sharing_for
-from ps_bridge.layout import PackedPrefixLayout, build_layout, decide_tree, log_layout
+from ps_bridge.layout import PackedPrefixLayout, PrefixTree, build_layout, decide_tree, log_layout
 from ps_bridge.parallel_info import rank_tag
 
 logger = logging.getLogger("ps_bridge")
+
+
+def decided_tree(
+    samples: Sequence,
+    config: PrefixSharingConfig,
+    *,
+    vocab_size: Optional[int],
+    share_classes: Optional[Sequence[Hashable]] = None,
+) -> PrefixTree:
+    """Step 1: the tree `build_layout` packs for `config.layout_share()` (the prefix tree under
+    `config.tree`, the one-level tree of identical prompts without it, one sequence per sample with
+    sharing off), with `config`'s threshold and depth limit; the ids are checked against `vocab_size`
+    (a bad id fails here, before any model work)."""
+    return decide_tree(samples, config.layout_share(), vocab_size=vocab_size,
+                       min_shared=config.tree_min_shared, max_depth=config.tree_max_depth,
+                       share_classes=share_classes)
+
+
+def decided_sharing(
+    samples: Sequence,
+    config: PrefixSharingConfig,
+    cost: Optional[ModelCost],
+    device_type: str,
+    dtype,
+    *,
+    tree: Optional[PrefixTree],
+    backward: Optional[bool] = None,
+    log: bool = True,
+) -> SharingDecision:
+    """Step 2: the sharing rule's decision for `samples`, reading `tree`'s token count where `config`
+    packs a prefix tree (`tree` from `decided_tree`; None: the rule counts the samples itself).
+    `backward`: whether a backward pass follows (default: whether gradients are enabled). `log`: the
+    `[PS][prepare] sharing:` line now (`decided_layout` logs it after its fallback instead)."""
+    trie = tree if config.enabled and config.tree else None
+    decision = sharing_for(samples, config, cost, device_type, str(dtype).replace("torch.", ""),
+                           backward=backward, trie=trie)
+    if log:
+        log_decision(decision)
+    return decision
+
+
+def log_decision(decision: SharingDecision) -> None:
+    """The `[PS][prepare][rank] sharing: ...` line."""
+    logger.info("[PS][prepare][%s] sharing: %s", rank_tag(), decision.describe())
 
 
 def decided_layout(
@@ -51,9 +102,8 @@ def decided_layout(
     decision = None
     if share is None:
         if config.enabled and config.tree:
-            tree = decide_tree(samples, "tree", vocab_size=vocab_size, min_shared=config.tree_min_shared,
-                               max_depth=config.tree_max_depth, share_classes=share_classes)
-        decision = sharing_for(samples, config, cost, device_type, str(dtype).replace("torch.", ""), trie=tree)
+            tree = decided_tree(samples, config, vocab_size=vocab_size, share_classes=share_classes)
+        decision = decided_sharing(samples, config, cost, device_type, dtype, tree=tree, log=False)
         share = decision.share
     share = config.layout_share(share)
 
@@ -72,6 +122,6 @@ def decided_layout(
                 decision = SharingDecision(False, "samples that share a prefix carry different temperatures: not shared")
             # nothing to share: one THD sequence per sample, the stock engine's computation
             layout = pack(False)
-        logger.info("[PS][prepare][%s] sharing: %s", rank_tag(), decision.describe())
+        log_decision(decision)
     log_layout(layout, f"[{rank_tag()}]{shard_tag(layout)}")
     return layout, decision

@@ -225,7 +225,7 @@ def _tensor_parallel_comparison(qwen2_dir: str, flags: list, timeout: int = 300)
     return results
 
 
-def _harness_ranks(args: list, nproc: int, out: Path) -> list:
+def _harness_ranks(args: list, nproc: int, out: Path, timeout: int = 600) -> list:
     """`verl_harness.py *ARGS` on `nproc` CPU processes (the harness saves to `OUT.rank<r>`, `out` is
     its OUT): each rank's RESULT line and what every rank saved, by rank."""
     harness = str(Path(__file__).with_name("verl_harness.py"))
@@ -233,7 +233,7 @@ def _harness_ranks(args: list, nproc: int, out: Path) -> list:
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", harness,
          *[str(a) for a in args]],
-        env=inherited, capture_output=True, text=True, timeout=600,
+        env=inherited, capture_output=True, text=True, timeout=timeout,
     )
     results = [json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", proc.stdout)]
     assert proc.returncode == 0 and len(results) == nproc, proc.stderr[-3000:]
@@ -259,9 +259,10 @@ LAYOUTS = {
 LAYOUT_TOL = 1e-5
 
 
-def _layout(ckpt: str, nproc: int, tp: int, pp: int, cp: int, sp: bool, per_token: bool, out: Path, tree: bool = False):
+def _layout(ckpt: str, nproc: int, tp: int, pp: int, cp: int, sp: bool, per_token: bool, out: Path, tree: bool = False,
+            timeout: int = 600):
     return _harness_ranks(["layout", ckpt, tp, pp, cp, int(sp), int(per_token), out] + (["tree"] if tree else []),
-                          nproc, out)
+                          nproc, out, timeout)
 
 
 @pytest.fixture(scope="module")
@@ -352,8 +353,14 @@ def _check_layout_ranks(name: str, results: list, ranks: list, ref: dict, sizes:
 
 # prefix trees (`PS_BRIDGE_TREE=1`, threshold 0; dynamic micro-batches) at a parallel layout, against our
 # engine on one process, unshared, on the same tree samples (`verl_harness.tree_samples_for_engines`)
-# name: (processes, tp, pp, cp)
-TREE_LAYOUTS = {"tree_cp2": (2, 1, 1, 2), "tree_pp2": (2, 1, 2, 1)}
+# name: (processes, tp, pp, cp, sequence parallel); the four-rank layouts combine two kinds of model parallelism
+TREE_LAYOUTS = {
+    "tree_cp2": (2, 1, 1, 2, False),
+    "tree_pp2": (2, 1, 2, 1, False),
+    "tree_tp2_cp2": (4, 2, 1, 2, False),
+    "tree_pp2_cp2": (4, 1, 2, 2, False),
+    "tree_tp2_sp_pp2": (4, 2, 2, 1, True),
+}
 
 
 @pytest.fixture(scope="module")
@@ -367,13 +374,16 @@ def tree_engine_at_cp1_unshared(qwen2_dir, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(TREE_LAYOUTS))
 def test_tree_parallel_layout_matches_engine_at_cp1(qwen2_dir, tree_engine_at_cp1_unshared, tmp_path, name):
-    """Our engine on prefix trees at CP=2 (contiguous shards of the tree pack) and PP=2 (every stage packs
-    the same trees from the micro-batch), CPU processes (gloo, fp32): `infer_batch` log-probs and
-    entropy (temperature 0.7) and, for verl's token-mean and seq-mean-token-mean `ppo_loss`, every
-    reduced HF-named gradient equal our engine's at CP=1 unshared on one process (which equals verl's
-    stock engine: test_verl_engine.py; the stock engine has no CP on a CPU, without Transformer Engine)."""
-    nproc, tp, pp, cp = TREE_LAYOUTS[name]
-    results, ranks = _layout(qwen2_dir, nproc, tp, pp, cp, False, False, tmp_path / name, tree=True)
+    """Our engine on prefix trees at CP=2 (contiguous shards of the tree pack), PP=2 (every stage packs
+    the same trees from the micro-batch) and, on four ranks, TP=2 x CP=2, PP=2 x CP=2 and TP=2+SP x PP=2,
+    CPU processes (gloo, fp32): `infer_batch` log-probs and entropy (temperature 0.7) and, for verl's
+    token-mean and seq-mean-token-mean `ppo_loss`, every reduced HF-named gradient equal our engine's at
+    CP=1 unshared on one process (which equals verl's stock engine: test_verl_engine.py; the stock
+    engine has no CP on a CPU, without Transformer Engine); every rank ran trees deeper than one level."""
+    nproc, tp, pp, cp, sp = TREE_LAYOUTS[name]
+    # four processes on a small shared CPU host take several times as long as two
+    results, ranks = _layout(qwen2_dir, nproc, tp, pp, cp, sp, False, tmp_path / name, tree=True,
+                             timeout=600 * nproc // 2)
     _check_layout_ranks(name, results, ranks, tree_engine_at_cp1_unshared, (tp, pp, cp, 1), tree=True)
 
 

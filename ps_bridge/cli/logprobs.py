@@ -71,10 +71,9 @@ def run_logprobs(args) -> int:
 
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.data_parallel import dp_logprob_pass
-    from ps_bridge.launch_rule import sharing_for
-    from ps_bridge.layout import build_layout, decide_tree, logger
+    from ps_bridge.layout import build_layout
     from ps_bridge.parallel import is_output_rank, settings_from_args
-    from ps_bridge.parallel_info import rank_tag
+    from ps_bridge.prepare import decided_sharing, decided_tree
     from ps_bridge.providers.registry import resolve_provider
     from ps_bridge.runtime import DTYPES, load_model, read_hf_config
 
@@ -89,12 +88,11 @@ def run_logprobs(args) -> int:
             tree=args.tree, tree_min_shared=args.tree_min_shared, tree_max_depth=args.tree_max_depth,
         )
         resolve_provider(config.provider, archs)
-        # validate ids and tree options before the (slow) conversion, so a bad batch fails at once;
-        # the batch's tree, decided once, serves the report and the sharing rule
-        share = config.layout_share()
-        tree = decide_tree(samples, share, vocab_size=_hf_vocab_size(hf_config, args.hf_path),
-                           min_shared=config.tree_min_shared, max_depth=config.tree_max_depth)
-        layout = build_layout(samples, share=share, tree=tree)
+        # the whole batch goes through `prepare` (its one owner of deciding what is shared): the tree
+        # first, before the (slow) conversion, so bad ids or tree options fail at once; decided once, it
+        # serves the report and the sharing rule
+        tree = decided_tree(samples, config, vocab_size=_hf_vocab_size(hf_config, args.hf_path))
+        layout = build_layout(samples, share=config.layout_share(), tree=tree)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(str(e)) from None
 
@@ -102,11 +100,10 @@ def run_logprobs(args) -> int:
         args.hf_path, config, dtype=DTYPES[args.dtype], tp=parallel.tp, pp=parallel.pp,
         sequence_parallel=parallel.sequence_parallel, cp=parallel.cp, ep=parallel.ep,
     )
-    # the sharing rule, once for the whole batch (the same on every rank: each rank sees the batch);
-    # every rank then runs that packing
-    decision = sharing_for(samples, config, loaded.model_cost, loaded.device.type, str(loaded.dtype)[6:],
-                           backward=False, trie=tree if share == "tree" else None)
-    logger.info("[PS][prepare][%s] sharing: %s", rank_tag(), decision.describe())
+    # the sharing rule, once for the whole batch (the same on every rank: each rank sees the batch),
+    # logged by `prepare`; every rank then runs that packing
+    decision = decided_sharing(samples, config, loaded.model_cost, loaded.device.type, loaded.dtype,
+                               tree=tree, backward=False)
     try:
         # data-parallel ranks (with --ep, world / (tp x pp) of them) each run whole prompt groups
         # (whole subtrees of a prefix tree); the rows come back in input order on data-parallel rank 0
