@@ -61,9 +61,11 @@ logger = logging.getLogger("ps_bridge")
 
 PAD_SEGMENT = -1
 
-# the shortest common run a "tree" layout shares by default (shorter runs are computed per sample);
-# a guess, not measured: the issue bounds it by 64
-DEFAULT_MIN_SHARED = 16
+# the shortest common run a "tree" layout shares by default (shorter runs are computed per sample):
+# measured with `ps-bridge bench --min-shared-sweep` on an H200 (docs/tree.md, "Choosing the threshold"):
+# sharing a run of K <= 64 tokens among 8 prompts was slower than computing it in every prompt on every
+# measured shape (x 0.80-0.95), so the default is the largest the issue allows
+DEFAULT_MIN_SHARED = 64
 
 
 # ---- building: decide what is shared, order the pack, materialize ---------------------------

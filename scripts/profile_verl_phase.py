@@ -94,15 +94,13 @@ def _sync_site() -> str:
 
 def run(args) -> None:
     from omegaconf import OmegaConf
-    from transformers import AutoConfig
-
     from ps_bridge.verl.side_by_side import prepare_side_by_side
 
     prepare_side_by_side()  # as `ps-bridge verl-check`: verl's imports in the order that works without TE
     from ps_bridge.verl.check import roles
     from ps_bridge.verl.check.config import CheckSettings, trainer_config
     from ps_bridge.verl.check.data import synthetic_batch
-    from ps_bridge.verl.check.model import checkpoint_for
+    from ps_bridge.verl.check.model import checkpoint_for, checkpoint_text_config
     from ps_bridge.verl.check.run import kind_steps
 
     settings = CheckSettings(model=args.model, layers=args.layers, prompts=args.prompts, n=args.n,
@@ -111,7 +109,7 @@ def run(args) -> None:
                              dtype=args.dtype, workdir=args.workdir)
     cfg = trainer_config(settings)
     ckpt = checkpoint_for(settings, args.workdir)
-    vocab = AutoConfig.from_pretrained(ckpt).get_text_config().vocab_size
+    vocab = checkpoint_text_config(ckpt).vocab_size
     algo = OmegaConf.to_container(cfg.algorithm, resolve=True)
     batches = [synthetic_batch(settings, vocab, t, algo)[0] for t in range(3)]
     _install_timers()

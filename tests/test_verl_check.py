@@ -102,12 +102,14 @@ def test_ideal_ratio_with_a_system_prompt():
 @pytest.mark.slow
 def test_verl_check_smoke_with_a_system_prompt(tmp_path):
     """`--system-prompt-len`: every prompt begins with the same 16 tokens and the shared engine runs on
-    prefix trees; exact against the stock engine, fewer micro-batches. `--interleave` (both engines
-    resident, steps in turns) changes no result."""
+    prefix trees (threshold 0, `PS_BRIDGE_TREE_MIN_SHARED=0`: 16 tokens are below the default); exact
+    against the stock engine, fewer micro-batches. `--interleave` (both engines resident, steps in
+    turns) changes no result."""
     out = tmp_path / "out.json"
     args = [sys.executable, "-m", "ps_bridge.cli", "verl-check", "--smoke", "--system-prompt-len", "16", "--no-progress",
             "--interleave", "--json", str(out), "--workdir", str(tmp_path)]
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    env = dict(os.environ, PS_BRIDGE_TREE_MIN_SHARED="0")
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     print(proc.stdout[-3000:])
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads(out.read_text())

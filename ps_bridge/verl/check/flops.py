@@ -35,9 +35,9 @@ class PhaseFlops:
 
 
 def checkpoint_flop_shape(ckpt: str) -> FlopShape:
-    from transformers import AutoConfig
+    from ps_bridge.verl.check.model import checkpoint_text_config
 
-    return flop_shape_of_config(AutoConfig.from_pretrained(ckpt).get_text_config())
+    return flop_shape_of_config(checkpoint_text_config(ckpt))
 
 
 def flop_ratios(steps: List[dict], kind: str = "shared", skip_first: bool = True) -> Optional[Dict[str, float]]:

@@ -3,6 +3,8 @@ stands for "stock" on it."""
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import gc
 import os
 
@@ -74,3 +76,13 @@ def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+@lru_cache(maxsize=None)
+def checkpoint_text_config(ckpt: str):
+    """The checkpoint's HF text config, read once per checkpoint (the vocabulary of the synthetic data,
+    the FLOP shape of F)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(ckpt).get_text_config()
+

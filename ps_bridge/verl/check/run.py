@@ -14,7 +14,7 @@ from ps_bridge.verl.check.compiles import counting_compiles
 from ps_bridge.verl.check.flops import PhaseFlops, checkpoint_flop_shape, flop_ratios
 from ps_bridge.verl.check.config import CheckSettings, role_configs, scaled_budgets, trainer_config
 from ps_bridge.verl.check.data import ideal_ratio, synthetic_batch
-from ps_bridge.verl.check.model import checkpoint_for, free_memory, stock_description
+from ps_bridge.verl.check.model import checkpoint_for, checkpoint_text_config, free_memory, stock_description
 from ps_bridge.verl.check.roles import Role, build_role_engines, shared_backend
 
 
@@ -180,9 +180,7 @@ def run_check(settings: CheckSettings, progress: Optional[Callable[[str], None]]
     cfg = trainer_config(settings)
     ckpt = checkpoint_for(settings, workdir)
     progress("checkpoint ready")
-    from transformers import AutoConfig
-
-    vocab = AutoConfig.from_pretrained(ckpt).get_text_config().vocab_size
+    vocab = checkpoint_text_config(ckpt).vocab_size
     algo = OmegaConf.to_container(cfg.algorithm, resolve=True)
     mini = int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
     if settings.prompts % mini:
