@@ -82,7 +82,7 @@ def test_bench_splits_an_unshared_batch_that_does_not_fit(monkeypatch, capsys):
     assert row["unshared"]["micro_batches"] == 2 and row["shared"]["micro_batches"] == 1
     assert not row["unshared_out_of_memory"] and row["unshared"]["tokens"] == 4 * (24 + 8)
     assert row["max_logprob_diff"] < 1e-4  # float32 on the CPU: same values, same order
-    assert "ran as 2 micro-batches" in out
+    assert "ran as 2 unshared and 1 shared micro-batches" in out
 
 
 def test_bench_reports_shared_alone_when_unshared_runs_out_of_memory(monkeypatch, capsys):

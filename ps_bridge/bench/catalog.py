@@ -281,17 +281,17 @@ class TreeShape:
 TREE_SHAPES: Dict[str, TreeShape] = {
     "system": TreeShape(
         system_samples, dict(system=4096, prompts=16, prompt=256, n=8, response=512),
-        dict(system=20, prompts=3, prompt=16, n=2, response=5),
+        dict(system=68, prompts=3, prompt=66, n=2, response=5),  # shared runs above layout.DEFAULT_MIN_SHARED
         "system prompt 4096 shared by 16 prompts of 256, n = 8, R = 512",
     ),
     "chain": TreeShape(
         chain_samples, dict(prompt=2048, trajectories=4, turns=8, observation=512, response=256),
-        dict(prompt=16, trajectories=2, turns=3, observation=4, response=3),
+        dict(prompt=66, trajectories=2, turns=3, observation=4, response=3),
         "prompt 2048 shared by 4 trajectories of 8 turns (observation 512 + response 256), a sample per turn",
     ),
     "search": TreeShape(
         search_samples, dict(prompt=2048, depth=3, branching=4, node=1024),
-        dict(prompt=16, depth=3, branching=2, node=16),
+        dict(prompt=66, depth=3, branching=2, node=16),
         "prompt 2048, depth 3, branching 4, nodes of 1024, a sample per node",
     ),
 }
