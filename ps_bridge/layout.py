@@ -100,11 +100,15 @@ def _as_samples(samples) -> List[Sample]:
 
 
 def _check_not_empty(prompt_lengths: np.ndarray, offsets: np.ndarray) -> None:
+    """The first sample with an empty prompt or response refused, its prompt named first (the order in
+    which `_flatten`'s loop over a list of samples finds them)."""
     empty_prompt, empty_response = prompt_lengths == 0, np.diff(offsets) == prompt_lengths
-    if empty_prompt.any():
-        raise ValueError(f"sample {int(np.argmax(empty_prompt))}: the prompt is empty (a prompt needs at least one token)")
-    if empty_response.any():
-        raise ValueError(f"sample {int(np.argmax(empty_response))}: the response is empty (a response needs at least one token)")
+    bad = empty_prompt | empty_response
+    if bad.any():
+        i = int(np.argmax(bad))
+        if empty_prompt[i]:
+            raise ValueError(f"sample {i}: the prompt is empty (a prompt needs at least one token)")
+        raise ValueError(f"sample {i}: the response is empty (a response needs at least one token)")
 
 
 def _flatten(samples: Sequence[Sample], vocab_size: Optional[int]):

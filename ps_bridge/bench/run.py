@@ -185,8 +185,9 @@ def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, refer
     shared_layout = pack(samples)
     whole = shared_layout if len(samples) == len(batch) else pack(batch)  # the whole batch's token counts
     # F: the unshared computation's model FLOPs over those of the shared one that is timed
-    flops = layout_flop_ratio(flop_shape(MODEL_SHAPES[model_name], layers), whole,
-                              build_layout(batch, share=False, vocab_size=loaded.vocab_size))
+    shape, unshared_whole = flop_shape(MODEL_SHAPES[model_name], layers), build_layout(batch, share=False,
+                                                                                        vocab_size=loaded.vocab_size)
+    flops = layout_flop_ratio(shape, whole, unshared_whole)
     common = dict(warmup=args.warmup, repeats=args.repeats, chunk=args.logprob_chunk, progress=progress,
                   max_tokens=args.max_tokens_per_gpu)
     if args.shared_only:
@@ -204,8 +205,7 @@ def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, refer
         # one micro-batch, or split where it does not fit (each part then computes its prefixes: F counts that)
         shared, rows, shared_layouts = run_shared(loaded, samples, shared_layout, pack, backend, **common)
         if len(shared_layouts) > 1 and len(samples) == len(batch):
-            flops = layout_flop_ratio(flop_shape(MODEL_SHAPES[model_name], layers), shared_layouts,
-                                      build_layout(batch, share=False, vocab_size=loaded.vocab_size))
+            flops = layout_flop_ratio(shape, shared_layouts, unshared_whole)
         shared, rows = _slowest_rank(shared), _whole_batch_rows(rows)
         fp32 = row_errors(reference_rows, rows, base_rows)
         useful = whole.tokens_unshared

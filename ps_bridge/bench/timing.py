@@ -200,6 +200,23 @@ def split_in_order(samples: list, parts: int) -> List[list]:
 UNSHARED_SPLITS = (1, 2, 4, 8, 16)
 
 
+def _first_that_fits(loaded, candidates, backend: str, **timing):
+    """Time the first packing of `candidates` (each a list of layouts, finer and finer splits) that
+    fits in GPU memory: (its timings, its response log-probs, its layouts, its index), or (None, None,
+    the last layouts tried, -1) when none fits. Out of memory, the gradients and cached blocks of the
+    failed attempt are released before the next."""
+    layouts: list = []
+    for index, layouts in enumerate(candidates):
+        try:
+            result, rows = run_mode(loaded, layouts if len(layouts) > 1 else layouts[0], backend, **timing)
+            return result, rows, layouts, index
+        except torch.cuda.OutOfMemoryError:
+            loaded.model.zero_grad(set_to_none=True)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return None, None, layouts, -1
+
+
 def run_unshared(loaded, samples: list, backend: str, **timing) -> Tuple[Optional[ModeResult], Optional[torch.Tensor], list]:
     """Time the unshared packing of `samples`, split into more and more micro-batches (`UNSHARED_SPLITS`)
     while one does not fit in GPU memory. Returns its timings and response log-probs, both None when
@@ -207,20 +224,13 @@ def run_unshared(loaded, samples: list, backend: str, **timing) -> Tuple[Optiona
     from ps_bridge.forward import cp_total_multiple
     from ps_bridge.layout import build_layout
 
-    layouts: list = []
-    for parts in (k for k in UNSHARED_SPLITS if k <= len(samples)):
-        # At a 248k vocabulary, 16 x 4352 tokens of bf16 logits alone are 32 GiB: an unshared batch
-        # that does not fit runs as `parts` micro-batches with gradient accumulation, as a trainer would.
-        layouts = [build_layout(part, share=False, vocab_size=loaded.vocab_size, total_multiple=cp_total_multiple())
+    # At a 248k vocabulary, 16 x 4352 tokens of bf16 logits alone are 32 GiB: an unshared batch
+    # that does not fit runs as `parts` micro-batches with gradient accumulation, as a trainer would.
+    candidates = ([build_layout(part, share=False, vocab_size=loaded.vocab_size, total_multiple=cp_total_multiple())
                    for part in split_in_order(samples, parts)]
-        try:
-            result, rows = run_mode(loaded, layouts, backend, **timing)
-            return result, rows, layouts
-        except torch.cuda.OutOfMemoryError:
-            loaded.model.zero_grad(set_to_none=True)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-    return None, None, layouts
+                  for parts in UNSHARED_SPLITS if parts <= len(samples))
+    result, rows, layouts, _ = _first_that_fits(loaded, candidates, backend, **timing)
+    return result, rows, layouts
 
 
 # The shared micro-batch is split into at most this many micro-batches when it does not fit at once.
@@ -236,25 +246,25 @@ def run_shared(loaded, samples: list, layout, pack, backend: str, **timing) -> T
     timings, its response log-probs in the samples' order, and the layouts it ran."""
     from ps_bridge.tree.split import budget_micro_batches
 
-    for parts in SHARED_SPLITS:
-        groups = [list(range(len(samples)))]
-        layouts = [layout]
-        if parts > 1:
-            try:
-                groups = budget_micro_batches(layout, -(-layout.num_tokens // parts))
-            except ValueError:  # a sample longer than the budget: no finer split
-                break
-            layouts = [pack([samples[i] for i in group]) for group in groups]
-        try:
-            result, rows = run_mode(loaded, layouts if parts > 1 else layout, backend, **timing)
-        except torch.cuda.OutOfMemoryError:
-            loaded.model.zero_grad(set_to_none=True)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            continue
-        return result, _in_sample_order(rows, samples, groups), layouts
-    raise torch.cuda.OutOfMemoryError(
-        f"the shared micro-batch did not fit in GPU memory even as {len(layouts)} micro-batches")
+    splits: List[List[List[int]]] = []  # per candidate, each micro-batch's sample indices
+
+    def candidates():
+        for parts in SHARED_SPLITS:
+            if parts == 1:
+                groups = [list(range(len(samples)))]
+            else:
+                try:
+                    groups = budget_micro_batches(layout, -(-layout.num_tokens // parts))
+                except ValueError:  # a sample longer than the budget: no finer split
+                    return
+            splits.append(groups)
+            yield [layout] if parts == 1 else [pack([samples[i] for i in group]) for group in groups]
+
+    result, rows, layouts, index = _first_that_fits(loaded, candidates(), backend, **timing)
+    if result is None:
+        raise torch.cuda.OutOfMemoryError(
+            f"the shared micro-batch did not fit in GPU memory even as {len(layouts)} micro-batches")
+    return result, _in_sample_order(rows, samples, splits[index]), layouts
 
 
 def _in_sample_order(rows: torch.Tensor, samples: list, groups: List[List[int]]) -> torch.Tensor:
