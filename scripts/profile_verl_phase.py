@@ -9,6 +9,8 @@ second runs `--phase` under torch's profiler, the third under CUDA's sync-debug 
 - wall: the phase's time (profiled step), GPU busy: the union of its kernels' and copies' intervals, idle =
   wall - busy (time the GPU waited for the host);
 - host seconds inside our forward step's parts and verl's loss (timers around them, profiled step);
+- idle by host range: the GPU's idle gaps inside the profiled phase, each moment attributed to the
+  innermost timed range the host was in (what the GPU waited for), and the longest gaps;
 - syncs: the calls that made the host wait for the GPU (`torch.cuda.set_sync_debug_mode`), counted by
   their innermost project / verl / megatron frames (third step);
 - the top host ops by self CPU time and GPU kernels by time (DIR/profile_verl_<kind>_<phase>.txt).
@@ -27,9 +29,10 @@ import traceback
 import warnings
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 TIMED = {}  # "module:function" -> seconds of host time in the profiled step
+TIMED_LABELS = {"phase"}  # the profiler ranges of the timers, and the phase's own
 
 
 def _timed(owner, name: str, label: str):
@@ -39,24 +42,43 @@ def _timed(owner, name: str, label: str):
     def wrapper(*args, **kwargs):
         t0 = time.perf_counter()
         try:
-            return inner(*args, **kwargs)
+            with record_function(label):
+                return inner(*args, **kwargs)
         finally:
             TIMED[label] = TIMED.get(label, 0.0) + time.perf_counter() - t0
 
+    TIMED_LABELS.add(label)
     setattr(owner, name, wrapper)
 
 
 def _install_timers() -> None:
+    """Timers (and profiler ranges, for the idle attribution) around our forward step's parts, the
+    micro-batching, verl's loss and optimizer step, megatron's backward and grad norm."""
     import ps_bridge.verl.engine as engine
     import ps_bridge.verl.micro_batches as mb
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.pipeline_parallel import schedules
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.megatron import transformer_impl
     from verl.workers.utils import losses
 
     for name in ("decided_layout", "samples_from_micro_batch", "stock_row_labels", "run_packed", "PackedRows"):
         _timed(engine, name, f"engine.{name}")
     _timed(engine.PrefixSharingEngineMixin, "_packed_outputs", "engine._packed_outputs")
+    _timed(engine.PrefixSharingEngineMixin, "forward_step", "engine.forward_step")
+    _timed(transformer_impl.MegatronEngineWithLMHead, "forward_step", "stock.forward_step")
+    _timed(transformer_impl.MegatronEngine, "optimizer_step", "verl.optimizer_step")
+    _timed(transformer_impl.MegatronEngine, "optimizer_zero_grad", "verl.optimizer_zero_grad")
+    _timed(transformer_impl.MegatronEngine, "forward_backward_batch", "verl.forward_backward_batch")
     _timed(mb, "prefix_aware_micro_batches", "micro_batches.prefix_aware_micro_batches")
+    _timed(mb, "batch_layout", "micro_batches.batch_layout")
+    _timed(mb, "subtree_units", "micro_batches.subtree_units")
+    _timed(mb, "first_fit_decreasing", "micro_batches.first_fit_decreasing")
     _timed(mb, "mark_packed_budget", "micro_batches.mark_packed_budget")
+    _timed(tu, "index_select_tensor_dict", "verl.index_select_tensor_dict")
     _timed(losses, "ppo_loss", "verl.ppo_loss")
+    _timed(schedules, "backward_step", "megatron.backward_step")
+    _timed(clip_grads, "get_grad_norm_fp32", "megatron.get_grad_norm_fp32")
 
 
 def _sync() -> None:
@@ -81,6 +103,53 @@ def _busy_seconds(prof) -> float:
             busy += e - end
             end = e
     return busy / 1e6
+
+
+def _idle_by_host_range(prof, window_label: str, min_gap_us: float = 20.0) -> dict:
+    """The GPU's idle time inside the profiled phase (`window_label`'s range), attributed to what the
+    host was doing meanwhile: the innermost of our timed ranges (`_install_timers`) active at each
+    moment of each gap, "(none)" outside them. Gaps shorter than `min_gap_us` are left out (kernel
+    launch spacing). Returns {label: [seconds, gaps touched]}, largest first, and the 15 longest gaps."""
+    import bisect
+
+    events = list(prof.events())
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    ranges = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                    if e.device_type == torch.autograd.DeviceType.CPU and e.name in TIMED_LABELS)
+    window = [(a, b) for a, b, n in ranges if n == window_label]
+    if not window:
+        return {}
+    w0, w1 = window[0][0], window[-1][1]
+    gaps, end = [], w0
+    for s, e in spans:
+        if e <= w0 or s >= w1:
+            continue
+        if s > end and s - end >= min_gap_us:
+            gaps.append((end, s))
+        end = max(end, e)
+    if w1 - end >= min_gap_us:
+        gaps.append((end, w1))
+    starts = [r[0] for r in ranges]
+    totals: dict = {}
+    longest = []
+    for g0, g1 in gaps:
+        active = [r for r in ranges[:bisect.bisect_right(starts, g1)] if r[1] > g0 and r[2] != window_label]
+        cuts = sorted({g0, g1, *[max(g0, r[0]) for r in active], *[min(g1, r[1]) for r in active]})
+        touched = set()
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            inner = [r for r in active if r[0] <= a and r[1] >= b]
+            name = max(inner, key=lambda r: r[0])[2] if inner else "(none)"
+            slot = totals.setdefault(name, [0.0, 0])
+            slot[0] += (b - a) / 1e6
+            touched.add(name)
+        for name in touched:
+            totals[name][1] += 1
+        longest.append((g1 - g0, g0 - w0, sorted(touched)))
+    longest.sort(reverse=True)
+    out = {k: [round(v[0], 4), v[1]] for k, v in sorted(totals.items(), key=lambda kv: -kv[1][0])}
+    return {"idle_by_host_range": out, "gaps": len(gaps), "idle_in_gaps_s": round(sum(b - a for a, b in gaps) / 1e6, 4),
+            "longest_gaps_ms_at_ms": [[round(d / 1e3, 2), round(t / 1e3, 1), n] for d, t, n in longest[:15]]}
 
 
 INTERESTING = ("ps_bridge", "verl", "megatron", "tensordict")
@@ -128,10 +197,14 @@ def run(args) -> None:
             _sync()
             t0 = time.perf_counter()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                out = original(self, td)
-                _sync()
+                with record_function("phase"):
+                    out = original(self, td)
+                    _sync()
             wall = time.perf_counter() - t0
             mode["result"].update(wall_s=wall, gpu_busy_s=_busy_seconds(prof), host_s=dict(TIMED))
+            mode["result"].update(_idle_by_host_range(prof, "phase"))
+            if args.trace:
+                prof.export_chrome_trace(os.path.join(args.out, f"trace_{kind_now['kind']}_{args.phase}.json"))
             mode["averages"] = prof.key_averages()
             return out
         sites = collections.Counter()
@@ -157,7 +230,9 @@ def run(args) -> None:
         return out
 
     setattr(roles.Role, method, wrapped)
+    kind_now = {}
     for kind in args.kinds.split(","):
+        kind_now["kind"] = kind
         mode.update(step=0, seen={}, result={})
         gen = kind_steps(kind, settings, ckpt, cfg, batches, lambda m: None)
         try:
@@ -198,6 +273,7 @@ def main() -> None:
     p.add_argument("--kinds", default="shared,stock")
     p.add_argument("--workdir", default="/tmp/verl-check")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--trace", action="store_true", help="also write the profiled phase's chrome trace")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
