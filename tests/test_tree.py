@@ -445,6 +445,36 @@ def test_make_layout_builds_the_trie_once_and_the_rule_reads_it(qwen2_loaded, mo
     assert counts == MicroBatchCounts.of(samples, tree=True, min_shared=0)
 
 
+# ---- the micro-batching's costs: the tree and its order, no materialized pack ---------------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_split_costs_of_the_tree_and_its_order_equal_the_built_layouts(seed):
+    """The verl engine's micro-batching reads the tree and its pack order (`packed_costs`), not a
+    materialized pack: the same node costs and places, units and micro-batches as the built layout's
+    (`layout_costs`), for trees and the one-level layout, with and without padding."""
+    from dataclasses import fields
+
+    from ps_bridge.layout import decide_tree
+    from ps_bridge.tree.split import budget_micro_batches, layout_costs, packed_costs
+
+    samples = tree_samples(seed, vocab=8, max_samples=24)
+    longest = max(len(s.prompt) + len(s.response) for s in samples)
+    for share, pad in (("tree", 1), ("tree", 4), (True, 2)):
+        min_shared = 0 if share == "tree" else None
+        tree = decide_tree(samples, share, min_shared=min_shared)
+        _, offsets, prompts = tree.sequences
+        costs = packed_costs(tree, pack_order(tree), np.diff(offsets), prompts, pad)
+        built = layout_costs(build_layout(samples, share=share, pad_multiple=pad, min_shared=min_shared))
+        for f in fields(costs):
+            assert np.array_equal(getattr(costs, f.name), getattr(built, f.name)), (share, pad, f.name)
+        for budget in (-(-longest // pad) * pad + seed % 3 * 5, 4 * longest):
+            parts = budget_micro_batches(costs, budget)
+            assert parts == budget_micro_batches(build_layout(samples, share=share, pad_multiple=pad,
+                                                              min_shared=min_shared), budget)
+            assert sorted(i for p in parts for i in p) == list(range(len(samples)))
+
+
 # ---- expert / data parallelism: whole subtrees per rank ----------------------------------------------
 
 

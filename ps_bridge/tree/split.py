@@ -3,6 +3,9 @@ them as the budget allows (steps 2 and 3 of `ps_bridge.verl.micro_batches`, whic
 the count agreed over data-parallel ranks, verl's order). Used by the verl engine's micro-batching and
 by `ps-bridge bench` where a shared micro-batch does not fit at once.
 
+- `PackedCosts` (`packed_costs` from the tree and its pack order, steps 1 and 2 of the layout, or
+  `layout_costs` from a built layout): what the split reads of a packed tree, each node's padded length
+  and place in the tree (the micro-batching needs no materialized tensors);
 - `subtree_units`: a subtree that fits the budget with the path above it is one unit; a larger one
   is split into its children's subtrees and the samples ending in its root, each part carrying the
   path above it (computed once in every micro-batch holding a part: exact, less shared);
@@ -15,11 +18,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Sequence, Tuple, Union
 
 import numpy as np
 
 from ps_bridge.packed_layout import PackedPrefixLayout
+from ps_bridge.tree.decide import PrefixTree
+from ps_bridge.tree.order import PackOrder
 
 logger = logging.getLogger("ps_bridge")
 
@@ -37,6 +42,51 @@ def _round_up(x, m: int):
     return -(-x // m) * m
 
 
+# ---- what the split reads of a packed tree ----------------------------------------------------------
+
+
+@dataclass
+class PackedCosts:
+    """Per node in pack order: its padded length (`cost`), parent (pack index, -1 for a root) and
+    depth-first interval; per sample: its terminal node (pack index), sequence and prompt length."""
+
+    cost: np.ndarray
+    parent: np.ndarray
+    tin: np.ndarray
+    tout: np.ndarray
+    terminal: np.ndarray
+    lengths: np.ndarray
+    prompt_lengths: np.ndarray
+    pad_multiple: int
+
+
+def packed_costs(tree: PrefixTree, order: PackOrder, lengths, prompt_lengths, pad_multiple: int = 1) -> PackedCosts:
+    """The costs of `tree` packed in `order` with segments padded to `pad_multiple`, as
+    `materialize` would pack them (the pack's padding to a total multiple not counted)."""
+    nodes = order.nodes
+    pack_index = np.empty(nodes.size, dtype=np.int64)
+    pack_index[nodes] = np.arange(nodes.size)
+    valid = tree.node_end[nodes] - tree.node_start[nodes]
+    return PackedCosts(
+        cost=_round_up(valid.astype(np.int64), pad_multiple), parent=np.asarray(order.parent, dtype=np.int64),
+        tin=np.asarray(order.tin, dtype=np.int64), tout=np.asarray(order.tout, dtype=np.int64),
+        terminal=pack_index[tree.sample_node], lengths=np.asarray(lengths, dtype=np.int64),
+        prompt_lengths=np.asarray(prompt_lengths, dtype=np.int64), pad_multiple=int(pad_multiple),
+    )
+
+
+def layout_costs(layout: PackedPrefixLayout) -> PackedCosts:
+    """The costs of a built layout (its segments as padded, the last one's padding to the pack's total
+    multiple included)."""
+    return PackedCosts(
+        cost=np.asarray(layout.host["padded_lengths"], dtype=np.int64),
+        parent=np.asarray(layout.host["segment_parent"], dtype=np.int64),
+        tin=layout.segment_tin.cpu().numpy(), tout=layout.segment_tout.cpu().numpy(),
+        terminal=layout.sample_segment.cpu().numpy(), lengths=layout.row_offsets.diff().cpu().numpy(),
+        prompt_lengths=layout.sample_prompt_length.cpu().numpy(), pad_multiple=int(layout.pad_multiple),
+    )
+
+
 # ---- units: subtrees that fit, each with the path above it ---------------------------------------
 
 
@@ -50,19 +100,16 @@ class Unit:
     private: int = 0
 
 
-def subtree_units(layout: PackedPrefixLayout, budget: int) -> Tuple[List[Unit], np.ndarray]:
-    """Units of `layout` within `budget` packed tokens (step 2 of the module docstring), and each
-    node's cost (its padded length)."""
-    cost = np.asarray(layout.host["padded_lengths"], dtype=np.int64)
-    parent = layout.host["segment_parent"]
-    tin, tout = layout.segment_tin.cpu().numpy(), layout.segment_tout.cpu().numpy()
+def subtree_units(packed: Union[PackedCosts, PackedPrefixLayout], budget: int) -> Tuple[List[Unit], np.ndarray]:
+    """Units of a packed tree (`PackedCosts`, or a layout) within `budget` packed tokens (the module
+    docstring), and each node's cost (its padded length)."""
+    c = layout_costs(packed) if isinstance(packed, PackedPrefixLayout) else packed
+    cost, parent, tin, tout, terminal = c.cost, c.parent.tolist(), c.tin, c.tout, c.terminal
     by_tin = np.argsort(tin)  # the node at each depth-first index
     cum = np.concatenate([[0], np.cumsum(cost[by_tin])])
     subtree_cost = cum[tout] - cum[tin]
-    terminal = layout.sample_segment.cpu().numpy()
-    lengths = layout.row_offsets.diff().cpu().numpy()
-    prompt = layout.sample_prompt_length.cpu().numpy()
-    own = _round_up(lengths, layout.pad_multiple)
+    lengths, prompt = c.lengths, c.prompt_lengths
+    own = _round_up(lengths, c.pad_multiple)
     too_long = np.nonzero(own > budget)[0]
     if too_long.size:
         i = int(too_long[0])
@@ -160,9 +207,9 @@ def split_to_count(units: List[Unit], bins: List[List[int]], k: int, cost: np.nd
     return bins
 
 
-def budget_micro_batches(layout: PackedPrefixLayout, budget: int) -> List[List[int]]:
-    """The samples of `layout` (indices, sorted) in micro-batches of at most `budget` packed tokens
-    each (first-fit decreasing over subtree units)."""
-    units, cost = subtree_units(layout, budget)
+def budget_micro_batches(packed: Union[PackedCosts, PackedPrefixLayout], budget: int) -> List[List[int]]:
+    """The samples of a packed tree (indices, sorted) in micro-batches of at most `budget` packed
+    tokens each (first-fit decreasing over subtree units)."""
+    units, cost = subtree_units(packed, budget)
     bins = first_fit_decreasing(units, cost, budget)
     return [sorted(i for u in members for i in units[u].samples) for members in bins]

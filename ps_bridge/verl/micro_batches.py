@@ -6,9 +6,10 @@ budget that counts every sample's whole sequence. With sharing on, our engine ma
 (`mark_packed_budget`: the budget then counts packed tokens, with the layout settings the forward
 step packs with) and `prefix_aware_micro_batches` forms the micro-batches, in four steps:
 
-1. **What is shared** is the layout's decision: `build_layout` over the whole batch with the forward
-   step's settings (identical prompts, or the token prefix tree with `tree`; samples of different
-   temperatures share nothing). Each segment (a node of the tree) costs its padded length.
+1. **What is shared** is the layout's decision: the prefix tree (`decide_tree`) of the whole batch
+   with the forward step's settings (identical prompts, or the token prefix tree with `tree`; samples
+   of different temperatures share nothing) and its pack order, without materializing the pack
+   (`tree.split.packed_costs`). Each node costs its padded length.
 2. **Units** (`subtree_units`): a subtree that fits the budget together with the path above it is
    one unit (a root's subtree when it fits: a GRPO group, or a system prompt with every prompt and
    response below it). A subtree over the budget is split into its children's subtrees and the
@@ -42,9 +43,11 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ps_bridge.layout import PackedPrefixLayout, build_layout
+from ps_bridge.layout import decide_tree
+from ps_bridge.tree.order import pack_order
 from ps_bridge.tree.split import (  # noqa: F401 (re-exported)
-    Unit, bin_tokens, budget_micro_batches, first_fit_decreasing, split_to_count, subtree_units, warn_once,
+    PackedCosts, Unit, bin_tokens, budget_micro_batches, first_fit_decreasing, packed_costs, split_to_count,
+    subtree_units, warn_once,
 )
 from ps_bridge.verl.batch import per_sample_temperature, samples_from_micro_batch, temperature_classes, uid_list
 
@@ -110,8 +113,9 @@ def mark_packed_budget(data, share, pad_multiple: int, min_shared: Optional[int]
     })
 
 
-def batch_layout(data) -> PackedPrefixLayout:
-    """The layout of the whole marked batch, as the forward step would pack it in one micro-batch."""
+def batch_costs(data) -> PackedCosts:
+    """The whole marked batch's tree and pack order, as the forward step would pack it in one
+    micro-batch: each node's padded length and place (the pack itself is not materialized)."""
     from verl.utils import tensordict_utils as tu
 
     get = lambda key, default: tu.get_non_tensor_data(data, key=key, default=default)  # noqa: E731
@@ -120,11 +124,13 @@ def batch_layout(data) -> PackedPrefixLayout:
     if "temperature" in data.keys():
         classes = temperature_classes(per_sample_temperature(data, len(samples), "cpu"))
     min_shared, max_depth = int(get(MIN_SHARED_KEY, -1)), int(get(MAX_DEPTH_KEY, -1))
-    return build_layout(
-        samples, share="tree" if get(SHARE_KEY, "prompt") == "tree" else True, pad_multiple=int(get(PAD_MULTIPLE_KEY, 1)),
+    tree = decide_tree(
+        samples, "tree" if get(SHARE_KEY, "prompt") == "tree" else True,
         min_shared=None if min_shared < 0 else min_shared, max_depth=None if max_depth < 0 else max_depth,
         share_classes=classes,
     )
+    _, offsets, prompt_lengths = tree.sequences
+    return packed_costs(tree, pack_order(tree), np.diff(offsets), prompt_lengths, int(get(PAD_MULTIPLE_KEY, 1)))
 
 
 def prefix_aware_micro_batches(data, dp_group=None, num_batches_divided_by=None, same_micro_num_in_dp=True,
@@ -137,7 +143,7 @@ def prefix_aware_micro_batches(data, dp_group=None, num_batches_divided_by=None,
     from verl.utils.seqlen_balancing import roundup_divisible
 
     budget = int(data["max_token_len_per_gpu"]) * int(tu.get_non_tensor_data(data, key="sp_size", default=1))
-    units, cost = subtree_units(batch_layout(data), budget)
+    units, cost = subtree_units(batch_costs(data), budget)
     bins = first_fit_decreasing(units, cost, budget)
 
     sync = dist.is_initialized() and same_micro_num_in_dp and dp_group is not None
