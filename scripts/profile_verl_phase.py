@@ -91,9 +91,15 @@ def _sync_debug(mode) -> None:
         torch.cuda.set_sync_debug_mode(mode)
 
 
+def _device_spans(events):
+    """The (start, end) of every kernel and copy on the GPU, sorted; our ranges' device-side copies
+    (the profiler mirrors each `record_function` range on the GPU's timeline) left out."""
+    return sorted((e.time_range.start, e.time_range.end) for e in events
+                  if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in TIMED_LABELS)
+
+
 def _busy_seconds(prof) -> float:
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    spans = _device_spans(prof.events())
     busy, end = 0, None
     for s, e in spans:
         if end is None or s > end:
@@ -113,8 +119,7 @@ def _idle_by_host_range(prof, window_label: str, min_gap_us: float = 20.0) -> di
     import bisect
 
     events = list(prof.events())
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    spans = _device_spans(events)
     ranges = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
                     if e.device_type == torch.autograd.DeviceType.CPU and e.name in TIMED_LABELS)
     window = [(a, b) for a, b, n in ranges if n == window_label]

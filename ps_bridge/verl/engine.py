@@ -222,10 +222,10 @@ class PrefixSharingEngineMixin:
         calculate_sum_pi_squared = tu.get_non_tensor_data(batch, key="calculate_sum_pi_squared", default=False)
 
         # Everything the host reads of the micro-batch (the samples' tokens, their temperatures, verl's
-        # labels) and the whole layout are prepared from verl's batch as it arrives (on the CPU), before
-        # anything is moved to the device: a copy to the device waits for the GPU's queued work (the
-        # previous micro-batch's backward), so host work done before it runs while the GPU computes,
-        # and host work done after it (or reads of device tensors) leaves the GPU idle.
+        # labels) and the whole layout are prepared from verl's batch as it arrives (on the CPU), and the
+        # forward is queued before verl's batch is moved to the device: that copy waits for the GPU's
+        # queued work (the previous micro-batch's backward), so host work done before it runs while the
+        # GPU computes, and host work done after it (or reads of device tensors) leaves the GPU idle.
         cfg = self._prefix_sharing()
         samples = samples_from_micro_batch(batch)
         temperature = per_sample_temperature(batch, len(samples), "cpu")
@@ -252,15 +252,20 @@ class PrefixSharingEngineMixin:
             labels = stock_row_labels(self, model, batch, data_format)
         all_ones = bool((temperature == 1).all())
 
-        batch = batch.to(get_device_id(), non_blocking=True)
         layout = layout.to(device)
         temperature = to_device(temperature, device)
+        if post_process:
+            labels = to_device(labels, device)
         # each CP rank runs its contiguous shard of the pack
         output = run_packed(model, layout, cfg)
         if post_process:
-            rows = PackedRows(layout, labels=to_device(labels, device), cp_shard=local_shard(layout))
+            rows = PackedRows(layout, labels=labels, cp_shard=local_shard(layout))
             output = self._packed_outputs(output, rows, temperature, calculate_entropy, calculate_sum_pi_squared,
                                           all_ones)
+        # verl's micro-batch goes to the device after the forward is queued: only verl's loss reads it, and
+        # torch copies a nested tensor's offsets synchronously (the host waits for every queued kernel),
+        # which before the forward would leave the GPU idle until the forward's kernels are launched
+        batch = batch.to(get_device_id(), non_blocking=True)
         # static CP: verl's postprocess takes no local_cp_size (that is dynamic CP's); the rows are whole
         return output, partial(postprocess_micro_batch_func, data=batch, local_cp_size=None)
 

@@ -48,11 +48,13 @@ class Role:
                 tu.assign_non_tensor(td, **{key: val})
 
     def infer(self, td) -> dict:
-        """TrainingWorker.infer_batch: the model outputs (log_probs, entropy) as nested rows."""
+        """TrainingWorker.infer_batch: the model outputs (log_probs, entropy) as nested rows, on the CPU
+        (the worker returns `.cpu()` outputs: the trainer's batch, and so the update's, lives on the
+        CPU, and each engine copies its micro-batches to the device)."""
         self._defaults(td, infer=True)
         with self.engine.eval_mode():
             output = self.engine.infer_batch(td, loss_function=None)
-        return output["model_output"]
+        return {k: v.cpu() if torch.is_tensor(v) else v for k, v in output["model_output"].items()}
 
     def train(self, td) -> dict:
         """TrainingWorker.train_mini_batch: per mini-batch loss (summed over its micro-batches, as the
