@@ -38,6 +38,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from ps_bridge.kernels import vocab_softmax
 from ps_bridge.layout import PackedPrefixLayout
 
 
@@ -174,9 +175,8 @@ class _RowLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, src, label, chunk_rows, keep):
         T, V = logits.shape
-        lse = torch.empty(T, dtype=torch.float32, device=logits.device)
-        for a in range(0, T, chunk_rows):
-            lse[a : a + chunk_rows] = torch.logsumexp(logits[a : a + chunk_rows, :keep].float(), dim=-1)
+        m, s = _max_sumexp(logits, keep, chunk_rows)
+        lse = m + s.log()
         target = logits.reshape(-1).index_select(0, src * V + label).float()
         ctx.save_for_backward(logits, src, label, lse)
         ctx.chunk_rows, ctx.keep = chunk_rows, keep
@@ -191,11 +191,32 @@ class _RowLogprobs(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+def _max_sumexp(logits, keep: int, chunk_rows: int):
+    """Per packed position: the maximum of its logits over columns `[0, keep)` and the sum of
+    exp(x - maximum), float32 (keep = 0: -inf and 0). One fused read of the logits on CUDA
+    (`kernels.vocab_softmax`), else chunk by chunk in float32."""
+    if vocab_softmax.usable(logits):
+        return vocab_softmax.row_max_sumexp(logits, keep)
+    T = logits.shape[0]
+    m = torch.full((T,), float("-inf"), dtype=torch.float32, device=logits.device)
+    s = torch.zeros(T, dtype=torch.float32, device=logits.device)
+    if keep > 0:
+        for a in range(0, T, chunk_rows):
+            x = logits[a : a + chunk_rows, :keep].float()
+            top = x.max(dim=-1).values
+            m[a : a + chunk_rows] = top
+            s[a : a + chunk_rows] = (x - top[:, None]).exp_().sum(dim=-1)
+    return m, s
+
+
 def _minus_weighted_softmax(logits, lse, src, g, chunk_rows: int, keep: int) -> torch.Tensor:
     """`-softmax(logits) * (sum of g over the rows reading each position)`, the softmax part of the
-    row log-probs' gradient, written chunk by chunk; columns from `keep` on get 0."""
+    row log-probs' gradient (one fused pass on CUDA: `kernels.vocab_softmax`, else chunk by chunk);
+    columns from `keep` on get 0."""
     T = logits.shape[0]
     weight = torch.zeros(T, dtype=torch.float32, device=logits.device).index_add_(0, src, g)
+    if vocab_softmax.usable(logits):
+        return vocab_softmax.minus_weighted_softmax(logits, lse, weight, keep)
     grad = torch.empty_like(logits)
     c = chunk_rows
     for a in range(0, T, c):
@@ -242,20 +263,14 @@ class _VocabParallelRowLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, src, label, chunk_rows, keep, first, group):
         T, V = logits.shape
-        local_max = torch.full((T,), float("-inf"), dtype=torch.float32, device=logits.device)
-        local_sum = torch.zeros(T, dtype=torch.float32, device=logits.device)
-        if keep > 0:
-            for a in range(0, T, chunk_rows):
-                x = logits[a : a + chunk_rows, :keep].float()
-                local_max[a : a + chunk_rows] = x.max(dim=-1).values
+        local_max, local_sum = _max_sumexp(logits, keep, chunk_rows)
         global_max = local_max.clone()
         if group is not None:
             dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
-        if keep > 0:
-            for a in range(0, T, chunk_rows):
-                x = logits[a : a + chunk_rows, :keep].float()
-                local_sum[a : a + chunk_rows] = (x - global_max[a : a + chunk_rows, None]).exp().sum(dim=-1)
-        if group is not None:
+            # each shard's sum taken at its own maximum, brought to the global one (a shard holding no
+            # column of the true vocabulary has maximum -inf and sum 0: it adds 0)
+            local_sum = torch.where(local_max > float("-inf"), local_sum * (local_max - global_max).exp(),
+                                    torch.zeros_like(local_sum))
             dist.all_reduce(local_sum, op=dist.ReduceOp.SUM, group=group)
         lse = global_max + local_sum.log()
         local = (label >= first) & (label < first + keep)

@@ -71,7 +71,7 @@ def _install_timers() -> None:
     _timed(transformer_impl.MegatronEngine, "optimizer_zero_grad", "verl.optimizer_zero_grad")
     _timed(transformer_impl.MegatronEngine, "forward_backward_batch", "verl.forward_backward_batch")
     _timed(mb, "prefix_aware_micro_batches", "micro_batches.prefix_aware_micro_batches")
-    _timed(mb, "batch_layout", "micro_batches.batch_layout")
+    _timed(mb, "batch_costs", "micro_batches.batch_costs")
     _timed(mb, "subtree_units", "micro_batches.subtree_units")
     _timed(mb, "first_fit_decreasing", "micro_batches.first_fit_decreasing")
     _timed(mb, "mark_packed_budget", "micro_batches.mark_packed_budget")
