@@ -174,7 +174,7 @@ class _RowLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, src, label, chunk_rows, keep):
-        T, V = logits.shape
+        V = logits.shape[1]
         m, s = _max_sumexp(logits, keep, chunk_rows)
         lse = m + s.log()
         target = logits.reshape(-1).index_select(0, src * V + label).float()
@@ -262,10 +262,11 @@ class _VocabParallelRowLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, src, label, chunk_rows, keep, first, group):
-        T, V = logits.shape
+        V = logits.shape[1]
         local_max, local_sum = _max_sumexp(logits, keep, chunk_rows)
-        global_max = local_max.clone()
+        global_max = local_max
         if group is not None:
+            global_max = local_max.clone()
             dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
             # each shard's sum taken at its own maximum, brought to the global one (a shard holding no
             # column of the true vocabulary has maximum -inf and sum 0: it adds 0)

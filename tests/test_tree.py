@@ -111,6 +111,7 @@ def test_step2_pack_order_alone():
     their first sample; parents as pack indices; the depth-first intervals."""
     order = pack_order(_step_tree())
     assert order.nodes.tolist() == [0, 3, 2, 1, 4]  # A | B C | D E
+    assert order.pack_index[order.nodes].tolist() == [0, 1, 2, 3, 4]  # its inverse
     assert order.level.tolist() == [0, 1, 1, 2, 2] and order.level_offsets == [0, 1, 3, 5] and order.depth == 2
     assert order.parent.tolist() == [-1, 0, 0, 1, 1]
     assert order.tin.tolist() == [0, 1, 4, 2, 3] and order.tout.tolist() == [5, 4, 5, 3, 4]

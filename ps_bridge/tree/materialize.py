@@ -76,9 +76,7 @@ def materialize(
         k = np.arange(order.level_offsets[d], order.level_offsets[d + 1])
         root[k] = root[order.parent[k]]
     is_root = order.level == 0
-    pack_index = np.empty(N, dtype=np.int64)
-    pack_index[nodes] = np.arange(N)
-    terminal = pack_index[tree.sample_node]
+    terminal = order.pack_index[tree.sample_node]
     sample_group = root[terminal]
     num_roots = order.level_offsets[1]
     group_size = np.bincount(sample_group, minlength=num_roots)

@@ -23,10 +23,12 @@ from ps_bridge.tree.decide import PrefixTree, node_children
 
 @dataclass
 class PackOrder:
-    """`nodes[k]`: the node at pack index k. Per pack index: level, parent (pack index, -1 for a
-    root), tin, tout. `level_offsets`: cumulative node counts per level (`[0, roots, ...]`)."""
+    """`nodes[k]`: the node at pack index k; `pack_index[n]`: node n's pack index (the inverse). Per
+    pack index: level, parent (pack index, -1 for a root), tin, tout. `level_offsets`: cumulative node
+    counts per level (`[0, roots, ...]`)."""
 
     nodes: np.ndarray
+    pack_index: np.ndarray
     level: np.ndarray
     parent: np.ndarray
     tin: np.ndarray
@@ -78,4 +80,5 @@ def pack_order(tree: PrefixTree) -> PackOrder:
     parent = np.where(parent >= 0, pack_index[np.maximum(parent, 0)], -1)
     counts = np.bincount(level, minlength=1)
     level_offsets = np.concatenate([[0], np.cumsum(counts)]).tolist()
-    return PackOrder(nodes, level[nodes], parent, tin[nodes], tout[nodes], level_offsets)
+    return PackOrder(nodes=nodes, pack_index=pack_index, level=level[nodes], parent=parent, tin=tin[nodes],
+                     tout=tout[nodes], level_offsets=level_offsets)

@@ -64,13 +64,11 @@ def packed_costs(tree: PrefixTree, order: PackOrder, lengths, prompt_lengths, pa
     """The costs of `tree` packed in `order` with segments padded to `pad_multiple`, as
     `materialize` would pack them (the pack's padding to a total multiple not counted)."""
     nodes = order.nodes
-    pack_index = np.empty(nodes.size, dtype=np.int64)
-    pack_index[nodes] = np.arange(nodes.size)
     valid = tree.node_end[nodes] - tree.node_start[nodes]
     return PackedCosts(
         cost=_round_up(valid.astype(np.int64), pad_multiple), parent=np.asarray(order.parent, dtype=np.int64),
         tin=np.asarray(order.tin, dtype=np.int64), tout=np.asarray(order.tout, dtype=np.int64),
-        terminal=pack_index[tree.sample_node], lengths=np.asarray(lengths, dtype=np.int64),
+        terminal=order.pack_index[tree.sample_node], lengths=np.asarray(lengths, dtype=np.int64),
         prompt_lengths=np.asarray(prompt_lengths, dtype=np.int64), pad_multiple=int(pad_multiple),
     )
 
