@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ps_bridge.models.gpt_model import PrefixSharedGPTModel
-from ps_bridge.parallel import ParallelSettings
+from ps_bridge.parallel.settings import ParallelSettings
 
 # Fused kernels the local (non-TE) spec has not on every device, or that ignore the per-token RoPE
 # table (responses continue their prompt's positions): off for every prefix-aware provider.

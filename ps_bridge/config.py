@@ -6,7 +6,7 @@ from the environment (`ENABLE_PREFIX_SHARING=1`, `PS_BRIDGE_BACKEND`, `PS_BRIDGE
 `PS_BRIDGE_TREE_MIN_SHARED`, `PS_BRIDGE_TREE_MAX_DEPTH`), and validates names at construction so that a typo fails here, with the
 valid choices, rather than deep inside a forward pass. `PS_BRIDGE_LOG_LEVEL` (the `[PS]` lines under
 verl) is read here too. torchrun's own variables are read where the process group is set up
-(`ps_bridge.parallel`).
+(`ps_bridge.parallel.groups`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Where the Qwen3.5 GDN decay-gate gradients of transformers and ours differ (docs/gate_findings.md).
 
 Runs on CPU in about half a minute. One tiny Qwen3.5 checkpoint, the log-prob loss of
-`ps_bridge.compare` (a weight per response token), the gradients of every parameter from:
+`ps_bridge.tools.compare` (a weight per response token), the gradients of every parameter from:
 
 - transformers as the tests run it (float32; its chunked torch gated delta rule),
 - transformers in float64 with the same chunked rule (the rule still casts to float32 inside),
@@ -33,10 +33,10 @@ sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests")]  # this checkout's ps_bridg
 import torch  # noqa: E402
 import transformers.models.qwen3_5.modeling_qwen3_5 as hf_qwen35  # noqa: E402
 
-from ps_bridge.compare import loss_weights  # noqa: E402
-from ps_bridge.parallel import hf_named_gradients  # noqa: E402
-from ps_bridge.runtime import load_model  # noqa: E402
-from ps_bridge.tiny_checkpoints import build_tiny_qwen35, grpo_like_samples  # noqa: E402
+from ps_bridge.tools.compare import loss_weights  # noqa: E402
+from ps_bridge.parallel.gradients import hf_named_gradients  # noqa: E402
+from ps_bridge.tools.runtime import load_model  # noqa: E402
+from ps_bridge.tools.tiny_checkpoints import build_tiny_qwen35, grpo_like_samples  # noqa: E402
 
 GATE = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.in_proj_a.weight")
 

@@ -22,9 +22,9 @@ quiet_third_party(False)
 import torch  # noqa: E402
 
 from ps_bridge.config import PrefixSharingConfig  # noqa: E402
-from ps_bridge.runtime import load_model  # noqa: E402
-from ps_bridge.schedule import logprob_pass  # noqa: E402
-from ps_bridge.tiny_checkpoints import build_tiny_qwen2, grpo_like_samples  # noqa: E402
+from ps_bridge.tools.runtime import load_model  # noqa: E402
+from ps_bridge.tools.schedule import logprob_pass  # noqa: E402
+from ps_bridge.tools.tiny_checkpoints import build_tiny_qwen2, grpo_like_samples  # noqa: E402
 
 
 def cpu_model() -> str:

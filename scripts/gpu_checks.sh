@@ -111,7 +111,7 @@ if [ "${#tests[@]}" -gt 0 ]; then
 fi
 bench_status=0
 if [ "${#bench[@]}" -gt 0 ]; then
-  python3 -m ps_bridge.cli bench --no-progress --json "$OUT/bench.json" --plot "$OUT/bench.png" "${bench[@]}" 2>&1 | tee "$OUT/bench.log"
+  python3 -m ps_bridge.tools.cli bench --no-progress --json "$OUT/bench.json" --plot "$OUT/bench.png" "${bench[@]}" 2>&1 | tee "$OUT/bench.log"
   bench_status=$?
 fi
 # the tests' exit status, else the bench's

@@ -36,8 +36,8 @@ WORK=/tmp/ps-ckpt && rm -rf "$WORK" && mkdir -p "$WORK"
 # the checkpoint of a catalogue shape, written by `ps-bridge verl-check`'s own helper
 HF=$(python3 - "$WORK" 2>>"$log" <<'PY' | tail -1
 import sys
-from ps_bridge.verl.check.config import CheckSettings
-from ps_bridge.verl.check.model import checkpoint_for
+from ps_bridge.tools.verl_check.config import CheckSettings
+from ps_bridge.tools.verl_check.model import checkpoint_for
 print(checkpoint_for(CheckSettings(model="qwen3.5-0.8b", dtype="bfloat16"), sys.argv[1]))
 PY
 )

@@ -23,7 +23,7 @@ bench_step() {
   local log=$1 rows=$2 tag=$3 limit=$4 nproc=$5; shift 5
   BENCH_STEP=$((BENCH_STEP + 1))
   echo "=== [$SECONDS s] bench step $BENCH_STEP (nproc $nproc): $*" | tee -a "$log"
-  timeout -k 10 "$limit" python3 -m torch.distributed.run --nproc-per-node "$nproc" -m ps_bridge.cli bench \
+  timeout -k 10 "$limit" python3 -m torch.distributed.run --nproc-per-node "$nproc" -m ps_bridge.tools.cli bench \
     --no-progress --collective-timeout 45 --json "$rows/step$BENCH_STEP-$tag$nproc.json" "$@" >> "$log" 2>&1
   echo "=== step $BENCH_STEP exit $?" | tee -a "$log"
   save_autotune

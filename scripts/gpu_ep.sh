@@ -17,7 +17,7 @@
 #       costs without the expert exchange.
 #    Log in $OUT/bench_ep.log, both rows' JSON merged into $OUT/bench_ep.json (rows[].ep says which).
 # The command of row (a) alone (repository root, stack installed):
-#   torchrun --nproc-per-node 2 -m ps_bridge.cli bench --ep 2 --models qwen3.5-35b-a3b --layers 4 \
+#   torchrun --nproc-per-node 2 -m ps_bridge.tools.cli bench --ep 2 --models qwen3.5-35b-a3b --layers 4 \
 #     --grid 2048,512,8 --groups 4 --warmup 1 --repeats 3 --collective-timeout 60 --json bench_ep.json
 set -uo pipefail
 OUT=${OUT:-/tmp/ps-bridge-out}

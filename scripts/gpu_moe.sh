@@ -20,9 +20,9 @@ OUT=${OUT:-/tmp/ps-bridge-out}
 mkdir -p "$OUT"
 scripts/gpu_checks.sh tests/test_grouped_experts.py tests/test_token_permutation.py; tests_status=$?
 source scripts/gpu_env.sh
-timeout 150 python3 -m ps_bridge.bench.moe_layer --json "$OUT/moe_layer.json" --profile /tmp/moe_profile.txt 2>&1 | grep -v "^WARNING\|warn" | tee "$OUT/moe_layer.log"
+timeout 150 python3 -m ps_bridge.tools.bench.moe_layer --json "$OUT/moe_layer.json" --profile /tmp/moe_profile.txt 2>&1 | grep -v "^WARNING\|warn" | tee "$OUT/moe_layer.log"
 cat /tmp/moe_profile.txt >> "$OUT/moe_layer.log"
-bench=(python3 -m ps_bridge.cli bench --no-progress --models qwen3.5-35b-a3b --warmup 1 --repeats 3)
+bench=(python3 -m ps_bridge.tools.cli bench --no-progress --models qwen3.5-35b-a3b --warmup 1 --repeats 3)
 timeout 200 "${bench[@]}" --grid 2048,512,8 --groups 4 --json "$OUT/bench_g4.json" 2>&1 | tee "$OUT/bench.log"
 timeout 150 "${bench[@]}" --grid 512,4096,8 --json "$OUT/bench_long.json" 2>&1 | tee -a "$OUT/bench.log"
 save_autotune

@@ -14,14 +14,14 @@ scripts/gpu_checks.sh tests/test_grouped_experts.py
 source scripts/gpu_env.sh
 log="$OUT/run.log"
 echo "=== moe layer ($(date +%T))" | tee -a "$log"
-timeout 120 python3 -m ps_bridge.bench.moe_layer --json "$OUT/moe_layer.json" >>"$log" 2>&1; echo "=== exit $?" >>"$log"
+timeout 120 python3 -m ps_bridge.tools.bench.moe_layer --json "$OUT/moe_layer.json" >>"$log" 2>&1; echo "=== exit $?" >>"$log"
 echo "=== moe actor rows ($(date +%T))" | tee -a "$log"
-timeout 150 python3 -m ps_bridge.cli bench --no-progress --models qwen3.5-35b-a3b --warmup 1 --repeats 3 \
+timeout 150 python3 -m ps_bridge.tools.cli bench --no-progress --models qwen3.5-35b-a3b --warmup 1 --repeats 3 \
   --grid 2048,512,8 --groups 4 --json "$OUT/bench_g4.json" >>"$log" 2>&1; echo "=== exit $?" >>"$log"
 save_autotune
 python3 -c "import verl, tensordict; print('verl', verl.__version__, 'tensordict', tensordict.__version__)" >>"$OUT/versions.txt" 2>&1
 echo "=== verl-check qwen2.5-7b ($(date +%T))" | tee -a "$log"
-timeout 230 python3 -m ps_bridge.cli verl-check --model qwen2.5-7b --no-progress --workdir /tmp/verl-check --layers 4 \
+timeout 230 python3 -m ps_bridge.tools.cli verl-check --model qwen2.5-7b --no-progress --workdir /tmp/verl-check --layers 4 \
   --prompts 32 --n 8 --prompt-len 2048 --response-len 512 --steps 3 --dtype bfloat16 \
   --json "$OUT/verl_check_qwen2.5-7b.json" --plot "$OUT/verl_check_qwen2.5-7b.png" \
   actor_rollout_ref.actor.ppo_mini_batch_size=8 actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384 \

@@ -44,7 +44,7 @@ step() {  # NAME LIMIT CMD...: run CMD within min(LIMIT, what is left of the bud
   timeout -k 5 "$limit" "$@" >>"$LOG" 2>&1
   echo "=== [$SECONDS s] $name exit $?" | tee -a "$LOG"
 }
-BENCH=(python3 -m ps_bridge.cli bench --no-progress)
+BENCH=(python3 -m ps_bridge.tools.cli bench --no-progress)
 for s in ${STEPS:-base small prof verl}; do
   case $s in
     base)
@@ -63,7 +63,7 @@ for s in ${STEPS:-base small prof verl}; do
     verl)
       for run in ${VERL_RUNS:-qwen3.5-0.8b:128:32:auto}; do
         IFS=: read -r model P R mode <<<"$run"
-        step "verl-check $model P=$P R=$R sharing=$mode" "${VERL_LIMIT:-200}" env PS_BRIDGE_SHARING="$mode" python3 -m ps_bridge.cli verl-check \
+        step "verl-check $model P=$P R=$R sharing=$mode" "${VERL_LIMIT:-200}" env PS_BRIDGE_SHARING="$mode" python3 -m ps_bridge.tools.cli verl-check \
           --model "$model" --layers 24 --no-progress --workdir /tmp/verl-check --prompts 8 --n 8 --prompt-len "$P" \
           --response-len "$R" --steps 3 --dtype bfloat16 --json "$RES/verl-check-$model-P$P-R$R-$mode.json" \
           actor_rollout_ref.actor.ppo_mini_batch_size=4

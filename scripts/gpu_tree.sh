@@ -32,7 +32,7 @@ bench() {  # bench TAG ARGS...: one bench process, cut so that the script ends b
   local tag=$1 left=$((BUDGET_S - SECONDS)); shift
   if [ "$left" -lt 30 ]; then echo "=== bench $tag not run: $left s left"; return; fi
   echo "=== [$SECONDS s] bench $tag (limit $left s): $*"
-  timeout -k 5 "$left" python3 -m ps_bridge.cli bench --no-progress --warmup "$WARMUP" --repeats "$REPEATS" \
+  timeout -k 5 "$left" python3 -m ps_bridge.tools.cli bench --no-progress --warmup "$WARMUP" --repeats "$REPEATS" \
     --max-tokens-per-gpu "$MAX_TOKENS" --json "$OUT/bench-$tag.json" "$@" 2>&1 | tee "$OUT/bench-$tag.log"
   echo "=== bench $tag exit ${PIPESTATUS[0]} at $SECONDS s"
   save_autotune

@@ -25,7 +25,7 @@ import sys
 try:
     import tensordict, transformers, verl
     print("verl", verl.__version__, "tensordict", tensordict.__version__, "transformers", transformers.__version__)
-    from ps_bridge.verl.side_by_side import prepare_side_by_side
+    from ps_bridge.tools.verl_check.side_by_side import prepare_side_by_side
     prepare_side_by_side()
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead  # noqa: F401
     from verl.workers.utils.losses import ppo_loss  # noqa: F401
@@ -48,7 +48,7 @@ COMMON=(--no-progress --workdir /tmp/verl-check --layers 4 --prompts 32 --n 8 --
 check() {  # NAME SECONDS ARGS...: one verl-check run, cut at SECONDS so the next one still runs
   local name=$1 limit=$2; shift 2
   echo "=== verl-check $name ($(date +%T), limit ${limit}s)" | tee -a "$OUT/verl_check.log"
-  timeout "$limit" python3 -m ps_bridge.cli verl-check --model "$name" --json "$OUT/verl_check_$name.json" \
+  timeout "$limit" python3 -m ps_bridge.tools.cli verl-check --model "$name" --json "$OUT/verl_check_$name.json" \
     --plot "$OUT/verl_check_$name.png" "$@" "${COMMON[@]}" 2>&1 | tee -a "$OUT/verl_check.log"
   echo "=== $name exit ${PIPESTATUS[0]} ($(date +%T))" | tee -a "$OUT/verl_check.log"
 }

@@ -8,7 +8,7 @@ mkdir -p "$OUT"
 source scripts/gpu_env.sh
 python3 -m pip install -q --no-deps --no-build-isolation --disable-pip-version-check -e . >/tmp/ps-bridge-install.log 2>&1 || exit 1
 log="$OUT/run.log"
-timeout ${LIMIT:-400} python3 -m ps_bridge.cli verl-check --model "${MODEL:-qwen2.5-7b}" --no-progress --workdir /tmp/verl-check --layers 4 \
+timeout ${LIMIT:-400} python3 -m ps_bridge.tools.cli verl-check --model "${MODEL:-qwen2.5-7b}" --no-progress --workdir /tmp/verl-check --layers 4 \
   --prompts 32 --n 8 --prompt-len 2048 --response-len 512 --steps 3 --dtype bfloat16 \
   --json "$OUT/verl_check_${MODEL:-qwen2.5-7b}.json" --plot "$OUT/verl_check_${MODEL:-qwen2.5-7b}.png" \
   actor_rollout_ref.actor.ppo_mini_batch_size=8 actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384 \

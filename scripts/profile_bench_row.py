@@ -64,11 +64,11 @@ def _profiled(fn):
 
 
 def profile_model(name: str, layers_arg, row, groups: int, backend: str, out: str, lines: list) -> None:
-    from ps_bridge.bench.catalog import FAMILIES, MODEL_SHAPES, make_samples, response_row_mask
-    from ps_bridge.bench.timing import run_actor_step
+    from ps_bridge.tools.bench.catalog import FAMILIES, MODEL_SHAPES, make_samples, response_row_mask
+    from ps_bridge.tools.bench.timing import run_actor_step
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.layout import build_layout
-    from ps_bridge.runtime import load_model_from_hf_config, row_logprobs
+    from ps_bridge.tools.runtime import load_model_from_hf_config, row_logprobs
 
     P, R, n = row
     shape = MODEL_SHAPES[name]

@@ -3,7 +3,7 @@
     python3 scripts/profile_verl_phase.py --model qwen2.5-7b --layers 4 --prompts 32 --n 8 \
         --system-prompt-len 2048 --prompt-len 512 --response-len 512 --phase update --out DIR [OVERRIDES...]
 
-Builds verl-check's checkpoint, trainer config and synthetic batches (`ps_bridge.verl.check`), then per
+Builds verl-check's checkpoint, trainer config and synthetic batches (`ps_bridge.tools.verl_check`), then per
 engine kind (`--kinds`, default stock and shared) runs verl-check's trainer steps: the first warms up, the
 second runs `--phase` under torch's profiler, the third under CUDA's sync-debug mode. Reports per kind:
 - wall: the phase's time (profiled step), GPU busy: the union of its kernels' and copies' intervals, idle =
@@ -168,14 +168,14 @@ def _sync_site() -> str:
 
 def run(args) -> None:
     from omegaconf import OmegaConf
-    from ps_bridge.verl.side_by_side import prepare_side_by_side
+    from ps_bridge.tools.verl_check.side_by_side import prepare_side_by_side
 
     prepare_side_by_side()  # as `ps-bridge verl-check`: verl's imports in the order that works without TE
-    from ps_bridge.verl.check import roles
-    from ps_bridge.verl.check.config import CheckSettings, trainer_config
-    from ps_bridge.verl.check.data import synthetic_batch
-    from ps_bridge.verl.check.model import checkpoint_for, checkpoint_text_config
-    from ps_bridge.verl.check.run import kind_steps
+    from ps_bridge.tools.verl_check import roles
+    from ps_bridge.tools.verl_check.config import CheckSettings, trainer_config
+    from ps_bridge.tools.verl_check.data import synthetic_batch
+    from ps_bridge.tools.verl_check.model import checkpoint_for, checkpoint_text_config
+    from ps_bridge.tools.verl_check.run import kind_steps
 
     settings = CheckSettings(model=args.model, layers=args.layers, prompts=args.prompts, n=args.n,
                              prompt_len=args.prompt_len, system_prompt_len=args.system_prompt_len,

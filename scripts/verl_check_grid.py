@@ -40,11 +40,11 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*", default=["actor_rollout_ref.actor.ppo_mini_batch_size=4"])
     args = parser.parse_args()
 
-    from ps_bridge.cli.verl_check import _prepare_process
+    from ps_bridge.tools.cli.verl_check import _prepare_process
 
     _prepare_process()  # before verl's engine is imported
     from ps_bridge import prepare
-    from ps_bridge.verl import check
+    from ps_bridge.tools import verl_check as check
 
     decisions = []
     rule = prepare.sharing_for  # the engine's forward step decides through prepare.decided_layout

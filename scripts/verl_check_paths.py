@@ -3,7 +3,7 @@ are their computations the same? (issue 21, Qwen3.5-0.8B (128, 32)'s 0.66-0.80x 
 
     PYTHONPATH=$PWD python scripts/verl_check_paths.py qwen3.5    # or qwen2.5
 
-Runs `ps_bridge.verl.check.run_check` on a tiny random checkpoint of the family (fp32, CPU), the first
+Runs `ps_bridge.tools.verl_check.run_check` on a tiny random checkpoint of the family (fp32, CPU), the first
 engine our engine with `PrefixSharingConfig(enabled=False)`, the second `enabled=True` with
 `PS_BRIDGE_SHARING=off` (every micro-batch unshared, as the rule decided on the H200). For every
 forward step it records the layout (tokens, padded cu_seqlens, positions, output positions, row
@@ -22,14 +22,14 @@ import tempfile
 def main() -> int:
     family = sys.argv[1] if len(sys.argv) > 1 else "qwen3.5"
     os.environ["PS_BRIDGE_SHARING"] = "off"
-    from ps_bridge.cli.verl_check import _prepare_process
+    from ps_bridge.tools.cli.verl_check import _prepare_process
 
     _prepare_process()
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    import ps_bridge.verl.side_by_side as vt
-    from ps_bridge.verl import check
+    import ps_bridge.tools.verl_check.side_by_side as vt
+    from ps_bridge.tools import verl_check as check
     from ps_bridge.verl import engine as E
 
     check.stock_kind = lambda ckpt: "ps-bridge-unshared"  # the first engine: ours, sharing disabled

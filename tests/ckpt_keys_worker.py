@@ -24,7 +24,7 @@ def main(hf, tp, ep, pp, out, dense=None):
 
     import_megatron_bridge()
     import ps_bridge.providers.qwen35 as qwen35
-    from ps_bridge.runtime import load_model
+    from ps_bridge.tools.runtime import load_model
 
     if dense is not None:
         return dense_model(hf, tp, pp, out, *dense)
@@ -38,7 +38,7 @@ def main(hf, tp, ep, pp, out, dense=None):
     qwen35.make_prefix_shared = with_sequential_mlp
     from transformers import AutoConfig
 
-    from ps_bridge.runtime import load_model_from_hf_config
+    from ps_bridge.tools.runtime import load_model_from_hf_config
 
     # megatron's random initial weights: only the layout is compared (Megatron-Bridge 0.5.0 could not load
     # Qwen3.5 MoE's HF experts into SequentialMLP)
@@ -60,7 +60,7 @@ def dense_model(hf, tp, pp, out, cp, divisor):
     from megatron.core import dist_checkpointing
 
     from ps_bridge.checkpoint import sharded_layout
-    from ps_bridge.runtime import load_model
+    from ps_bridge.tools.runtime import load_model
     from test_checkpoint_keys import padded_vocab, stock_local_spec_model  # (tests/ is the script's directory)
 
     with pytest.MonkeyPatch.context() as monkeypatch:

@@ -39,7 +39,7 @@ def _engine(kind: str, hf_ckpt: str, dist: bool, distopt: bool, layout: dict):
     from verl.workers.config import McoreEngineConfig, McoreOptimizerConfig
 
     from ps_bridge.config import PrefixSharingConfig
-    from ps_bridge.verl.side_by_side import build_engine, build_stock_engine
+    from ps_bridge.tools.verl_check.side_by_side import build_engine, build_stock_engine
 
     layout = dict(layout)
     first, last = layout.pop("stages")
@@ -114,7 +114,7 @@ def _step(engine, samples, step: int) -> dict:
     from verl.utils import tensordict_utils as tu
 
     from ps_bridge.compat.verl_on_cpu import engine_call_on_cpu
-    from ps_bridge.verl.side_by_side import grpo_micro_batch
+    from ps_bridge.tools.verl_check.side_by_side import grpo_micro_batch
     from verl_harness import grad_loss  # tests/ is on the path: this script runs from there
 
     losses = []
@@ -140,10 +140,10 @@ def main(mode, kind, hf_ckpt, save_dir, out, k, dist, distopt, layout=""):
     import torch.distributed as torch_dist
 
     from ps_bridge.compat.verl_on_cpu import engine_call_on_cpu
-    from ps_bridge.verl.side_by_side import prepare_side_by_side
+    from ps_bridge.tools.verl_check.side_by_side import prepare_side_by_side
 
     prepare_side_by_side()
-    from ps_bridge.tiny_checkpoints import grpo_like_samples
+    from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
 
     engine = _engine(kind, hf_ckpt, bool(int(dist)), bool(int(distopt)), parse_layout(layout))
     if mode == "refuse":

@@ -18,7 +18,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def qwen2_checkpoint(tmp_path_factory):
     """A tiny random Qwen2 checkpoint on disk and the HF model it was saved from."""
-    from ps_bridge.tiny_checkpoints import build_tiny_qwen2
+    from ps_bridge.tools.tiny_checkpoints import build_tiny_qwen2
 
     path = tmp_path_factory.mktemp("qwen2")
     hf_model = build_tiny_qwen2(str(path))
@@ -28,7 +28,7 @@ def qwen2_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def qwen2_loaded(qwen2_checkpoint):
     from ps_bridge.config import PrefixSharingConfig
-    from ps_bridge.runtime import load_model
+    from ps_bridge.tools.runtime import load_model
 
     path, _ = qwen2_checkpoint
     return load_model(path, PrefixSharingConfig(enabled=True, backend="torch_ref"))

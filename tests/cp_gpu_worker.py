@@ -17,7 +17,7 @@ from parallel_cases import leave_worker  # noqa: E402
 
 
 def run(loaded, samples, share, weights):
-    from ps_bridge.schedule import logprob_pass
+    from ps_bridge.tools.schedule import logprob_pass
 
     loaded.model.zero_grad(set_to_none=True)
     [lps] = logprob_pass(loaded, [samples], share=share, loss_weights=[[w.to(loaded.dtype) for w in weights]])
@@ -35,11 +35,11 @@ def main() -> None:
 
     from transformers import AutoConfig
 
-    from ps_bridge.compare import total_relative_grad_diff
+    from ps_bridge.tools.compare import total_relative_grad_diff
     from ps_bridge.config import PrefixSharingConfig
-    from ps_bridge.parallel import is_output_rank
-    from ps_bridge.runtime import float32_reference_model, load_model, tf32_disabled
-    from ps_bridge.tiny_checkpoints import grpo_like_samples
+    from ps_bridge.parallel.groups import is_output_rank
+    from ps_bridge.tools.runtime import float32_reference_model, load_model, tf32_disabled
+    from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
 
     loaded = load_model(args.hf_path, PrefixSharingConfig(backend=args.backend), dtype=torch.bfloat16, cp=2)
     # the GPU test's sizes; a CPU (gloo, a functional check of this worker) gets small ones

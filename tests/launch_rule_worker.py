@@ -21,14 +21,14 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ps_bridge.bench.catalog import make_samples
+from ps_bridge.tools.bench.catalog import make_samples
 from ps_bridge.config import PrefixSharingConfig
 from ps_bridge.launch_rule import ModelCost, sharing_for
 
 
 def rule_batches(spec):
     """The micro-batches of a parallel case, drawn from their seeds alone (every rank draws the same)."""
-    from ps_bridge.tiny_checkpoints import grpo_like_samples
+    from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
 
     return [grpo_like_samples(256, num_prompts=prompts, n=n, prompt_len=(4 * prompts, 6 * prompts),
                               response_len=(prompts, 2 * prompts), seed=seed, shuffle=False)
@@ -46,8 +46,8 @@ def decide_cases(cases):
 
 def decide_in_parallel(spec):
     from ps_bridge import launch_rule
-    from ps_bridge.runtime import load_model
-    from ps_bridge.schedule import logprob_pass
+    from ps_bridge.tools.runtime import load_model
+    from ps_bridge.tools.schedule import logprob_pass
 
     loaded = load_model(spec["hf_path"], PrefixSharingConfig(enabled=True), tp=spec["tp"], pp=spec["pp"], cp=spec["cp"])
     table = dict(launch_rule.HOST_NS)

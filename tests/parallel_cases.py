@@ -14,9 +14,9 @@ from typing import List
 import pytest
 import torch
 
-from ps_bridge.compare import loss_weights
+from ps_bridge.tools.compare import loss_weights
 from ps_bridge.layout import Sample
-from ps_bridge.tiny_checkpoints import grpo_like_samples
+from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
 
 # docs/design.md section 6: valid lengths [5, 2] become padded [6, 2] at TP=2
 PADDING_EXAMPLE = Sample([11, 12, 13, 14, 15], [16, 17])
@@ -124,7 +124,7 @@ def aux_by_micro_batch(records) -> dict:
 def moe_recompute_on_build():
     """Models built inside the block have megatron's MoE activation recompute switched on in their
     config (`recompute_granularity="selective"`, `recompute_modules=["moe"]`)."""
-    import ps_bridge.parallel as parallel
+    import ps_bridge.parallel.settings as parallel
 
     real = parallel.configure_provider
 
@@ -169,8 +169,8 @@ def leave_worker() -> None:
 
 def single_rank_unshared(loaded, cases: str = "parallel") -> dict:
     """Single rank, TP=PP=1, every sample its own sequence: log-probs and HF-named gradients."""
-    from ps_bridge.parallel import hf_named_gradients
-    from ps_bridge.schedule import logprob_pass
+    from ps_bridge.parallel.gradients import hf_named_gradients
+    from ps_bridge.tools.schedule import logprob_pass
 
     micro_batches = MICRO_BATCHES[cases]()
     loaded.model.zero_grad(set_to_none=True)
@@ -189,7 +189,7 @@ def unshared_reference(qwen2_loaded):
 def tied_checkpoint(tmp_path_factory):
     """Qwen2.5 up to 3B ties the LM head to the embedding: under PP the two copies live on the
     first and last stage and their gradients must be summed."""
-    from ps_bridge.tiny_checkpoints import build_tiny_qwen2
+    from ps_bridge.tools.tiny_checkpoints import build_tiny_qwen2
 
     path = tmp_path_factory.mktemp("qwen2_tied")
     build_tiny_qwen2(str(path), tie_word_embeddings=True)
@@ -199,7 +199,7 @@ def tied_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tied_unshared_reference(tied_checkpoint):
     from ps_bridge.config import PrefixSharingConfig
-    from ps_bridge.runtime import load_model
+    from ps_bridge.tools.runtime import load_model
 
     return single_rank_unshared(load_model(tied_checkpoint, PrefixSharingConfig(enabled=True)))
 

@@ -40,14 +40,15 @@ def main() -> None:
     logging.getLogger("ps_bridge").setLevel(logging.INFO)
 
     from ps_bridge.config import PrefixSharingConfig
-    from ps_bridge.parallel import hf_named_gradients, is_output_rank
-    from ps_bridge.runtime import load_model
-    from ps_bridge.schedule import logprob_pass
+    from ps_bridge.parallel.gradients import hf_named_gradients
+    from ps_bridge.parallel.groups import is_output_rank
+    from ps_bridge.tools.runtime import load_model
+    from ps_bridge.tools.schedule import logprob_pass
 
     if args.skip_finish_gradients:
-        import ps_bridge.schedule
+        import ps_bridge.tools.schedule
 
-        ps_bridge.schedule.finish_gradients = lambda model, config: None
+        ps_bridge.tools.schedule.finish_gradients = lambda model, config: None
 
     with moe_recompute_on_build() if args.moe_recompute else contextlib.nullcontext():
         loaded = load_model(
@@ -58,7 +59,7 @@ def main() -> None:
             cp=args.cp, ep=args.ep,
         )
     if args.ep > 1:  # data-parallel ranks: each runs its whole groups, rows and gradient sums gathered
-        from ps_bridge.data_parallel import dp_logprob_pass as logprob_pass  # noqa: F811
+        from ps_bridge.tools.data_parallel import dp_logprob_pass as logprob_pass  # noqa: F811
     rank = torch.distributed.get_rank()
     print(f"[parallel_worker] global_rank={rank} backend={torch.distributed.get_backend()} device={loaded.device}", file=sys.stderr)
     micro_batches = MICRO_BATCHES[args.cases or ("ep" if args.ep > 1 else "parallel")]()

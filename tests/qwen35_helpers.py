@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 
 from ps_bridge.layout import build_layout
 from ps_bridge.rows import PackedRows
-from ps_bridge.runtime import forward_logits, load_model
-from ps_bridge.tiny_checkpoints import TINY_BUILDERS, grpo_like_samples
+from ps_bridge.tools.runtime import forward_logits, load_model
+from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS, grpo_like_samples
 
 
 def skip_where_vl_refused():

@@ -11,8 +11,8 @@ import json
 
 import torch
 
-from ps_bridge import bench
-from ps_bridge.bench import timing
+from ps_bridge.tools import bench
+from ps_bridge.tools.bench import timing
 
 
 def test_shared_run_splits_when_the_whole_tree_does_not_fit(capsys, monkeypatch):
@@ -46,8 +46,8 @@ def test_shared_run_splits_when_the_whole_tree_does_not_fit(capsys, monkeypatch)
     # the log-probs, put back in the samples' order, equal the unshared run's
     assert row["max_logprob_diff"] < 2e-5
     # F: of the micro-batches that ran (each part computes the system prompt), below the whole tree's
-    from ps_bridge.bench.catalog import MODEL_SHAPES, TREE_SHAPES
-    from ps_bridge.bench.flops import flop_ratio, flop_shape
+    from ps_bridge.tools.bench.catalog import MODEL_SHAPES, TREE_SHAPES
+    from ps_bridge.tools.bench.flops import flop_ratio, flop_shape
 
     samples = TREE_SHAPES["system"].samples(256, 1234, smoke=True)  # F reads lengths and sharing
     whole_F = flop_ratio(flop_shape(MODEL_SHAPES["tiny-qwen2.5"], row["layers"]), samples)

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from ps_bridge import bench
-from ps_bridge.bench import timing
+from ps_bridge.tools import bench
+from ps_bridge.tools.bench import timing
 
 
 def parse(argv):
@@ -125,7 +125,7 @@ def test_bench_tree_rows_report_trie_tokens_and_flop_ratio(capsys):
     """`--trees system,chain,search` (tiny sizes under --smoke): each row is shared as a token trie
     and reports its trie tokens, S, F (bench/flops.py on the layouts it timed), x / S and x / F;
     float32 on the CPU, its log-probs equal the unshared run's."""
-    from ps_bridge.bench.flops import flop_shape, layout_flop_ratio
+    from ps_bridge.tools.bench.flops import flop_shape, layout_flop_ratio
     from ps_bridge.layout import build_layout
 
     argv = ["--smoke", "--no-progress", "--models", "tiny-qwen2.5", "--trees", "system,chain,search", "--json", "-"]

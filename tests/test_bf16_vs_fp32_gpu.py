@@ -30,7 +30,7 @@ WORSE_THAN_UNSHARED = 1.5
 def run(loaded, samples, share, weights):
     """Response log-probs (float64, concatenated) and every parameter's gradient (float32)."""
     from ps_bridge.rows import PackedRows
-    from ps_bridge.runtime import forward_logits
+    from ps_bridge.tools.runtime import forward_logits
 
     loaded.model.zero_grad(set_to_none=True)
     layout = build_layout(samples, share=share, pad_multiple=8, vocab_size=loaded.vocab_size).to(loaded.device)
@@ -46,7 +46,7 @@ def relative_errors(lp, grads, ref_lp, ref_grads):
     """(log-prob, all-gradient, worst-parameter) relative errors. The assertion uses the gradient
     of all parameters as one vector; a single small parameter's bf16 gradient is too noisy to
     compare two runs by (it is printed)."""
-    from ps_bridge.compare import total_relative_grad_diff
+    from ps_bridge.tools.compare import total_relative_grad_diff
 
     lp_err = float((lp - ref_lp).norm() / ref_lp.norm())
     worst = max(float((grads[n] - ref_grads[n]).norm() / ref_grads[n].norm().clamp(min=1e-12)) for n in ref_grads)
@@ -56,7 +56,7 @@ def relative_errors(lp, grads, ref_lp, ref_grads):
 def fp32_reference(loaded, hf_path, samples, weights):
     from transformers import AutoConfig
 
-    from ps_bridge.runtime import float32_reference_model, tf32_disabled
+    from ps_bridge.tools.runtime import float32_reference_model, tf32_disabled
 
     twin = float32_reference_model(loaded, AutoConfig.from_pretrained(hf_path))
     with tf32_disabled():
@@ -69,7 +69,7 @@ def gpu_tree_samples(vocab: int, seed: int = 0):
     longer than fla's 64-token chunks and shorter), and a random tree with nodes of 1-3 tokens
     between long ones (tree_cases)."""
     from tree_cases import tree_samples
-    from ps_bridge.bench.catalog import chain_samples, search_samples, system_samples
+    from ps_bridge.tools.bench.catalog import chain_samples, search_samples, system_samples
 
     return (system_samples(vocab, seed, system=120, prompts=3, prompt=30, n=3, response=45)
             + chain_samples(vocab, seed + 1, prompt=80, trajectories=2, turns=3, observation=20, response=25)
@@ -97,7 +97,7 @@ def check_against_fp32(loaded, hf_path, samples, backends, label, share=True):
 def batch_for(vocab: int, kind: str, **grpo):
     """(samples, share, label suffix): GRPO-like groups shared one level, or a prefix tree of depth
     >= 3 (`gpu_tree_samples`) shared as a token trie."""
-    from ps_bridge.tiny_checkpoints import grpo_like_samples
+    from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
 
     if kind == "tree":
         samples = gpu_tree_samples(vocab)
@@ -111,8 +111,8 @@ def test_qwen2_bf16_shared_is_as_close_to_fp32_as_unshared(tmp_path, kind):
     """Head dim 128 (the real Qwen2.5 one), GQA 4:1, uneven groups: every GPU attention backend; on
     a prefix tree the tree cascade (any depth: the backends that run trees on the flash kernels)."""
     from ps_bridge.config import PrefixSharingConfig
-    from ps_bridge.runtime import load_model
-    from ps_bridge.tiny_checkpoints import build_tiny_qwen2
+    from ps_bridge.tools.runtime import load_model
+    from ps_bridge.tools.tiny_checkpoints import build_tiny_qwen2
 
     build_tiny_qwen2(str(tmp_path), vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
                      num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=1024)
@@ -129,8 +129,8 @@ def test_qwen35_bf16_shared_is_as_close_to_fp32_as_unshared(tmp_path, kind):
     from gdn_cases import tiny_qwen35_gpu_gdn_heads
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.kernels.gdn.fla import hopper_backward_problem
-    from ps_bridge.runtime import load_model
-    from ps_bridge.tiny_checkpoints import build_tiny_qwen35
+    from ps_bridge.tools.runtime import load_model
+    from ps_bridge.tools.tiny_checkpoints import build_tiny_qwen35
 
     problem = hopper_backward_problem(torch.device("cuda"))
     if problem:
@@ -153,8 +153,8 @@ def test_qwen35_moe_bf16_shared_is_as_close_to_fp32_as_unshared(tmp_path):
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.models.experts import GroupedMMExperts
     from ps_bridge.models.token_permutation import GatherSumAlltoAllTokenDispatcher
-    from ps_bridge.runtime import load_model
-    from ps_bridge.tiny_checkpoints import build_tiny_qwen35_moe, grpo_like_samples
+    from ps_bridge.tools.runtime import load_model
+    from ps_bridge.tools.tiny_checkpoints import build_tiny_qwen35_moe, grpo_like_samples
 
     build_tiny_qwen35_moe(str(tmp_path), hidden_size=128, num_experts=16, num_experts_per_tok=4,
                           moe_intermediate_size=64, shared_expert_intermediate_size=96)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ps_bridge.cli import main
+from ps_bridge.tools.cli import main
 
 
 @pytest.mark.parametrize("family", ["qwen2.5", pytest.param("qwen3.5", marks=pytest.mark.slow),
@@ -19,9 +19,9 @@ def test_export_equals_the_bridge_export_and_logprobs_equal_the_live_model(tmp_p
 
     from ps_bridge.layout import build_layout
     from ps_bridge.rows import PackedRows
-    from ps_bridge.runtime import forward_logits, load_model
-    from ps_bridge.tiny_checkpoints import grpo_like_samples
-    from ps_bridge.verl.side_by_side import tiny_checkpoint
+    from ps_bridge.tools.runtime import forward_logits, load_model
+    from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
+    from ps_bridge.tools.verl_check.side_by_side import tiny_checkpoint
 
     hf = str(tmp_path / "hf")
     tiny_checkpoint(hf, family)

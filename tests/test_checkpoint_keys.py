@@ -14,7 +14,7 @@ def _load(path, monkeypatch=None, sequential=False, random_weights=False, **kw):
 
     import_megatron_bridge()
     import ps_bridge.providers.qwen35 as qwen35
-    from ps_bridge.runtime import load_model, load_model_from_hf_config
+    from ps_bridge.tools.runtime import load_model, load_model_from_hf_config
 
     if not (sequential or random_weights):
         return load_model(path, **kw)
@@ -39,7 +39,7 @@ def _load(path, monkeypatch=None, sequential=False, random_weights=False, **kw):
 
 @pytest.fixture(scope="module")
 def moe_path(tmp_path_factory):
-    from ps_bridge.tiny_checkpoints import TINY_BUILDERS
+    from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
 
     path = str(tmp_path_factory.mktemp("qwen35_moe_ckpt"))
     TINY_BUILDERS["qwen3.5-moe"](path, seed=0)
@@ -77,7 +77,7 @@ def test_grouped_experts_save_what_sequential_mlp_saves(moe_path, monkeypatch):
 def test_qwen2_saves_what_the_stock_local_spec_saves(tmp_path):
     """Qwen2.5 (attention, norms, vocabulary): our provider's model against megatron's local GPT layer
     spec on the same provider."""
-    from ps_bridge.tiny_checkpoints import TINY_BUILDERS
+    from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
 
     TINY_BUILDERS["qwen2.5"](str(tmp_path), seed=0)
     loaded = _load(str(tmp_path))
@@ -97,7 +97,7 @@ def padded_vocab(monkeypatch, divisor=PADDED_DIVISOR):
     """Our runtime pads the vocabulary only where TP does not divide it: here always, as a provider with
     `should_pad_vocab` and `make_vocab_size_divisible_by` set does (megatron's embedding and output layer get
     `padded_vocab_size` rows; Megatron-Bridge loads the HF rows and zeros after them)."""
-    import ps_bridge.parallel as parallel
+    import ps_bridge.parallel.settings as parallel
 
     orig = parallel.configure_provider
 
@@ -146,7 +146,7 @@ def test_a_padded_vocabulary_saves_and_loads_what_the_stock_local_spec_does(tmp_
     round trip through the stock model and back keeps every value, the padded rows included."""
     from megatron.core import dist_checkpointing
 
-    from ps_bridge.tiny_checkpoints import TINY_BUILDERS
+    from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
 
     TINY_BUILDERS["qwen2.5"](str(tmp_path / "hf"), seed=0)
     padded_vocab(monkeypatch)
@@ -209,7 +209,7 @@ def test_a_padded_vocabulary_at_tp2_saves_and_loads_what_the_stock_local_spec_do
     loads the HF rows and zeros after them; every rank's layout equals megatron's local spec's (each rank
     192 rows of the (384, hidden) embedding and output layer); our model's checkpoint (perturbed, padded rows
     included) loads into the stock model with every value equal."""
-    from ps_bridge.tiny_checkpoints import TINY_BUILDERS
+    from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
 
     TINY_BUILDERS["qwen2.5"](str(tmp_path / "hf"), seed=0)
     out = tmp_path / "padded"
@@ -237,7 +237,7 @@ def test_context_parallel_checkpoints_save_and_load_what_the_stock_local_spec_do
     rank the layout equals it: every shard replicated over the CP group (the second rank's replica ids
     nonzero); our checkpoint (perturbed) loads into it with every value equal."""
     from ps_bridge.checkpoint import main_replica_shards
-    from ps_bridge.tiny_checkpoints import TINY_BUILDERS
+    from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
 
     TINY_BUILDERS["qwen2.5"](str(tmp_path / "hf"), seed=0)
     out = tmp_path / "cp"
@@ -307,7 +307,7 @@ def test_parallel_layouts_save_what_megatron_saves(moe_path, tmp_path, tp, ep, p
     from ps_bridge.checkpoint import main_replica_shards
 
     if layers != 4:  # the same model with fewer layers (GDN, attention, GDN)
-        from ps_bridge.tiny_checkpoints import TINY_BUILDERS
+        from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
 
         moe_path = str(tmp_path / "hf")
         TINY_BUILDERS["qwen3.5-moe"](moe_path, seed=0, num_hidden_layers=layers,

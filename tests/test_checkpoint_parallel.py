@@ -50,8 +50,8 @@ def _ranks(*args, **env) -> None:
 def parallel_runs(tmp_path_factory):
     """(family, engine, layout[, dist]) -> (checkpoint dir, uninterrupted results by rank, HF checkpoint);
     dist: use_dist_checkpointing (1 unless given)."""
-    from ps_bridge.tiny_checkpoints import TINY_BUILDERS
-    from ps_bridge.verl.side_by_side import save_tiny_tokenizer
+    from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
+    from ps_bridge.tools.verl_check.side_by_side import save_tiny_tokenizer
 
     root = tmp_path_factory.mktemp("parallel_resume")
     made, hf = {}, {}
@@ -151,7 +151,7 @@ def test_grouped_and_sequential_mlp_experts_resume_each_other_under_expert_paral
         assert_same_step(a, dict(b, grad_norm=a["grad_norm"]), exact=True)
 
 
-# not CP=2: the stock engine's CPU attention (ps_bridge/verl/side_by_side.py, a stand-in for TE's / flash's)
+# not CP=2: the stock engine's CPU attention (ps_bridge/tools/verl_check/side_by_side.py, a stand-in for TE's / flash's)
 # has no context parallelism (its run fails on the CP shard's sequence lengths)
 @pytest.mark.parametrize("saver,loader", [("ours", "stock"), ("stock", "ours")])
 @pytest.mark.parametrize("family,layout", [fl for fl in LAYOUTS if fl[1] != "cp2"])
@@ -209,7 +209,7 @@ def test_export_of_a_parallel_checkpoint_equals_the_bridge_export(parallel_runs,
     over the two ranks at the save (`ps-bridge logprobs` on an export: tests/test_checkpoint_export.py)."""
     from safetensors.torch import load_file
 
-    from ps_bridge.cli import main
+    from ps_bridge.tools.cli import main
 
     save, uninterrupted, hf = parallel_runs(family, "ours", layout)
     out = str(tmp_path / "exported")

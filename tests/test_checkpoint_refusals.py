@@ -37,7 +37,7 @@ class _Chunk(torch.nn.Module):
 
 @pytest.fixture
 def saved(tmp_path):
-    from ps_bridge.parallel import init_parallel
+    from ps_bridge.parallel.groups import init_parallel
 
     init_parallel()
     write_layout_record(str(tmp_path), [_Chunk("ab")])

@@ -41,7 +41,7 @@ def _worker(*args, fails: bool = False):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """(family, engine, dist[, distopt]) -> (checkpoint dir, uninterrupted result, HF checkpoint), each made once."""
-    from ps_bridge.verl.side_by_side import tiny_checkpoint
+    from ps_bridge.tools.verl_check.side_by_side import tiny_checkpoint
 
     root = tmp_path_factory.mktemp("resume")
     made, hf = {}, {}
@@ -223,7 +223,7 @@ def test_the_engine_load_names_a_truncated_or_missing_model_shard(runs, tmp_path
         assert f"{shard} is {how}" in message and "\n" not in message, message
         assert message.endswith("save it again or resume from an earlier one"), message
     if dist:
-        from ps_bridge.cli import main
+        from ps_bridge.tools.cli import main
 
         capsys.readouterr()
         assert main(["export", "--checkpoint", damaged[0][2], "--out", str(tmp_path / "o"), "--hf-config", hf]) == 2

@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from ps_bridge.cli import main
-from ps_bridge.tiny_checkpoints import grpo_like_samples, hf_sample_logprobs
+from ps_bridge.tools.cli import main
+from ps_bridge.tools.tiny_checkpoints import grpo_like_samples, hf_sample_logprobs
 
 
 def write_batch(path, samples):
@@ -121,8 +121,8 @@ def test_unknown_backend(tmp_path, qwen2_checkpoint, good_batch, capsys):
 
 
 def run_cli(*argv):
-    """`python -m ps_bridge.cli ARGV` in a fresh process (the heavy imports happen in it)."""
-    return subprocess.run([sys.executable, "-m", "ps_bridge.cli", *argv], capture_output=True, text=True, timeout=600)
+    """`python -m ps_bridge.tools.cli ARGV` in a fresh process (the heavy imports happen in it)."""
+    return subprocess.run([sys.executable, "-m", "ps_bridge.tools.cli", *argv], capture_output=True, text=True, timeout=600)
 
 
 def noisy_lines(proc):
@@ -132,7 +132,7 @@ def noisy_lines(proc):
 
 @pytest.mark.core
 def test_demo_json_in_a_fresh_process():
-    """`python -m ps_bridge.cli demo` runs the main job end to end, reports fp32-level agreement, and
+    """`python -m ps_bridge.tools.cli demo` runs the main job end to end, reports fp32-level agreement, and
     prints no traceback or third-party warning (nor our INFO lines) without -v."""
     proc = run_cli("demo", "--json", "--prompts", "2", "--n", "4")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -194,7 +194,7 @@ def test_quiet_third_party_keeps_our_warnings(monkeypatch):
             quiet.quiet_third_party(verbose=False)  # idempotent
             warnings.warn_explicit("Apex is not installed. Falling back to Torch Norm", UserWarning,
                                    "backends.py", 34, module="megatron.core.models.backends")
-            warnings.warn_explicit("ours", UserWarning, "runtime.py", 1, module="ps_bridge.runtime")
+            warnings.warn_explicit("ours", UserWarning, "runtime.py", 1, module="ps_bridge.tools.runtime")
             logging.getLogger("megatron.core.models.gpt.gpt_model").warning("GPTModel IS DEPRECATED")
             logging.getLogger("megatron.bridge.utils.import_utils").info("Import of X failed with: Traceback")
             logging.getLogger("ps_bridge").warning("our warning")
@@ -214,19 +214,19 @@ def test_quiet_third_party_keeps_our_warnings(monkeypatch):
 
 @pytest.mark.slow
 def test_demo_under_torchrun_is_quiet_on_every_rank():
-    """`torchrun --nproc-per-node 2 -m ps_bridge.cli demo --tp 2`: no rank prints a traceback or a
+    """`torchrun --nproc-per-node 2 -m ps_bridge.tools.cli demo --tp 2`: no rank prints a traceback or a
     warning (torchrun's own OMP_NUM_THREADS notice is avoided by setting it)."""
     sys.path.insert(0, os.path.dirname(__file__))
     from parallel_cases import torchrun
 
-    proc = torchrun(2, ["-m", "ps_bridge.cli", "demo", "--tp", "2", "--prompts", "2", "--responses", "3"])
+    proc = torchrun(2, ["-m", "ps_bridge.tools.cli", "demo", "--tp", "2", "--prompts", "2", "--responses", "3"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert noisy_lines(proc) == [], proc.stderr[-4000:]
     assert proc.stdout.count("ps-bridge demo: prefix-shared vs unshared") == 1  # rank 0's table only
 
 
 def test_verbose_flag_is_seen_before_the_command():
-    from ps_bridge.cli import verbose_requested
+    from ps_bridge.tools.cli import verbose_requested
 
     assert verbose_requested(["-v", "demo"]) and verbose_requested(["--verbose", "logprobs", "--out", "x"])
     assert not verbose_requested(["demo", "-v"]) and not verbose_requested([])
@@ -237,7 +237,7 @@ def test_qwen35_vl_checkpoint_through_the_cli(tmp_path, capsys):
     a batch with an image placeholder token is refused with a one-line error. Skipped where the VL
     model is refused (Megatron-Bridge < 0.6.0)."""
     from qwen35_helpers import skip_where_vl_refused
-    from ps_bridge.tiny_checkpoints import TINY_BUILDERS
+    from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
 
     skip_where_vl_refused()
 

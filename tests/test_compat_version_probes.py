@@ -34,9 +34,9 @@ OURS = {"ps_bridge", "models", "providers"}
 
 # files whose job is to report versions, not to branch on them
 VERSION_REPORTERS = {
-    "ps_bridge/cli/doctor.py": "`ps-bridge doctor` compares installed versions with compat/tested_stacks.py",
-    "ps_bridge/bench/report.py": "a bench report records the versions it ran with",
-    "ps_bridge/bench/moe_layer.py": "the MoE layer bench records the torch version it ran with",
+    "ps_bridge/tools/cli/doctor.py": "`ps-bridge doctor` compares installed versions with compat/tested_stacks.py",
+    "ps_bridge/tools/bench/report.py": "a bench report records the versions it ran with",
+    "ps_bridge/tools/bench/moe_layer.py": "the MoE layer bench records the torch version it ran with",
 }
 
 # (file, attribute) read from `self` with a default where the attribute is not set in the file, and
@@ -247,4 +247,4 @@ def test_scan_finds_each_probe(source, rule):
 
 
 def test_version_reporters_may_read_versions():
-    assert probes_in_source("import torch\nv = torch.__version__", "ps_bridge/bench/report.py") == []
+    assert probes_in_source("import torch\nv = torch.__version__", "ps_bridge/tools/bench/report.py") == []

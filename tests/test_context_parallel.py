@@ -42,8 +42,8 @@ CORE_CASES = {"qwen2.5_cp2", "qwen3.5_cp2"}
 def cp_case(tmp_path_factory):
     """(checkpoint path, single-rank unshared reference on the CP micro-batches), built once each."""
     from ps_bridge.config import PrefixSharingConfig
-    from ps_bridge.runtime import load_model
-    from ps_bridge.tiny_checkpoints import TINY_BUILDERS
+    from ps_bridge.tools.runtime import load_model
+    from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
 
     cache = {}
 
@@ -90,7 +90,7 @@ def test_unreduced_context_parallel_gradients_are_detected(cp_case, tmp_path):
 
 
 def _hf_logprobs(hf_path, samples):
-    from ps_bridge.compare import hf_logprobs
+    from ps_bridge.tools.compare import hf_logprobs
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32).eval()
@@ -101,7 +101,7 @@ def _hf_logprobs(hf_path, samples):
 @pytest.mark.parametrize("arch", ["qwen2.5", "qwen3.5", "qwen3.5-moe"])
 @pytest.mark.parametrize("share", [True, False])
 def test_cli_logprobs_under_context_parallel_equals_hugging_face(arch, share, tmp_path):
-    from ps_bridge.tiny_checkpoints import TINY_BUILDERS
+    from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
 
     path = str(tmp_path / arch)
     TINY_BUILDERS[arch](path)
@@ -109,7 +109,7 @@ def test_cli_logprobs_under_context_parallel_equals_hugging_face(arch, share, tm
     batch = tmp_path / "batch.json"
     batch.write_text(json.dumps({"samples": [{"prompt": s.prompt, "response": s.response} for s in samples]}))
     out = tmp_path / "out.json"
-    argv = ["-m", "ps_bridge.cli", "-v", "logprobs", "--hf-path", path, "--batch", str(batch), "--out", str(out), "--cp", "2"]
+    argv = ["-m", "ps_bridge.tools.cli", "-v", "logprobs", "--hf-path", path, "--batch", str(batch), "--out", str(out), "--cp", "2"]
     proc = torchrun(2, argv + ([] if share else ["--no-prefix-sharing"]), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "cp_rank=1/cp_size=2] cp_shard=" in proc.stderr
@@ -187,7 +187,7 @@ def test_context_parallel_settings():
     """CP is accepted by the one check (dynamic CP and VPP stay refused); head counts CP cannot split
     are refused naming the numbers; KV heads fewer than CP are repeated, not refused."""
     from ps_bridge.models.context_parallel import kv_repeat
-    from ps_bridge.parallel import ModelShapeError, ParallelSettings
+    from ps_bridge.parallel.settings import ModelShapeError, ParallelSettings
 
     ParallelSettings(tp=2, cp=2, sequence_parallel=True, pp=2).check_supported()
     with pytest.raises(ValueError, match="dynamic_context_parallel"):
@@ -211,7 +211,7 @@ def test_context_parallel_settings():
 def test_cli_refuses_heads_context_parallel_cannot_split(tmp_path, qwen2_checkpoint, capsys):
     """4 query heads on 2 TP ranks leave 2 per rank, which CP=4 cannot split: refused before any
     process group, naming the numbers (the world size is not even looked at)."""
-    from ps_bridge.cli import main
+    from ps_bridge.tools.cli import main
 
     batch = tmp_path / "batch.json"
     batch.write_text(json.dumps({"samples": [{"prompt": [1, 2, 3], "response": [4, 5]}]}))
@@ -229,7 +229,7 @@ def test_bench_smoke_under_context_parallel(tmp_path):
     one model (broadcast from CP rank 0), so shared and unshared agree and both equal the float32
     twin; rank 0 alone reports; --max-tokens-per-gpu splits the unshared batch without running it."""
     out = tmp_path / "bench.json"
-    argv = ["-m", "ps_bridge.cli", "bench", "--smoke", "--cp", "2", "--no-progress", "--fp32-reference",
+    argv = ["-m", "ps_bridge.tools.cli", "bench", "--smoke", "--cp", "2", "--no-progress", "--fp32-reference",
             "--models", "tiny-qwen2.5", "--grid", "24,8,4", "--max-tokens-per-gpu", "40", "--json", str(out)]
     proc = torchrun(2, argv, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

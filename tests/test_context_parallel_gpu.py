@@ -28,7 +28,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "cp_gpu_worker.py")
 
 
 def test_qwen2_cp2_bf16_shared_is_as_close_to_fp32_as_unshared(tmp_path):
-    from ps_bridge.tiny_checkpoints import build_tiny_qwen2
+    from ps_bridge.tools.tiny_checkpoints import build_tiny_qwen2
 
     # head dim 128, 4 query heads (2 per CP rank), 1 KV head: repeated for CP
     build_tiny_qwen2(str(tmp_path / "ckpt"), vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,

@@ -21,9 +21,9 @@ import torch
 import torch.utils.deterministic
 
 from ps_bridge.config import PrefixSharingConfig
-from ps_bridge.runtime import load_model
-from ps_bridge.schedule import logprob_pass
-from ps_bridge.tiny_checkpoints import build_tiny_qwen2, grpo_like_samples
+from ps_bridge.tools.runtime import load_model
+from ps_bridge.tools.schedule import logprob_pass
+from ps_bridge.tools.tiny_checkpoints import build_tiny_qwen2, grpo_like_samples
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ps_bridge.cli import doctor, main
+from ps_bridge.tools.cli import doctor, main
 from ps_bridge.compat.tested_stacks import PACKAGES, TESTED_STACKS, version_range
 
 pytestmark = pytest.mark.core  # also run on the oldest tested stack
@@ -239,7 +239,7 @@ def test_missing_checkpoint_is_a_usage_error(tmp_path, capsys):
 
 
 def run_cli(*argv):
-    return subprocess.run([sys.executable, "-m", "ps_bridge.cli", *argv], capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "ps_bridge.tools.cli", *argv], capture_output=True, text=True, timeout=600)
 
 
 def test_doctor_in_a_fresh_process_is_quiet():
@@ -254,7 +254,7 @@ def test_doctor_in_a_fresh_process_is_quiet():
 
 def test_doctor_runs_where_torch_does_not_import():
     """The parser of `ps-bridge doctor` imports nothing heavy: a broken torch is a finding, not a crash."""
-    code = "import sys; sys.modules['torch'] = None; from ps_bridge.cli import main; sys.exit(main(['doctor', '--no-self-test']))"
+    code = "import sys; sys.modules['torch'] = None; from ps_bridge.tools.cli import main; sys.exit(main(['doctor', '--no-self-test']))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "error: torch does not work here: ModuleNotFoundError" in proc.stdout
@@ -275,7 +275,7 @@ def test_self_test_runs_on_one_thread_and_gives_the_threads_back(monkeypatch):
         return dict.fromkeys(("max_logprob_diff_shared_vs_unshared", "max_rel_grad_diff_shared_vs_unshared",
                               "max_logprob_diff_shared_vs_hf", "max_logprob_diff_unshared_vs_hf"), 0.0)
 
-    import ps_bridge.cli.demo as demo
+    import ps_bridge.tools.cli.demo as demo
 
     monkeypatch.setattr(doctor, "_import_the_stack", lambda: None)
     monkeypatch.setattr(demo, "demo_result", fake_demo)

@@ -1,7 +1,7 @@
 """Expert parallelism (EP) with prefix sharing on CPU (gloo): EP ranks are data-parallel ranks, so
-whole prompt groups are split across them (`ps_bridge.data_parallel`) and the rows gathered on rank
+whole prompt groups are split across them (`ps_bridge.tools.data_parallel`) and the rows gathered on rank
 0; the experts exchange tokens through megatron's allgather dispatcher (each rank holds half of the
-experts). `torchrun --nproc-per-node 2 -m ps_bridge.cli logprobs ... --ep 2` equals Hugging Face's
+experts). `torchrun --nproc-per-node 2 -m ps_bridge.tools.cli logprobs ... --ep 2` equals Hugging Face's
 log-probs on a Qwen3.5 MoE checkpoint, with and without sharing."""
 
 import json
@@ -11,10 +11,10 @@ import sys
 import pytest
 import torch
 
-from ps_bridge.data_parallel import split_groups
+from ps_bridge.tools.data_parallel import split_groups
 from ps_bridge.layout import Sample
-from ps_bridge.parallel import ParallelSettings
-from ps_bridge.tiny_checkpoints import grpo_like_samples, hf_sample_logprobs
+from ps_bridge.parallel.settings import ParallelSettings
+from ps_bridge.tools.tiny_checkpoints import grpo_like_samples, hf_sample_logprobs
 
 sys.path.insert(0, os.path.dirname(__file__))
 from parallel_cases import torchrun  # noqa: E402
@@ -45,7 +45,7 @@ def test_world_that_cannot_hold_ep_is_refused():
 def moe_checkpoint(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    from ps_bridge.tiny_checkpoints import build_tiny_qwen35_moe
+    from ps_bridge.tools.tiny_checkpoints import build_tiny_qwen35_moe
 
     path = str(tmp_path_factory.mktemp("qwen35_moe_ep"))
     build_tiny_qwen35_moe(path)
@@ -60,7 +60,7 @@ def test_cli_ep2_equals_hf(moe_checkpoint, tmp_path, share):
     batch = tmp_path / "batch.json"
     batch.write_text(json.dumps({"samples": [{"prompt": s.prompt, "response": s.response} for s in samples]}))
     out = tmp_path / "out.json"
-    argv = ["-m", "ps_bridge.cli", "logprobs", "--hf-path", path, "--batch", str(batch), "--out", str(out), "--ep", "2"]
+    argv = ["-m", "ps_bridge.tools.cli", "logprobs", "--hf-path", path, "--batch", str(batch), "--out", str(out), "--ep", "2"]
     proc = torchrun(2, argv + ([] if share else ["--no-prefix-sharing"]), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["samples"]
@@ -100,9 +100,9 @@ def test_ep_logprobs_and_gradients_equal_single_rank_unshared(moe_checkpoint, tm
     )
 
     from ps_bridge.config import PrefixSharingConfig
-    from ps_bridge.parallel import hf_named_gradients
-    from ps_bridge.runtime import load_model
-    from ps_bridge.schedule import logprob_pass
+    from ps_bridge.parallel.gradients import hf_named_gradients
+    from ps_bridge.tools.runtime import load_model
+    from ps_bridge.tools.schedule import logprob_pass
 
     path, _, _ = moe_checkpoint
     loaded = load_model(path, PrefixSharingConfig(enabled=True))
@@ -137,7 +137,7 @@ def test_bench_smoke_under_expert_parallel(tmp_path):
     of both ranks equal the unshared ones and the float32 twin's; rank 0 alone reports, with the
     world layout and the whole batch's token counts."""
     out = tmp_path / "bench.json"
-    argv = ["-m", "ps_bridge.cli", "bench", "--smoke", "--ep", "2", "--groups", "2", "--no-progress",
+    argv = ["-m", "ps_bridge.tools.cli", "bench", "--smoke", "--ep", "2", "--groups", "2", "--no-progress",
             "--fp32-reference", "--grid", "24,8,4", "--json", str(out)]
     proc = torchrun(2, argv, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -154,7 +154,7 @@ def test_bench_smoke_under_expert_parallel(tmp_path):
 def test_bench_refuses_what_expert_parallel_cannot_split():
     """The bench's own `--ep` limits, before any process group: whole groups, the same number per
     data-parallel rank; MoE shapes only; not with --cp."""
-    from ps_bridge.bench.run import _expert_parallel_problem
+    from ps_bridge.tools.bench.run import _expert_parallel_problem
 
     def args(**kw):
         return type("Args", (), dict(dict(ep=2, cp=1, groups=4), **kw))()

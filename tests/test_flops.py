@@ -1,4 +1,4 @@
-"""F (ps_bridge.bench.flops): the unshared computation's model FLOPs over the shared one's.
+"""F (ps_bridge.tools.bench.flops): the unshared computation's model FLOPs over the shared one's.
 
 The one-level rows are checked against the count written out by hand for one prompt of P tokens
 with n responses of R tokens, which gives DESIGN.md section 10's F of about 3.7, 10.1 and 8.0 for
@@ -6,8 +6,8 @@ the Qwen2.5-7B shape (4 layers) at (2048, 512, 8), (4096, 256, 16), (32768, 1024
 
 import pytest
 
-from ps_bridge.bench.catalog import MODEL_SHAPES, make_samples
-from ps_bridge.bench.flops import flop_ratio, flop_shape, model_flops
+from ps_bridge.tools.bench.catalog import MODEL_SHAPES, make_samples
+from ps_bridge.tools.bench.flops import flop_ratio, flop_shape, model_flops
 from ps_bridge.layout import Sample, build_layout
 
 
@@ -89,8 +89,8 @@ def test_system_prompt_tree_matches_the_formula():
 def test_flop_shape_of_a_config_reads_the_family_off_it(name):
     """`flop_shape_of_config` (verl-check's F, from a checkpoint's config) equals the bench's shape of
     the same catalogue model, the family read off the config."""
-    from ps_bridge.bench.catalog import FAMILIES
-    from ps_bridge.bench.flops import flop_shape_of_config
+    from ps_bridge.tools.bench.catalog import FAMILIES
+    from ps_bridge.tools.bench.flops import flop_shape_of_config
 
     model = MODEL_SHAPES[name]
     assert flop_shape_of_config(FAMILIES[model.family](model.dims, 4)) == flop_shape(model, 4)
@@ -100,7 +100,7 @@ def test_verl_check_phase_flops_count_each_micro_batch_once():
     """verl-check's `PhaseFlops` (the shared engine's layout observer): a phase's count is the sum over
     its micro-batches; F over the steps leaves the first out, as the speed-ups do."""
     from ps_bridge.layout import build_layout
-    from ps_bridge.verl.check.flops import PhaseFlops, flop_ratios
+    from ps_bridge.tools.verl_check.flops import PhaseFlops, flop_ratios
 
     shape = flop_shape(MODEL_SHAPES["qwen2.5-7b"], 2)
     groups = [[Sample([1] * 64 + [g], [2 + r] * (8 + r)) for r in range(4)] for g in range(3)]

@@ -127,11 +127,11 @@ def test_fla_matches_torch_ref_on_trees(dtype):
 def test_model_fla_matches_torch_ref_and_sharing_is_exact(tmp_path):
     """Tiny Qwen3.5 on the GPU (fp32): fla vs torch_ref log-probs and gradients, and with fla,
     prefix-shared == unshared log-probs."""
-    from ps_bridge.compare import total_relative_grad_diff
+    from ps_bridge.tools.compare import total_relative_grad_diff
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.rows import PackedRows
-    from ps_bridge.runtime import forward_logits, load_model
-    from ps_bridge.tiny_checkpoints import build_tiny_qwen35, grpo_like_samples
+    from ps_bridge.tools.runtime import forward_logits, load_model
+    from ps_bridge.tools.tiny_checkpoints import build_tiny_qwen35, grpo_like_samples
 
     device = torch.device("cuda", torch.cuda.current_device())
     skip_if_backward_refused(device)

@@ -110,7 +110,7 @@ def test_moe_layer_bench_smoke(tmp_path):
     """The MoE layer bench on its tiny shape (CPU, bf16): grouped and sequential layers agree."""
     import json
 
-    from ps_bridge.bench.moe_layer import main
+    from ps_bridge.tools.bench.moe_layer import main
 
     out = tmp_path / "moe_layer.json"
     assert main(["--smoke", "--warmup", "0", "--repeats", "1", "--json", str(out)]) == 0
@@ -160,10 +160,10 @@ def test_counts_as_a_tensor_equal_counts_as_a_list(contiguous_weights):
 
 def _experts_layer(dtype):
     """The grouped experts of a tiny Qwen3.5 MoE model, with routed-looking inputs sorted by expert."""
-    from ps_bridge.bench.catalog import FAMILIES, MODEL_SHAPES
+    from ps_bridge.tools.bench.catalog import FAMILIES, MODEL_SHAPES
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.models.experts import GroupedMMExperts
-    from ps_bridge.runtime import load_model_from_hf_config
+    from ps_bridge.tools.runtime import load_model_from_hf_config
 
     shape = MODEL_SHAPES["tiny-qwen3.5-moe"]
     loaded = load_model_from_hf_config(FAMILIES[shape.family](shape.dims, 1), PrefixSharingConfig(enabled=True),

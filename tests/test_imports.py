@@ -109,6 +109,59 @@ def test_no_import_cycles():
     assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
 
 
+def reachable(graph: dict, start: str) -> set:
+    """Every module `start` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for name in graph.get(todo.pop(), ()):
+            if name not in seen:
+                seen.add(name)
+                todo.append(name)
+    return seen
+
+
+def tooling_reached_from(graph: dict, package: str) -> dict:
+    """module of `package` -> the tooling modules (`ps_bridge.tools`) it reaches."""
+    found = {}
+    for name in graph:
+        if name == package or name.startswith(package + "."):
+            tools = sorted(m for m in reachable(graph, name) if m == "ps_bridge.tools" or m.startswith("ps_bridge.tools."))
+            if tools:
+                found[name] = tools
+    return found
+
+
+def test_the_tooling_check_sees_an_import_of_the_tools():
+    graph = {"ps_bridge.verl.engine": {"ps_bridge.layout"}, "ps_bridge.layout": {"ps_bridge.tools.bench"}}
+    assert tooling_reached_from(graph, "ps_bridge.verl") == {"ps_bridge.verl.engine": ["ps_bridge.tools.bench"]}
+
+
+def test_the_plugin_package_holds_only_what_verl_loads():
+    names = sorted(p.name for p in (ROOT / "ps_bridge" / "verl").iterdir() if p.name != "__pycache__")
+    assert names == ["__init__.py", "batch.py", "engine.py", "micro_batches.py"]
+
+
+@pytest.mark.parametrize("package", ["ps_bridge.verl", "ps_bridge.providers", "ps_bridge.models", "ps_bridge.parallel"])
+def test_the_core_imports_no_tooling(package):
+    """verl loads `ps_bridge.verl` (`external_lib`); it and the model code it runs stand below the bench,
+    the CLI and verl-check, so none of them may reach `ps_bridge.tools`, even through another module."""
+    graph = import_graph()
+    assert any(name.startswith(package) for name in graph)
+    found = tooling_reached_from(graph, package)
+    assert not found, f"{package} reaches the tooling: {found}"
+
+
+def test_only_the_tooling_imports_the_tooling():
+    graph = import_graph()
+    outside = {
+        name: sorted(m for m in imports if m.startswith("ps_bridge.tools"))
+        for name, imports in graph.items()
+        if not name.startswith("ps_bridge.tools")
+    }
+    outside = {name: tools for name, tools in outside.items() if tools}
+    assert not outside, f"modules outside ps_bridge.tools import it: {outside}"
+
+
 @pytest.mark.parametrize("name", ["testing", "verl_testing"])
 def test_no_test_support_inside_the_package(name):
     assert not (ROOT / "ps_bridge" / f"{name}.py").exists()

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from ps_bridge import launch_rule
-from ps_bridge.bench.catalog import FAMILIES, MODEL_SHAPES, make_samples
+from ps_bridge.tools.bench.catalog import FAMILIES, MODEL_SHAPES, make_samples
 from ps_bridge.config import PrefixSharingConfig
 from ps_bridge.launch_rule import MicroBatchCounts, ModelCost, decide_sharing, sharing_for
 from ps_bridge.layout import Sample, build_layout
-from ps_bridge.tiny_checkpoints import grpo_like_samples
+from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
 
 
 def cost_of(shape: str, layers=None) -> ModelCost:
@@ -219,7 +219,7 @@ def priced_cpu(monkeypatch):
 
 def test_rule_off_equals_unshared_equals_hf_and_rule_on_equals_them(qwen2_checkpoint, qwen2_loaded, priced_cpu):
     from ps_bridge.rows import PackedRows
-    from ps_bridge.runtime import make_layout, row_logprobs
+    from ps_bridge.tools.runtime import make_layout, row_logprobs
 
     _, hf_model = qwen2_checkpoint
     batch = grpo_like_samples(256, num_prompts=3, n=3, prompt_len=(6, 18), response_len=(1, 8), seed=21)

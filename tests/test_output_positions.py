@@ -19,8 +19,8 @@ import torch
 
 from ps_bridge.layout import Sample, build_layout
 from ps_bridge.rows import PackedRows, chunked_vocab_parallel_entropy
-from ps_bridge.runtime import forward_logits, make_layout
-from ps_bridge.tiny_checkpoints import grpo_like_samples
+from ps_bridge.tools.runtime import forward_logits, make_layout
+from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
 
 sys.path.insert(0, os.path.dirname(__file__))
 from parallel_cases import (  # noqa: E402
@@ -188,7 +188,7 @@ def _gradients(loaded, layout, weights_lp, weights_ent):
 
 
 def test_gradients_with_the_skip_equal_unshared_and_the_option(qwen2_loaded):
-    from ps_bridge.compare import max_relative_grad_diff
+    from ps_bridge.tools.compare import max_relative_grad_diff
 
     batch = samples()
     g = torch.Generator().manual_seed(4)
@@ -207,7 +207,7 @@ def test_gradients_with_the_skip_equal_unshared_and_the_option(qwen2_loaded):
 def test_gradients_with_the_skip_equal_hugging_face(qwen2_checkpoint, qwen2_loaded):
     """Every HF parameter's gradient of the log-prob loss, the shared run skipping prompt positions
     (the default `logprob_pass`)."""
-    from ps_bridge.compare import hf_gradient_difference
+    from ps_bridge.tools.compare import hf_gradient_difference
 
     _, hf_model = qwen2_checkpoint
     with count_output_rows(qwen2_loaded.model) as counts:
@@ -235,8 +235,8 @@ def test_qwen35_conditional_generation_language_model_runs_read_positions(tmp_pa
 
     skip_where_vl_refused()
     from ps_bridge.models.qwen35_vl import PrefixSharedQwen3VLGPTModel
-    from ps_bridge.runtime import load_model
-    from ps_bridge.tiny_checkpoints import TINY_BUILDERS
+    from ps_bridge.tools.runtime import load_model
+    from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
 
     TINY_BUILDERS["qwen3.5-vl"](str(tmp_path))
     loaded = load_model(str(tmp_path))

@@ -198,7 +198,7 @@ def test_installing_the_wheel_changes_no_other_package(python, wheel):
 
 RUN_INSTALLED = """
 import json, sys
-from ps_bridge.tiny_checkpoints import build_tiny_qwen2
+from ps_bridge.tools.tiny_checkpoints import build_tiny_qwen2
 build_tiny_qwen2(sys.argv[1])
 samples = [{"prompt": [1, 2, 3, 4], "response": [5, 6, 7]}, {"prompt": [1, 2, 3, 4], "response": [8, 9]}]
 open(sys.argv[2], "w").write(json.dumps({"samples": samples}))

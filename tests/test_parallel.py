@@ -77,14 +77,14 @@ def write_batch(path: Path) -> str:
 
 
 def test_cli_logprobs_under_torchrun_equals_single_process(tmp_path, qwen2_checkpoint):
-    from ps_bridge.cli import main
+    from ps_bridge.tools.cli import main
 
     batch = write_batch(tmp_path / "batch.json")
     single, parallel = tmp_path / "single.json", tmp_path / "parallel.json"
     assert main(["logprobs", "--hf-path", qwen2_checkpoint[0], "--batch", batch, "--out", str(single)]) == 0
     proc = torchrun(
         2,
-        ["-m", "ps_bridge.cli", "-v", "logprobs", "--hf-path", qwen2_checkpoint[0], "--batch", batch,
+        ["-m", "ps_bridge.tools.cli", "-v", "logprobs", "--hf-path", qwen2_checkpoint[0], "--batch", batch,
          "--out", str(parallel), "--tp", "2", "--sp"],
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -101,7 +101,7 @@ def test_cli_logprobs_under_torchrun_equals_single_process(tmp_path, qwen2_check
 
 def test_cli_quiet_by_default_under_torchrun_and_demo_prints_once(tmp_path):
     """Without -v no rank prints [PS] lines; the demo's table comes from rank 0 only and agrees."""
-    proc = torchrun(2, ["-m", "ps_bridge.cli", "demo", "--json", "--pp", "2", "--prompts", "2", "--responses", "3"])
+    proc = torchrun(2, ["-m", "ps_bridge.tools.cli", "demo", "--json", "--pp", "2", "--prompts", "2", "--responses", "3"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "[PS]" not in proc.stderr
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
@@ -124,7 +124,7 @@ def test_cli_quiet_by_default_under_torchrun_and_demo_prints_once(tmp_path):
     ],
 )
 def test_cli_refuses_bad_parallel_settings(tmp_path, qwen2_checkpoint, capsys, argv, message):
-    from ps_bridge.cli import main
+    from ps_bridge.tools.cli import main
 
     batch = write_batch(tmp_path / "batch.json")
     code = main(["logprobs", "--hf-path", qwen2_checkpoint[0], "--batch", batch, "--out", str(tmp_path / "o.json"), *argv])
@@ -134,7 +134,7 @@ def test_cli_refuses_bad_parallel_settings(tmp_path, qwen2_checkpoint, capsys, a
 
 
 def test_virtual_pipeline_is_refused_by_settings():
-    from ps_bridge.parallel import ParallelSettings
+    from ps_bridge.parallel.settings import ParallelSettings
 
     with pytest.raises(ValueError, match="virtual_pipeline_model_parallel_size=2"):
         ParallelSettings(pp=2, vpp=2).check(world_size=2)

@@ -20,7 +20,7 @@ from parallel_cases import run_and_compare, single_rank_unshared  # noqa: E402
 pytestmark = pytest.mark.slow
 
 NUM_LAYERS = 4
-GDN_LAYERS = frozenset({1, 2, 4})  # ps_bridge.tiny_checkpoints's tiny Qwen3.5: layer 3 is full attention
+GDN_LAYERS = frozenset({1, 2, 4})  # ps_bridge.tools.tiny_checkpoints's tiny Qwen3.5: layer 3 is full attention
 
 # name: (processes, worker flags, tp, pp)
 CONFIGS = {
@@ -34,8 +34,8 @@ CONFIGS = {
 def qwen35_case(tmp_path_factory, request):
     """(checkpoint path, single-rank unshared reference) per architecture, built once."""
     from ps_bridge.config import PrefixSharingConfig
-    from ps_bridge.runtime import load_model
-    from ps_bridge.tiny_checkpoints import TINY_BUILDERS
+    from ps_bridge.tools.runtime import load_model
+    from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
 
     cache = {}
 

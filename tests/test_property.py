@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ps_bridge.compare import max_abs_diff, run_logprob_loss
+from ps_bridge.tools.compare import max_abs_diff, run_logprob_loss
 from ps_bridge.layout import Sample
 
 

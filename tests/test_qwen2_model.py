@@ -4,10 +4,10 @@ export round trip, provider registry and config errors."""
 import pytest
 import torch
 
-from ps_bridge.compare import compare, max_abs_diff, max_relative_grad_diff, run_logprob_loss
+from ps_bridge.tools.compare import compare, max_abs_diff, max_relative_grad_diff, run_logprob_loss
 from ps_bridge.layout import Sample
-from ps_bridge.runtime import forward_logits, make_layout
-from ps_bridge.tiny_checkpoints import grpo_like_samples, hf_sample_logprobs
+from ps_bridge.tools.runtime import forward_logits, make_layout
+from ps_bridge.tools.tiny_checkpoints import grpo_like_samples, hf_sample_logprobs
 
 pytestmark = pytest.mark.core  # also run on the oldest tested stack
 
@@ -50,7 +50,7 @@ def test_shared_logprobs_and_gradients_equal_unshared_and_hf(qwen2_checkpoint, q
 
 def test_gradients_equal_hf_gradients(qwen2_checkpoint, qwen2_loaded):
     """Shared-run gradients of the embedding and LM head equal HF's for the same loss."""
-    from ps_bridge.compare import loss_weights
+    from ps_bridge.tools.compare import loss_weights
 
     _, hf_model = qwen2_checkpoint
     samples = grpo_like_samples(256, num_prompts=2, n=3, seed=5)
@@ -72,7 +72,7 @@ def test_gradients_equal_hf_gradients(qwen2_checkpoint, qwen2_loaded):
 
 def test_every_gradient_equals_hf(qwen2_checkpoint, qwen2_loaded):
     """All parameters, matched by HF name through the bridge's export."""
-    from ps_bridge.compare import hf_gradient_difference
+    from ps_bridge.tools.compare import hf_gradient_difference
 
     _, hf_model = qwen2_checkpoint
     r = hf_gradient_difference(qwen2_loaded, hf_model, grpo_like_samples(256, num_prompts=2, n=3, seed=5))
@@ -158,7 +158,7 @@ def test_dynamic_context_and_virtual_pipeline_parallel_are_refused():
     our providers when the model is built: a fixed CP size is accepted, dynamic CP and VPP are not."""
     from types import SimpleNamespace
 
-    from ps_bridge.parallel import ParallelSettings
+    from ps_bridge.parallel.settings import ParallelSettings
     from ps_bridge.providers.base import prepare_for_prefix_sharing
 
     def settings(**kw):
@@ -179,10 +179,10 @@ def test_float32_reference_model_has_exactly_the_bf16_weights(qwen2_checkpoint):
     kernels, no sharing; and it really runs in float32 (its log-probs differ from the bf16 run's)."""
     from transformers import AutoConfig
 
-    from ps_bridge.compare import run_logprob_loss
+    from ps_bridge.tools.compare import run_logprob_loss
     from ps_bridge.config import PrefixSharingConfig
-    from ps_bridge.runtime import float32_reference_model, load_model
-    from ps_bridge.tiny_checkpoints import grpo_like_samples
+    from ps_bridge.tools.runtime import float32_reference_model, load_model
+    from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
 
     path, _ = qwen2_checkpoint
     bf16 = load_model(path, PrefixSharingConfig(enabled=True, backend="torch_ref"), dtype=torch.bfloat16)

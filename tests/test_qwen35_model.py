@@ -18,8 +18,8 @@ from qwen35_helpers import (
     samples_for,
 )
 from ps_bridge.layout import Sample
-from ps_bridge.runtime import forward_logits, load_model
-from ps_bridge.tiny_checkpoints import hf_sample_logprobs
+from ps_bridge.tools.runtime import forward_logits, load_model
+from ps_bridge.tools.tiny_checkpoints import hf_sample_logprobs
 
 # CausalLM and the ConditionalGeneration architectures the official checkpoints declare
 ARCHS = ["qwen3.5", "qwen3.5-moe", "qwen3.5-vl", "qwen3.5-moe-vl"]
@@ -153,7 +153,7 @@ HF_DECAY_GATE_TOLERANCE = 1e-2
 
 @pytest.fixture(scope="module")
 def hf_gradients(tiny):
-    from ps_bridge.compare import hf_gradient_difference
+    from ps_bridge.tools.compare import hf_gradient_difference
 
     name, hf, loaded, _ = tiny
     return name, hf_gradient_difference(loaded, hf, samples_for(loaded, num_prompts=2, n=3))
@@ -221,7 +221,7 @@ def float64_decay_gate_gradients(loaded, samples, weights, share=True):
 
 def test_decay_gate_gradients_equal_finite_differences(tiny64, float64_attention_gate):
     """The decay-gate gradients of a float64 model equal central finite differences of its loss."""
-    from ps_bridge.compare import loss_weights
+    from ps_bridge.tools.compare import loss_weights
 
     name, loaded = tiny64
     if "moe" in name:
@@ -254,7 +254,7 @@ def test_decay_gate_gradients_equal_finite_differences(tiny64, float64_attention
 def test_float32_decay_gate_gradients_equal_float64(tiny, tiny64, float64_attention_gate):
     """The float32 model's decay-gate gradients (the run compared with HF above) are within 1e-4
     (norm-relative, per parameter) of the float64 model's, i.e. of the finite differences."""
-    from ps_bridge.compare import loss_weights
+    from ps_bridge.tools.compare import loss_weights
 
     name, _, loaded, _ = tiny
     _, loaded64 = tiny64

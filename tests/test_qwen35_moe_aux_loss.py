@@ -27,7 +27,7 @@ def moe(request, tmp_path_factory):
 
 def aux_losses(loaded, routers, samples, share, pad_multiple=1, weighted=True, monkeypatch=None):
     """Per-layer global load-balancing loss values of one forward pass."""
-    from ps_bridge.runtime import forward_logits
+    from ps_bridge.tools.runtime import forward_logits
     from qwen35_helpers import layout_for
 
     recorded = {}

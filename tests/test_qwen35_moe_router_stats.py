@@ -44,7 +44,7 @@ def z_losses(loaded, samples, share, monkeypatch, weighted=True, pad_multiple=1)
     """The z-loss each router attaches in one training forward pass (ours, or megatron's stock one)."""
     from megatron.core.transformer.moe import router as megatron_router
 
-    from ps_bridge.runtime import forward_logits
+    from ps_bridge.tools.runtime import forward_logits
 
     recorded = []
     real = moe_module.MoEAuxLossAutoScaler

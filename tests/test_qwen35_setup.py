@@ -84,8 +84,8 @@ def test_tilelang_allows_the_hopper_backward_only_from_fla_0_6(monkeypatch, fla_
 def test_check_runs_when_the_model_is_built(monkeypatch, tmp_path):
     """The guard fires in the provider's provide(), before any forward pass."""
     qwen35 = qwen35_module()
-    from ps_bridge.runtime import load_model
-    from ps_bridge.tiny_checkpoints import build_tiny_qwen35
+    from ps_bridge.tools.runtime import load_model
+    from ps_bridge.tools.tiny_checkpoints import build_tiny_qwen35
 
     build_tiny_qwen35(str(tmp_path))
     monkeypatch.setattr(qwen35, "_build_device", lambda: torch.device("cuda", 0))
@@ -111,7 +111,7 @@ def test_gdn_backend_from_environment_reaches_the_provider(monkeypatch, tmp_path
 
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.providers.registry import register_all
-    from ps_bridge.tiny_checkpoints import build_tiny_qwen35
+    from ps_bridge.tools.tiny_checkpoints import build_tiny_qwen35
 
     build_tiny_qwen35(str(tmp_path))
     monkeypatch.setenv("PS_BRIDGE_GDN_BACKEND", "torch_ref")

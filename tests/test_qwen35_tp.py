@@ -36,8 +36,8 @@ def _worker(rank, path, port, queue):
     try:
         from ps_bridge.layout import build_layout
         from ps_bridge.rows import PackedRows
-        from ps_bridge.runtime import forward_logits, load_model
-        from ps_bridge.tiny_checkpoints import grpo_like_samples
+        from ps_bridge.tools.runtime import forward_logits, load_model
+        from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
 
         loaded = load_model(path, tp=2, sequence_parallel=True)
         samples = grpo_like_samples(248, **SAMPLE_ARGS)
@@ -60,7 +60,7 @@ def _worker(rank, path, port, queue):
 
 @pytest.mark.parametrize("name", ["qwen3.5", "qwen3.5-moe"])
 def test_tp2_sequence_parallel_logprobs_equal_hf(name, tmp_path):
-    from ps_bridge.tiny_checkpoints import TINY_BUILDERS, grpo_like_samples, hf_sample_logprobs
+    from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS, grpo_like_samples, hf_sample_logprobs
 
     hf = TINY_BUILDERS[name](str(tmp_path))
     ctx = mp.get_context("spawn")

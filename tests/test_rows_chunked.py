@@ -15,7 +15,7 @@ from ps_bridge.rows import PackedRows, chunked_vocab_parallel_entropy
 
 @pytest.fixture(scope="module", autouse=True)
 def tp_group():
-    from ps_bridge.parallel import init_parallel
+    from ps_bridge.parallel.groups import init_parallel
 
     init_parallel(tp=1)
 
@@ -57,7 +57,7 @@ def test_vocab_parallel_logprobs_equal_megatron_cross_entropy_on_the_unshared_ro
 
 @pytest.mark.skipif(importlib.util.find_spec("verl") is None, reason="verl is not installed")
 def test_chunked_entropy_equals_verls_vocab_parallel_entropy():
-    import ps_bridge.verl.side_by_side as vt
+    import ps_bridge.tools.verl_check.side_by_side as vt
 
     vt.prepare_side_by_side()
     from verl.utils.megatron.tensor_parallel import vocab_parallel_entropy

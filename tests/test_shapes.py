@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from ps_bridge.parallel import ModelShapeError, ParallelSettings, pipeline_stage_layers
-from ps_bridge.tiny_checkpoints import grpo_like_samples, hf_sample_logprobs
+from ps_bridge.parallel.settings import ModelShapeError, ParallelSettings, pipeline_stage_layers
+from ps_bridge.tools.tiny_checkpoints import grpo_like_samples, hf_sample_logprobs
 
 sys.path.insert(0, os.path.dirname(__file__))
 from parallel_cases import free_port, torchrun  # noqa: E402
@@ -27,7 +27,7 @@ LAYERS = 3  # odd: PP=2 splits it 2 + 1
 @pytest.fixture(scope="module")
 def odd_checkpoint(tmp_path_factory):
     """Tiny Qwen2 with vocabulary 157 and 3 layers (4 heads, 2 KV heads: both divide TP=2)."""
-    from ps_bridge.tiny_checkpoints import build_tiny_qwen2
+    from ps_bridge.tools.tiny_checkpoints import build_tiny_qwen2
 
     path = tmp_path_factory.mktemp("qwen2_odd")
     hf_model = build_tiny_qwen2(str(path), vocab_size=VOCAB, num_hidden_layers=LAYERS)
@@ -125,7 +125,7 @@ def test_padded_vocabulary_columns_are_masked_in_every_extractor():
     returns the unpadded rows and gradient (and the padded columns get no gradient); without it the
     rows differ, so the mask is what makes them equal."""
     from ps_bridge.layout import build_layout
-    from ps_bridge.parallel import init_parallel
+    from ps_bridge.parallel.groups import init_parallel
     from ps_bridge.rows import PackedRows
 
     init_parallel()  # a world of one: vocab-parallel path with a single TP rank
@@ -171,7 +171,7 @@ def cli_vs_hf(tmp_path, odd_checkpoint, nproc, flags):
     samples = odd_samples()
     batch = write_batch(tmp_path / "batch.json", samples)
     out = tmp_path / "out.json"
-    proc = torchrun(nproc, ["-m", "ps_bridge.cli", "logprobs", "--hf-path", hf_path, "--batch", batch, "--out", str(out), *flags])
+    proc = torchrun(nproc, ["-m", "ps_bridge.tools.cli", "logprobs", "--hf-path", hf_path, "--batch", batch, "--out", str(out), *flags])
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(out.read_text())
     with torch.no_grad():
@@ -210,7 +210,7 @@ def test_pipeline_larger_than_the_layer_count_is_refused_on_every_rank(tmp_path,
     same single line and exit 2 on its own, writing nothing."""
     batch = write_batch(tmp_path / "batch.json", odd_samples())
     out = tmp_path / "out.json"
-    argv = [sys.executable, "-m", "ps_bridge.cli", "logprobs", "--hf-path", odd_checkpoint[0], "--batch", batch,
+    argv = [sys.executable, "-m", "ps_bridge.tools.cli", "logprobs", "--hf-path", odd_checkpoint[0], "--batch", batch,
             "--out", str(out), "--pp", "4"]
     port, world = free_port(), 2
     procs = []
@@ -233,7 +233,7 @@ def test_pipeline_larger_than_the_layer_count_is_refused_on_every_rank(tmp_path,
 def test_pipeline_larger_than_the_layer_count_is_refused_under_torchrun(tmp_path, odd_checkpoint):
     batch = write_batch(tmp_path / "batch.json", odd_samples())
     out = tmp_path / "out.json"
-    proc = torchrun(4, ["-m", "ps_bridge.cli", "logprobs", "--hf-path", odd_checkpoint[0], "--batch", batch,
+    proc = torchrun(4, ["-m", "ps_bridge.tools.cli", "logprobs", "--hf-path", odd_checkpoint[0], "--batch", batch,
                         "--out", str(out), "--pp", "4"])
     assert proc.returncode != 0
     assert "ps-bridge: error: pipeline_model_parallel_size=4 (--pp 4) is larger than the checkpoint's 3 layers" in proc.stderr
@@ -252,9 +252,9 @@ def test_qwen35_block_spec_builds_each_uneven_stage_from_its_own_layers():
     from ps_bridge.compat.te_placeholder import import_megatron_bridge
     from ps_bridge.models.gdn import PrefixSharedGatedDeltaNet
     from ps_bridge.models.qwen35_specs import prefix_shared_qwen35_block_spec
-    from ps_bridge.parallel import configure_provider
+    from ps_bridge.parallel.settings import configure_provider
     from ps_bridge.providers.registry import register_all
-    from ps_bridge.tiny_checkpoints import _tiny_qwen35_text_kwargs
+    from ps_bridge.tools.tiny_checkpoints import _tiny_qwen35_text_kwargs
 
     import_megatron_bridge()
     register_all()
@@ -284,7 +284,7 @@ def test_qwen35_block_spec_builds_each_uneven_stage_from_its_own_layers():
 @pytest.mark.slow
 def test_cli_with_fewer_kv_heads_than_tp_ranks_equals_hf(tmp_path):
     """One KV head on two TP ranks: megatron replicates it (the shape check accepts it)."""
-    from ps_bridge.tiny_checkpoints import build_tiny_qwen2
+    from ps_bridge.tools.tiny_checkpoints import build_tiny_qwen2
 
     path = tmp_path / "kv1"
     hf_model = build_tiny_qwen2(str(path), vocab_size=VOCAB, num_hidden_layers=LAYERS, num_key_value_heads=1)
@@ -295,7 +295,7 @@ def test_cli_with_fewer_kv_heads_than_tp_ranks_equals_hf(tmp_path):
 @pytest.mark.parametrize("flags", [["--pp", "2"], ["--tp", "2"]], ids=["pp2", "tp2"])
 def test_cli_qwen35_with_shapes_that_do_not_divide_equals_hf(flags, tmp_path):
     """Qwen3.5 (Gated DeltaNet + attention) with vocabulary 157 and 3 layers."""
-    from ps_bridge.tiny_checkpoints import build_tiny_qwen35
+    from ps_bridge.tools.tiny_checkpoints import build_tiny_qwen35
 
     path = tmp_path / "q35"
     hf_model = build_tiny_qwen35(

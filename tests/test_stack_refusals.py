@@ -24,8 +24,8 @@ def test_vl_model_is_refused_or_built_by_the_installed_bridge(tmp_path):
     """On Megatron-Bridge 0.5.x loading a Qwen3.5 VL checkpoint stops with the refusal; from 0.6.0 on
     it builds (its exactness is tests/test_qwen35_model.py's)."""
     from ps_bridge.config import PrefixSharingConfig
-    from ps_bridge.runtime import load_model
-    from ps_bridge.tiny_checkpoints import build_tiny_qwen35_vl
+    from ps_bridge.tools.runtime import load_model
+    from ps_bridge.tools.tiny_checkpoints import build_tiny_qwen35_vl
 
     build_tiny_qwen35_vl(str(tmp_path))
     config = PrefixSharingConfig(enabled=True, backend="torch_ref", gdn_backend="torch_ref")

@@ -115,10 +115,10 @@ def test_gpu_alltoall_layer_equals_megatrons_permutation():
     permutation (the dispatcher switched back to megatron's class)."""
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    from ps_bridge.bench.catalog import FAMILIES, MODEL_SHAPES
+    from ps_bridge.tools.bench.catalog import FAMILIES, MODEL_SHAPES
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.models.token_permutation import GatherSumAlltoAllTokenDispatcher, use_megatron_permutation
-    from ps_bridge.runtime import load_model_from_hf_config
+    from ps_bridge.tools.runtime import load_model_from_hf_config
 
     shape = MODEL_SHAPES["tiny-qwen3.5-moe"]
     loaded = load_model_from_hf_config(FAMILIES[shape.family](shape.dims, 1), PrefixSharingConfig(enabled=True),
@@ -151,11 +151,11 @@ def test_gpu_moe_layer_runs_without_a_host_sync():
     forward + backward of the MoE layer never makes the host wait for the GPU. megatron's own
     dispatcher waits for the token counts' host copy and its TEGroupedMLP moves them to the host;
     ours keeps them on the device (and its bags need no bincount)."""
-    from ps_bridge.bench.catalog import FAMILIES, MODEL_SHAPES
-    from ps_bridge.bench.moe_layer import host_syncs, host_waits
+    from ps_bridge.tools.bench.catalog import FAMILIES, MODEL_SHAPES
+    from ps_bridge.tools.bench.moe_layer import host_syncs, host_waits
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.models.token_permutation import use_megatron_permutation
-    from ps_bridge.runtime import load_model_from_hf_config
+    from ps_bridge.tools.runtime import load_model_from_hf_config
 
     shape = MODEL_SHAPES["tiny-qwen3.5-moe"]
     loaded = load_model_from_hf_config(FAMILIES[shape.family](shape.dims, 1), PrefixSharingConfig(enabled=True),

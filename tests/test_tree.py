@@ -376,7 +376,7 @@ def test_parallel_settings_accept_trees():
     """The parallel settings' one check knows nothing of trees (they run under every layout it accepts)."""
     import inspect
 
-    from ps_bridge.parallel import ParallelSettings
+    from ps_bridge.parallel.settings import ParallelSettings
 
     assert list(inspect.signature(ParallelSettings.check_supported).parameters) == ["self"]
     for settings_ in (ParallelSettings(), ParallelSettings(tp=2, sequence_parallel=True), ParallelSettings(pp=2),
@@ -417,7 +417,7 @@ def test_make_layout_builds_the_trie_once_and_the_rule_reads_it(qwen2_loaded, mo
 
     from ps_bridge.launch_rule import MicroBatchCounts, sharing_for
     from ps_bridge.layout import decide_tree
-    from ps_bridge.runtime import make_layout
+    from ps_bridge.tools.runtime import make_layout
 
     samples = tree_samples(0)
     config = qwen2_loaded.config
@@ -485,7 +485,7 @@ def test_split_subtrees_gives_whole_subtrees_to_every_rank(seed, dp):
     """Every sample on one rank, every rank some; a rank's samples are whole subtrees: a node below the
     split is on one rank only, and only the nodes above it (a shared root such as the system prompt)
     are on several."""
-    from ps_bridge.data_parallel import split_subtrees
+    from ps_bridge.tools.data_parallel import split_subtrees
     from ps_bridge.layout import decide_tree
 
     samples = tree_samples(seed)
@@ -517,7 +517,7 @@ def test_split_subtrees_gives_whole_subtrees_to_every_rank(seed, dp):
 
 
 def test_split_subtrees_splits_a_system_prompt_shared_by_the_whole_batch():
-    from ps_bridge.data_parallel import split_groups, split_subtrees
+    from ps_bridge.tools.data_parallel import split_groups, split_subtrees
     from ps_bridge.layout import decide_tree
 
     system = list(range(100, 140))
@@ -540,7 +540,7 @@ def test_logprobs_cli_decides_sharing_once(tmp_path, qwen2_checkpoint, monkeypat
 
     import ps_bridge.launch_rule as launch_rule
     import ps_bridge.prepare as prepare
-    from ps_bridge.cli import main
+    from ps_bridge.tools.cli import main
 
     calls = []
     real = launch_rule.sharing_for

@@ -7,11 +7,11 @@ import pytest
 import torch
 from tree_cases import tree_samples
 
-import ps_bridge.data_parallel as data_parallel
+import ps_bridge.tools.data_parallel as data_parallel
 import ps_bridge.launch_rule as launch_rule
 import ps_bridge.prepare as prepare
-from ps_bridge.cli import main
-from ps_bridge.tiny_checkpoints import hf_sample_logprobs
+from ps_bridge.tools.cli import main
+from ps_bridge.tools.tiny_checkpoints import hf_sample_logprobs
 
 
 @pytest.mark.parametrize("tree", [True, False])

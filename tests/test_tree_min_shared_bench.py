@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from ps_bridge import bench
-from ps_bridge.bench import catalog
-from ps_bridge.bench import run as bench_run
+from ps_bridge.tools import bench
+from ps_bridge.tools.bench import catalog
+from ps_bridge.tools.bench import run as bench_run
 
 
 def parse(argv):

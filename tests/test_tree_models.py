@@ -14,9 +14,9 @@ import torch
 from qwen35_helpers import load_tiny, max_abs, param_grads, per_sample_response_logprobs
 from test_qwen35_moe_router_stats import _bias_step, moe_with_expert_bias  # noqa: F401 (a fixture)
 from tree_cases import tree_samples
-from ps_bridge.compare import hf_logprobs, max_abs_diff, max_relative_grad_diff, run_logprob_loss
+from ps_bridge.tools.compare import hf_logprobs, max_abs_diff, max_relative_grad_diff, run_logprob_loss
 from ps_bridge.layout import Sample, build_layout
-from ps_bridge.runtime import make_layout
+from ps_bridge.tools.runtime import make_layout
 
 
 @contextmanager
@@ -59,8 +59,8 @@ def test_qwen2_tree_split_across_micro_batches(qwen2_checkpoint, qwen2_loaded):
     """Samples sharing a prefix split across two micro-batches: each part is its own tree (its shared
     prefix computed in both); through megatron's schedule over both micro-batches the log-probs equal
     HF's and the unshared run's, and every gradient the unshared run's."""
-    from ps_bridge.compare import loss_weights, max_relative_grad_diff
-    from ps_bridge.schedule import logprob_pass
+    from ps_bridge.tools.compare import loss_weights, max_relative_grad_diff
+    from ps_bridge.tools.schedule import logprob_pass
 
     _, hf_model = qwen2_checkpoint
     samples = tree_samples(1)  # 24 samples, depth 4; its halves are trees of depth 4 and 3
@@ -89,7 +89,7 @@ def test_qwen2_long_tree_no_farther_from_hf_than_unshared(qwen2_checkpoint, qwen
     """Long sequences (a system prompt of 200 tokens under 2 prompts of 3 responses, a 3-turn chain;
     up to about 450 tokens a sample): the tree's log-probs are no farther from HF's than the unshared
     run's (or within 2e-5), and within 1e-5 of the unshared run's."""
-    from ps_bridge.tiny_checkpoints import system_prompt_samples
+    from ps_bridge.tools.tiny_checkpoints import system_prompt_samples
 
     _, hf_model = qwen2_checkpoint
     samples = system_prompt_samples(qwen2_loaded.vocab_size, system_len=200, num_prompts=2, n=3, prompt_len=(32, 48),
@@ -111,9 +111,9 @@ def check_default_threshold(hf, loaded, moe: bool) -> None:
     than it shared by every prompt, and a multi-turn chain; the shared runs shorter than it are not
     shared, the tree is still deeper than one level, and the log-probs equal HF's and the unshared
     run's, every gradient the unshared run's (MoE: load-balancing loss and z-loss on)."""
-    from ps_bridge.compare import max_relative_grad_diff
+    from ps_bridge.tools.compare import max_relative_grad_diff
     from ps_bridge.layout import DEFAULT_MIN_SHARED
-    from ps_bridge.tiny_checkpoints import system_prompt_samples
+    from ps_bridge.tools.tiny_checkpoints import system_prompt_samples
 
     # below the tiny VL checkpoints' special ids (250..253); prompts after the system prompt at least
     # as long as the threshold (kept as nodes), and two samples whose common run of 5 tokens is not
@@ -235,8 +235,8 @@ def test_logprobs_cli_on_trees_qwen35(arch, tmp_path):
     import json
 
     from tree_cases import distinct_prefixes
-    from ps_bridge.cli import main
-    from ps_bridge.tiny_checkpoints import TINY_BUILDERS, hf_sample_logprobs
+    from ps_bridge.tools.cli import main
+    from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS, hf_sample_logprobs
 
     hf = TINY_BUILDERS[arch](str(tmp_path / "ckpt"))
     samples = tree_samples(3)

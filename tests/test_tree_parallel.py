@@ -48,12 +48,12 @@ def tree_reference(tmp_path_factory):
     the tree micro-batches (`cases`: `tree` or `tree_ep`), per architecture, built once."""
     from transformers import AutoModelForCausalLM
 
-    from ps_bridge.compare import hf_logprobs
+    from ps_bridge.tools.compare import hf_logprobs
     from ps_bridge.config import PrefixSharingConfig
-    from ps_bridge.parallel import hf_named_gradients
-    from ps_bridge.runtime import load_model
-    from ps_bridge.schedule import logprob_pass
-    from ps_bridge.tiny_checkpoints import TINY_BUILDERS
+    from ps_bridge.parallel.gradients import hf_named_gradients
+    from ps_bridge.tools.runtime import load_model
+    from ps_bridge.tools.schedule import logprob_pass
+    from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
 
     cache = {}
 

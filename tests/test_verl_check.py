@@ -14,11 +14,11 @@ import pytest
 if importlib.util.find_spec("verl") is None:
     pytest.skip("verl is not installed (requirements-verl*.txt)", allow_module_level=True)
 
-import ps_bridge.verl.side_by_side as vt  # noqa: E402
+import ps_bridge.tools.verl_check.side_by_side as vt  # noqa: E402
 
 vt.prepare_side_by_side()
 
-from ps_bridge.verl import check  # noqa: E402
+from ps_bridge.tools import verl_check as check  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,7 +29,7 @@ def test_verl_check_smoke(tmp_path):
     norm within 1e-5 relative, no more micro-batches than the stock engine."""
     out = tmp_path / "out.json"
     plot = tmp_path / "out.png"
-    args = [sys.executable, "-m", "ps_bridge.cli", "verl-check", "--smoke", "--no-progress", "--json", str(out),
+    args = [sys.executable, "-m", "ps_bridge.tools.cli", "verl-check", "--smoke", "--no-progress", "--json", str(out),
             "--workdir", str(tmp_path)]
     if importlib.util.find_spec("matplotlib") is not None:
         args += ["--plot", str(plot)]
@@ -106,7 +106,7 @@ def test_verl_check_smoke_with_a_system_prompt(tmp_path):
     against the stock engine, fewer micro-batches. `--interleave` (both engines resident, steps in
     turns) changes no result."""
     out = tmp_path / "out.json"
-    args = [sys.executable, "-m", "ps_bridge.cli", "verl-check", "--smoke", "--system-prompt-len", "16", "--no-progress",
+    args = [sys.executable, "-m", "ps_bridge.tools.cli", "verl-check", "--smoke", "--system-prompt-len", "16", "--no-progress",
             "--interleave", "--json", str(out), "--workdir", str(tmp_path)]
     env = dict(os.environ, PS_BRIDGE_TREE_MIN_SHARED="0")
     proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
@@ -124,7 +124,7 @@ def test_verl_check_smoke_with_a_system_prompt(tmp_path):
 def test_interleaved_engines_take_turns_and_are_freed(monkeypatch):
     """`--interleave`: steps A B, B A, A B, ...; each kind's records in its step order; every
     engine's generator closed (engines freed) also when a step fails."""
-    from ps_bridge.verl.check import run as run_mod
+    from ps_bridge.tools.verl_check import run as run_mod
 
     calls, closed = [], []
 
@@ -167,8 +167,8 @@ def test_counting_compiles_sees_triton_hooks_and_restores_them():
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
     if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
         pytest.skip("this Triton has no JIT hooks")
-    from ps_bridge.verl.check.compiles import counting_compiles
-    from ps_bridge.verl.check.report import compile_lines
+    from ps_bridge.tools.verl_check.compiles import counting_compiles
+    from ps_bridge.tools.verl_check.report import compile_lines
 
     seen = []
     runtime.jit_post_compile_hook = lambda **kw: seen.append(kw["fn"].name)

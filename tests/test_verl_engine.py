@@ -22,14 +22,14 @@ if importlib.util.find_spec("verl") is None:
 
 import torch  # noqa: E402
 
-import ps_bridge.verl.side_by_side as vt  # noqa: E402
+import ps_bridge.tools.verl_check.side_by_side as vt  # noqa: E402
 
 vt.prepare_side_by_side()
 
 from ps_bridge.config import PrefixSharingConfig  # noqa: E402
 from ps_bridge.layout import Sample  # noqa: E402
 from ps_bridge.providers.registry import provider_names  # noqa: E402
-from ps_bridge.tiny_checkpoints import TINY_BUILDERS, grpo_like_samples  # noqa: E402
+from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS, grpo_like_samples  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
 
@@ -233,7 +233,7 @@ def test_different_temperatures_in_a_group_are_not_shared(engines, checkpoints, 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_response_logprobs_match_hugging_face(engines, checkpoints, family):
     """Independent of verl's stock engine: the response slice verl's loss uses equals HF's."""
-    from ps_bridge.tiny_checkpoints import hf_sample_logprobs
+    from ps_bridge.tools.tiny_checkpoints import hf_sample_logprobs
 
     _, hf = checkpoints(family)
     samples = grouped_samples(hf.config.vocab_size, num_prompts=2, n=3, seed=3)
@@ -380,7 +380,7 @@ def ppo_loss_function(path):
 
     from verl.workers.utils.losses import ppo_loss
 
-    from ps_bridge.verl import check
+    from ps_bridge.tools import verl_check as check
 
     settings = check.CheckSettings(model=path, n=4, overrides=["actor_rollout_ref.actor.entropy_coeff=0.01"])
     actor_cfg, _, _ = check.role_configs(check.trainer_config(settings))
@@ -451,7 +451,7 @@ def test_sharing_knob_forces_the_unshared_path(engines, checkpoints, caplog):
 def tree_batch(vocab, seed=0, n=3):
     """A system prompt of 20 tokens shared by 3 prompts of n responses each, and a 3-turn chain whose
     every turn's prompt holds the previous turn's whole sequence."""
-    from ps_bridge.tiny_checkpoints import system_prompt_samples
+    from ps_bridge.tools.tiny_checkpoints import system_prompt_samples
 
     return system_prompt_samples(vocab, system_len=20, num_prompts=3, n=n, seed=seed)
 

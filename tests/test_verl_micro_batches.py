@@ -14,12 +14,12 @@ import pytest
 if importlib.util.find_spec("verl") is None:
     pytest.skip("verl is not installed (requirements-verl*.txt)", allow_module_level=True)
 
-import ps_bridge.verl.side_by_side as vt  # noqa: E402
+import ps_bridge.tools.verl_check.side_by_side as vt  # noqa: E402
 
 vt.prepare_side_by_side()
 
 from ps_bridge.layout import Sample, build_layout  # noqa: E402
-from ps_bridge.tiny_checkpoints import system_prompt_samples  # noqa: E402
+from ps_bridge.tools.tiny_checkpoints import system_prompt_samples  # noqa: E402
 from ps_bridge.verl.micro_batches import (  # noqa: E402
     bin_tokens, first_fit_decreasing, group_dp_partitions, split_to_count, subtree_units,
 )

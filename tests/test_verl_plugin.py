@@ -19,7 +19,7 @@ if importlib.util.find_spec("verl") is None:
 
 import torch  # noqa: E402
 
-import ps_bridge.verl.side_by_side as vt  # noqa: E402
+import ps_bridge.tools.verl_check.side_by_side as vt  # noqa: E402
 
 vt.prepare_side_by_side()
 
@@ -131,7 +131,7 @@ END_TO_END = textwrap.dedent(
     import json, sys
     from ps_bridge.compat.verl_on_cpu import prepare_cpu_process
     prepare_cpu_process()
-    from ps_bridge.parallel import init_parallel
+    from ps_bridge.parallel.groups import init_parallel
     init_parallel()
     from verl.workers.config import HFModelConfig
     from verl.workers.engine.base import EngineRegistry
@@ -140,8 +140,8 @@ END_TO_END = textwrap.dedent(
     cls = EngineRegistry.get_engine_cls("language_model", "megatron")
     result = {"engine": cls.__name__}
     if cls.__name__ == "PrefixSharedMegatronEngine":
-        from ps_bridge.tiny_checkpoints import grpo_like_samples
-        import ps_bridge.verl.side_by_side as vt
+        from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
+        import ps_bridge.tools.verl_check.side_by_side as vt
         engine = vt.build_engine(cls, ckpt)
         result["model"] = type(engine._unwrapped_model()).__name__
         result["provider"] = type(engine.provider).__name__

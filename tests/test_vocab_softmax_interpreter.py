@@ -29,7 +29,7 @@ CHILD = textwrap.dedent(
     from ps_bridge.kernels import vocab_softmax
     from ps_bridge import rows as rows_mod
     from ps_bridge.layout import Sample, build_layout
-    from ps_bridge.parallel import init_parallel
+    from ps_bridge.parallel.groups import init_parallel
 
     def rel(a, b):
         return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-12))

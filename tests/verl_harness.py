@@ -19,7 +19,7 @@ def tree_samples_for_engines(vocab: int = 256):
     """16 samples shaped like a prefix tree (`system_prompt_samples`): a system prompt of 20 tokens
     shared by 4 prompts of 3 responses each, and a 4-turn chain whose every turn's prompt holds the
     previous turn's whole sequence."""
-    from ps_bridge.tiny_checkpoints import system_prompt_samples
+    from ps_bridge.tools.tiny_checkpoints import system_prompt_samples
 
     return system_prompt_samples(vocab, system_len=20, num_prompts=4, n=3, turns=4, seed=3)
 
@@ -75,10 +75,10 @@ def engine_comparison(ckpt: str, tp: int = 2, sequence_parallel: bool = False, t
     no label (the stock engine fills it from the next sample of its own packing), is left out."""
     import torch.distributed as dist
 
-    from ps_bridge.verl.side_by_side import build_engine, build_stock_engine, grpo_micro_batch, prepare_side_by_side
+    from ps_bridge.tools.verl_check.side_by_side import build_engine, build_stock_engine, grpo_micro_batch, prepare_side_by_side
 
     prepare_side_by_side()
-    from ps_bridge.tiny_checkpoints import grpo_like_samples
+    from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
     from ps_bridge.verl.engine import PrefixSharedMegatronEngine
 
     if tree:
@@ -143,7 +143,7 @@ def layout_run(ckpt: str, tp: int, pp: int, cp: int, sp: bool, per_token: bool, 
     import torch
     import torch.distributed as dist
 
-    from ps_bridge.verl.side_by_side import build_engine, grpo_micro_batch, prepare_side_by_side
+    from ps_bridge.tools.verl_check.side_by_side import build_engine, grpo_micro_batch, prepare_side_by_side
 
     prepare_side_by_side()
     from megatron.core import parallel_state
@@ -152,9 +152,9 @@ def layout_run(ckpt: str, tp: int, pp: int, cp: int, sp: bool, per_token: bool, 
     from verl.workers.utils.losses import ppo_loss
 
     from ps_bridge.config import PrefixSharingConfig
-    from ps_bridge.parallel import hf_named_gradients
-    from ps_bridge.tiny_checkpoints import grpo_like_samples
-    from ps_bridge.verl import check
+    from ps_bridge.parallel.gradients import hf_named_gradients
+    from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
+    from ps_bridge.tools import verl_check as check
     from ps_bridge.verl.engine import PrefixSharedMegatronEngine
     from ps_bridge.verl.micro_batches import group_dp_partitions
 
@@ -250,13 +250,13 @@ def expert_parallel_run(ckpt: str, ep: int, out: str, cp: int = 1, tree: bool = 
     import torch
     import torch.distributed as dist
 
-    from ps_bridge.verl.side_by_side import build_engine, grpo_micro_batch, prepare_side_by_side
+    from ps_bridge.tools.verl_check.side_by_side import build_engine, grpo_micro_batch, prepare_side_by_side
 
     prepare_side_by_side()
     from megatron.core import parallel_state
 
     from ps_bridge.config import PrefixSharingConfig
-    from ps_bridge.tiny_checkpoints import grpo_like_samples
+    from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
     from ps_bridge.verl.engine import PrefixSharedMegatronEngine
     from ps_bridge.verl.micro_batches import group_dp_partitions
 

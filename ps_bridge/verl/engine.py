@@ -42,7 +42,7 @@ import torch
 from ps_bridge.config import PrefixSharingConfig
 from ps_bridge.forward import local_shard, run_packed
 from ps_bridge.launch_rule import ModelCost
-from ps_bridge.parallel import ParallelSettings
+from ps_bridge.parallel.settings import ParallelSettings
 from ps_bridge.parallel_info import rank_tag
 from ps_bridge.prepare import decided_layout
 from ps_bridge.rows import PackedRows
@@ -121,7 +121,7 @@ class PrefixSharingEngineMixin:
 
     prefix_sharing_config: Optional[PrefixSharingConfig] = None
     # called with (samples, layout) for every micro-batch the forward step packs (`ps-bridge
-    # verl-check` counts the model FLOPs of what ran: `ps_bridge.verl.check.flops`)
+    # verl-check` counts the model FLOPs of what ran: `ps_bridge.tools.verl_check.flops`)
     layout_observer: Optional[Callable[[Sequence, Any], None]] = None
 
     # ---- configuration checks -----------------------------------------------------------------

@@ -1,0 +1,71 @@
+"""Process groups of a prefix-shared run: torch.distributed and megatron's model-parallel groups
+(torchrun's variables are read here), the output rank, a maximum over ranks."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ps_bridge.compat import cuda_on_cpu
+
+
+def launched_world_size() -> int:
+    """The world size torchrun launched (1 when run as a plain process)."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_parallel(
+    tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234, ep: int = 1, timeout_s: Optional[float] = None
+) -> None:
+    """torch.distributed (gloo on CPU, NCCL on GPU; world size 1 when not launched by torchrun) and
+    megatron's model-parallel groups, seeded; idempotent. `timeout_s`: how long a collective may
+    wait before it fails (torch's default when None)."""
+    cuda_on_cpu.enable()
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+        if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:  # launched by torchrun
+            dist.init_process_group(backend, **timeout)
+        else:  # a single process: a private store on a free port, the environment left alone
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, **timeout)
+    from megatron.core import parallel_state, tensor_parallel  # heavy: only a run that builds groups loads megatron-core
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+            expert_model_parallel_size=ep,
+        )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def is_output_rank() -> bool:
+    """Global rank 0 writes files and prints results; every rank logs its own `[PS]` lines."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def max_over_ranks(value: float) -> float:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _collective_device() -> torch.device:
+    # NCCL collectives need CUDA tensors; gloo takes CPU tensors
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")

@@ -1,0 +1,164 @@
+"""Model FLOPs of a packed micro-batch, and F: the unshared computation's FLOPs over the shared one's.
+
+`F = flop_ratio(shape, samples)` is what prefix sharing can at most gain in compute: the FLOPs of
+the unshared computation (every sample its own sequence, the output layer on every position, as
+verl's stock engine runs it) over those of the shared one (each trie token once, attention over its
+ancestors, the output layer on the read positions only). With the output layer on read positions
+the speed-up can exceed the token ratio S; F is its bound.
+
+Conventions (`model_flops`):
+- a matmul of `[m, k] x [k, n]` is `2 m k n` FLOPs; forward + backward = 3 x forward for every
+  linear layer (the backward computes the input's and the weight's gradients);
+- attention's quadratic term as flash-attention's benchmarks count it: `4 d` FLOPs per (query head,
+  query, key) pair (QK^T and PV), causal pairs counted as half a square: a segment of `n` queries
+  with `A` ancestor tokens has `n A + n^2 / 2` pairs; backward = 2.5 x forward (3.5 x in all);
+- Gated DeltaNet: the per-token state update, per value head `6 K V` (the decayed state applied to
+  k, the rank-one update, the output q^T S: `2 K V` each) plus the depthwise conv `2 W` per conv
+  channel; 3 x forward;
+- MoE: the router, the top-k active experts and the shared expert per token (3 x forward);
+- the embedding lookup, norms, rotary embedding, activations and the softmax are not counted;
+- padding counted as computed: linear layers run on every packed position, padding included, and
+  attention's queries on the padded segments; the Gated DeltaNet kernels run on compacted (valid)
+  tokens only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+from ps_bridge.layout import PackedPrefixLayout, Sample, build_layout
+
+MATMUL_FWD_BWD = 3.0  # forward + backward of a linear layer, in forwards
+ATTENTION_FWD_BWD = 3.5  # flash-attention's count: backward = 2.5 x forward
+
+
+@dataclass(frozen=True)
+class FlopShape:
+    """What the count needs from a model (`flop_shape` reads it off a bench `ModelShape`)."""
+
+    hidden: int
+    vocab: int
+    layer_kinds: Sequence[str]  # "attention" or "gdn", per layer
+    heads: int
+    kv_heads: int
+    head_dim: int
+    attention_output_gate: bool = False  # Qwen3.5: q_proj also projects a per-head output gate
+    intermediate: int = 0  # dense gated MLP (SwiGLU: three h x I matmuls)
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    shared_expert_intermediate: int = 0
+    gdn_key_heads: int = 0
+    gdn_value_heads: int = 0
+    gdn_key_dim: int = 0
+    gdn_value_dim: int = 0
+    gdn_conv_width: int = 0
+
+    def linear_flops_per_token(self, kind: str) -> float:
+        """Forward FLOPs of one layer's linear layers (and MoE experts) per token."""
+        h = self.hidden
+        if kind == "attention":
+            q = self.heads * self.head_dim * (2 if self.attention_output_gate else 1)
+            kv = 2 * self.kv_heads * self.head_dim
+            mixer = h * (q + kv) + self.heads * self.head_dim * h
+        elif kind == "gdn":
+            qk = 2 * self.gdn_key_heads * self.gdn_key_dim
+            v = self.gdn_value_heads * self.gdn_value_dim
+            mixer = h * (qk + 2 * v + 2 * self.gdn_value_heads) + v * h  # in_proj (qkv, z, b, a), out_proj
+        else:
+            raise ValueError(f"unknown layer kind {kind!r} (attention or gdn)")
+        if self.experts:
+            mlp = h * self.experts + 3 * h * self.expert_intermediate * self.experts_per_token
+            if self.shared_expert_intermediate:
+                mlp += 3 * h * self.shared_expert_intermediate + h  # and its sigmoid gate
+        else:
+            mlp = 3 * h * self.intermediate
+        return 2.0 * (mixer + mlp)
+
+    def gdn_flops_per_token(self) -> float:
+        conv_channels = 2 * self.gdn_key_heads * self.gdn_key_dim + self.gdn_value_heads * self.gdn_value_dim
+        return 6.0 * self.gdn_value_heads * self.gdn_key_dim * self.gdn_value_dim + 2.0 * self.gdn_conv_width * conv_channels
+
+
+def flop_shape(model, num_layers: Optional[int] = None) -> FlopShape:
+    """The `FlopShape` of a bench `ModelShape` (`ps_bridge.tools.bench.catalog.MODEL_SHAPES`) with
+    `num_layers` layers (default: its bench layer count), read off the transformers config the bench
+    builds for it (defaults included; Qwen3.5's hybrid pattern cut to the layers)."""
+    from ps_bridge.tools.bench.catalog import FAMILIES
+
+    layers = model.bench_layers if num_layers is None else num_layers
+    return flop_shape_of_config(FAMILIES[model.family](model.dims, layers), model.family)
+
+
+def flop_shape_of_config(c, family: Optional[str] = None) -> FlopShape:
+    """The `FlopShape` of a transformers text config `c` (all its layers). `family`: "qwen2.5",
+    "qwen3.5" or "qwen3.5-moe"; None reads it off the config (Gated DeltaNet fields: Qwen3.5, experts:
+    its MoE)."""
+    if family is None:
+        gdn_config = hasattr(c, "linear_num_key_heads")
+        family = ("qwen3.5-moe" if getattr(c, "num_experts", 0) else "qwen3.5") if gdn_config else "qwen2.5"
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    common = dict(hidden=c.hidden_size, vocab=c.vocab_size, heads=c.num_attention_heads,
+                  kv_heads=c.num_key_value_heads, head_dim=head_dim)
+    if family == "qwen2.5":
+        return FlopShape(layer_kinds=["attention"] * c.num_hidden_layers, intermediate=c.intermediate_size, **common)
+    kinds = ["attention" if t == "full_attention" else "gdn" for t in c.layer_types[: c.num_hidden_layers]]
+    gdn = dict(gdn_key_heads=c.linear_num_key_heads, gdn_value_heads=c.linear_num_value_heads,
+               gdn_key_dim=c.linear_key_head_dim, gdn_value_dim=c.linear_value_head_dim,
+               gdn_conv_width=c.linear_conv_kernel_dim)
+    if family == "qwen3.5-moe":
+        return FlopShape(layer_kinds=kinds, attention_output_gate=True, experts=c.num_experts,
+                         experts_per_token=c.num_experts_per_tok, expert_intermediate=c.moe_intermediate_size,
+                         shared_expert_intermediate=getattr(c, "shared_expert_intermediate_size", 0) or 0,
+                         **gdn, **common)
+    return FlopShape(layer_kinds=kinds, attention_output_gate=True, intermediate=c.intermediate_size, **gdn, **common)
+
+
+def attention_pairs(layout: PackedPrefixLayout) -> float:
+    """(query, key) pairs of one attention layer, flash-attention style: each segment's padded
+    queries against its ancestors' valid tokens, plus half the square of its own (causal)."""
+    valid = layout.host["valid_lengths"]
+    padded = layout.host["padded_lengths"]
+    parent = layout.host["segment_parent"]
+    above: List[int] = []  # valid tokens of each segment's ancestors (parents come first in the pack)
+    pairs = 0.0
+    for s, p in enumerate(parent):
+        above.append(0 if p < 0 else above[p] + valid[p])
+        pairs += padded[s] * above[s] + padded[s] ** 2 / 2
+    return pairs
+
+
+def model_flops(shape: FlopShape, layout: PackedPrefixLayout) -> float:
+    """Forward + backward FLOPs of the model on `layout` (see the module's conventions)."""
+    T = layout.num_tokens
+    valid_tokens = sum(layout.host["valid_lengths"])
+    pairs = attention_pairs(layout)
+    total = 0.0
+    for kind in shape.layer_kinds:
+        total += MATMUL_FWD_BWD * T * shape.linear_flops_per_token(kind)
+        if kind == "attention":
+            total += ATTENTION_FWD_BWD * 4.0 * shape.heads * shape.head_dim * pairs
+        else:
+            total += MATMUL_FWD_BWD * valid_tokens * shape.gdn_flops_per_token()
+    outputs = T if layout.output_positions is None else int(layout.output_positions.numel())
+    total += MATMUL_FWD_BWD * 2.0 * shape.hidden * shape.vocab * outputs
+    return total
+
+
+def layout_flop_ratio(shape: FlopShape, shared, unshared: PackedPrefixLayout) -> float:
+    """F of two packings of the same samples: `model_flops(unshared) / model_flops(shared)` (the
+    bench passes the layouts it times). `shared`: one layout, or the micro-batches the samples were
+    split into (each computing its own prefixes), whose FLOPs add up."""
+    parts = list(shared) if isinstance(shared, (list, tuple)) else [shared]
+    if unshared.shared or unshared.tokens_unshared != sum(p.tokens_unshared for p in parts):
+        raise ValueError("layout_flop_ratio needs an unshared layout (share=False) of the shared layout's samples")
+    return model_flops(shape, unshared) / sum(model_flops(shape, p) for p in parts)
+
+
+def flop_ratio(shape: FlopShape, samples: Sequence[Sample], share="tree", pad_multiple: int = 1, **layout_options) -> float:
+    """F: FLOPs of the unshared computation (every sample its own sequence, the output layer on
+    every position) over those of the shared one (`share`, the output layer on read positions)."""
+    shared = build_layout(samples, share=share, pad_multiple=pad_multiple, prompt_values=False, **layout_options)
+    unshared = build_layout(samples, share=False, pad_multiple=pad_multiple)
+    return layout_flop_ratio(shape, shared, unshared)
