@@ -1,4 +1,4 @@
-"""The one rule that decides, per micro-batch, whether prefix sharing pays (issue 21).
+"""The one rule that decides, per micro-batch, whether prefix sharing pays.
 
 Sharing stores each group's prompt once: the GPU does the work of `T_shared` tokens instead of
 `T_unshared`, and the output layer skips the prompt positions nobody reads. It costs kernel launches:
@@ -189,7 +189,7 @@ def concrete_backends(attention: str, gdn: str, device_type: str, dtype_name: st
     return attention, gdn
 
 
-def decide_sharing(counts: MicroBatchCounts, model: Optional[ModelCost], *, mode: str = "auto",
+def sharing_pays(counts: MicroBatchCounts, model: Optional[ModelCost], *, mode: str = "auto",
                    attention_backend: str = "auto", gdn_backend: str = "auto", device_type: str = "cuda",
                    dtype_name: str = "bfloat16", backward: bool = True) -> SharingDecision:
     """Whether this micro-batch runs shared; see the module docstring. Integers in, the same answer on
@@ -239,6 +239,6 @@ def sharing_for(samples: Sequence, config, model: Optional[ModelCost], device_ty
         return SharingDecision(False, "prefix sharing disabled")
     counts = MicroBatchCounts.of(samples, prompt_values=config.prompt_values, tree=config.tree,
                                  min_shared=config.tree_min_shared, max_depth=config.tree_max_depth, trie=trie)
-    return decide_sharing(counts, model, mode=config.sharing, attention_backend=config.backend,
+    return sharing_pays(counts, model, mode=config.sharing, attention_backend=config.backend,
                           gdn_backend=config.gdn_backend, device_type=device_type, dtype_name=dtype_name,
                           backward=backward)

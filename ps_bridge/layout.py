@@ -55,7 +55,7 @@ import torch
 from ps_bridge.packed_layout import PackedPrefixLayout, Sample, cumulative_offsets  # noqa: F401 (re-exported)
 from ps_bridge.tree.decide import PrefixTree, prompt_tree, token_trie, unshared_tree
 from ps_bridge.tree.materialize import materialize
-from ps_bridge.tree.order import pack_order
+from ps_bridge.tree.order import PackOrder, pack_order
 
 logger = logging.getLogger("ps_bridge")
 
@@ -64,7 +64,7 @@ PAD_SEGMENT = -1
 # the shortest common run a "tree" layout shares by default (shorter runs are computed per sample):
 # measured with `ps-bridge bench --min-shared-sweep` on an H200 (docs/tree.md, "Choosing the threshold"):
 # sharing a run of K <= 64 tokens among 8 prompts was slower than computing it in every prompt on every
-# measured shape (x 0.80-0.95), so the default is the largest the issue allows
+# measured shape (x 0.80-0.95), so the default is the largest such run
 DEFAULT_MIN_SHARED = 64
 
 
@@ -182,7 +182,7 @@ def find_groups(samples: Sequence[Sample], classes: Optional[Sequence[Hashable]]
     return groups
 
 
-def decide_sharing(
+def _tree_of_sequences(
     samples: Sequence[Sample],
     flat: np.ndarray,
     offsets: np.ndarray,
@@ -224,7 +224,7 @@ def decide_tree(
     samples = _as_samples(samples)
     flat, offsets, prompt_lengths = _flatten(samples, vocab_size)
     _check_share_classes(share_classes, len(samples))
-    tree = decide_sharing(
+    tree = _tree_of_sequences(
         samples, flat, offsets, prompt_lengths, share,
         min_shared=min_shared, max_depth=max_depth, share_classes=share_classes,
     )
@@ -275,6 +275,7 @@ def build_layout(
     max_depth: Optional[int] = None,
     share_classes: Optional[Sequence[Hashable]] = None,
     tree: Optional[PrefixTree] = None,
+    order: Optional[PackOrder] = None,
 ) -> PackedPrefixLayout:
     """Pack `samples` (any order) into one prefix-shared THD layout; see the module docstring.
 
@@ -286,7 +287,8 @@ def build_layout(
     other positions, whose rows hold 0. The default here computes every position; runs configured by
     a `PrefixSharingConfig` pass its `prompt_values` (default False). `tree`: the prefix tree already
     decided for these samples (`decide_tree` with the same `share` and options, e.g. for the sharing
-    rule's counts), packed as it is instead of being decided again."""
+    rule's counts), packed as it is instead of being decided again; `order`: its pack order
+    (`tree.order.pack_order(tree)`, e.g. from a `plan.SharingPlan`), else computed here."""
     if pad_multiple < 1:
         raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
     if total_multiple < 1:
@@ -295,14 +297,16 @@ def build_layout(
     _check_share_classes(share_classes, len(samples))
     if tree is None:
         flat, offsets, prompt_lengths = _flatten(samples, vocab_size)
-        tree = decide_sharing(
+        tree = _tree_of_sequences(
             samples, flat, offsets, prompt_lengths, share,
             min_shared=min_shared, max_depth=max_depth, share_classes=share_classes,
         )
     else:
         flat, offsets, prompt_lengths = _given_tree_sequences(samples, tree, vocab_size)
+    if order is None:
+        order = pack_order(tree)
     return materialize(
-        flat, offsets, prompt_lengths, tree, pack_order(tree),
+        flat, offsets, prompt_lengths, tree, order,
         shared=share is not False, pad_multiple=pad_multiple, total_multiple=total_multiple,
         pad_token_id=pad_token_id, prompt_values=prompt_values, vocab_size=vocab_size,
     )

@@ -1,26 +1,26 @@
 """Decide what a micro-batch shares, then build its layout: the one owner of that step.
 
-`decided_layout` is what `runtime.make_layout` (`ps-bridge logprobs`, the schedule, the tests) and the
-verl engine's forward step (`ps_bridge.verl.engine`) both run:
+`micro_batch_layout` is what `runtime.make_layout` (`ps-bridge logprobs`, the schedule, the tests) and
+the verl engine's forward step (`ps_bridge.verl.engine`) both run, with the micro-batch's
+`plan.SharingPlan` (the tree settings and padding; under verl also the tree, where the micro-batcher
+decided it for these samples already):
 
-1. with `config.tree`, the token prefix tree is decided once (`layout.decide_tree`, with the share
-   classes: samples of different classes, e.g. sampling temperatures, share no position);
-2. the sharing rule (`launch_rule.sharing_for`) decides whether the micro-batch runs shared, reading
-   the tree's token count (host integers only: every TP/CP/PP rank decides alike);
-3. `build_layout` packs that decision (the tree above, not decided again); where the rule chose to
-   share but the packing holds nothing shared (samples that share a prefix carry different share
-   classes), the unshared layout is packed instead, the stock computation;
+1. with a prefix tree to share (`config.tree`), the plan is decided for the samples
+   (`SharingPlan.for_samples`: the tree and its pack order, built only where the plan does not hold
+   them; samples of different share classes, e.g. sampling temperatures, share no position);
+2. the sharing rule (`rule_decision`: `launch_rule.sharing_for`) decides whether the micro-batch runs
+   shared, reading the tree's token count (host integers only: every TP/CP/PP rank decides alike);
+3. `build_layout` packs that decision (the plan's tree and order, not decided again); where the rule
+   chose to share but the packing holds nothing shared (samples that share a prefix carry different
+   share classes), the unshared layout is packed instead, the stock computation;
 4. the `[PS][prepare]` lines: the decision and the layout (`log_layout`).
 
 A caller that already knows the packing (`share=True / False / "tree"`) skips the rule: no decision
 is made, logged or returned.
 
-Steps 1 and 2 are also callable alone, for a caller that decides for a whole batch and packs later:
-`decided_tree` (step 1) and `decided_sharing` (step 2, logging the `sharing:` line). `ps-bridge
-logprobs` runs them on its whole batch (the tree before loading the model, to check the ids and
-report the trie, the rule once the model's cost is known), then every micro-batch runs that packing
-(`decided_layout` with `share` given). `decided_layout` runs the same two functions: they are the one
-place that decides a batch's tree and runs the sharing rule.
+`ps-bridge logprobs` decides for its whole batch first (the plan's tree before loading the model, to
+check the ids and report the trie; `rule_decision` once the model's cost is known), then every
+micro-batch runs that packing (`micro_batch_layout` with `share` given).
 """
 
 from __future__ import annotations
@@ -31,29 +31,14 @@ from typing import Hashable, Optional, Sequence, Tuple, Union
 from ps_bridge.config import PrefixSharingConfig
 from ps_bridge.forward import cp_total_multiple, shard_tag
 from ps_bridge.launch_rule import ModelCost, SharingDecision, sharing_for
-from ps_bridge.layout import PackedPrefixLayout, PrefixTree, build_layout, decide_tree, log_layout
+from ps_bridge.layout import PackedPrefixLayout, PrefixTree, build_layout, log_layout
 from ps_bridge.parallel_info import rank_tag
+from ps_bridge.plan import SharingPlan
 
 logger = logging.getLogger("ps_bridge")
 
 
-def decided_tree(
-    samples: Sequence,
-    config: PrefixSharingConfig,
-    *,
-    vocab_size: Optional[int],
-    share_classes: Optional[Sequence[Hashable]] = None,
-) -> PrefixTree:
-    """Step 1: the tree `build_layout` packs for `config.layout_share()` (the prefix tree under
-    `config.tree`, the one-level tree of identical prompts without it, one sequence per sample with
-    sharing off), with `config`'s threshold and depth limit; the ids are checked against `vocab_size`
-    (a bad id fails here, before any model work)."""
-    return decide_tree(samples, config.layout_share(), vocab_size=vocab_size,
-                       min_shared=config.tree_min_shared, max_depth=config.tree_max_depth,
-                       share_classes=share_classes)
-
-
-def decided_sharing(
+def rule_decision(
     samples: Sequence,
     config: PrefixSharingConfig,
     cost: Optional[ModelCost],
@@ -65,9 +50,10 @@ def decided_sharing(
     log: bool = True,
 ) -> SharingDecision:
     """Step 2: the sharing rule's decision for `samples`, reading `tree`'s token count where `config`
-    packs a prefix tree (`tree` from `decided_tree`; None: the rule counts the samples itself).
+    packs a prefix tree (`tree`: a `SharingPlan`'s, decided for `samples`; None: the rule counts the
+    samples itself).
     `backward`: whether a backward pass follows (default: whether gradients are enabled). `log`: the
-    `[PS][prepare] sharing:` line now (`decided_layout` logs it after its fallback instead)."""
+    `[PS][prepare] sharing:` line now (`micro_batch_layout` logs it after its fallback instead)."""
     trie = tree if config.enabled and config.tree else None
     decision = sharing_for(samples, config, cost, device_type, str(dtype).replace("torch.", ""),
                            backward=backward, trie=trie)
@@ -81,47 +67,50 @@ def log_decision(decision: SharingDecision) -> None:
     logger.info("[PS][prepare][%s] sharing: %s", rank_tag(), decision.describe())
 
 
-def decided_layout(
+def micro_batch_layout(
     samples: Sequence,
     config: PrefixSharingConfig,
     cost: Optional[ModelCost],
     device_type: str,
     dtype,
     *,
-    pad_multiple: int,
+    plan: SharingPlan,
     vocab_size: Optional[int],
     total_multiple: Optional[int] = None,
     share_classes: Optional[Sequence[Hashable]] = None,
     share: Optional[Union[bool, str]] = None,
 ) -> Tuple[PackedPrefixLayout, Optional[SharingDecision]]:
-    """The layout of `samples` under `config` and the sharing rule's decision (None where `share` was
-    given); see the module docstring. `dtype`: the model's parameter dtype (a torch dtype or its name),
-    `cost`: the model's `ModelCost` (None: the rule always shares), `total_multiple`: what the pack is
-    padded to (None: `cp_total_multiple()`, equal context-parallel shards)."""
-    tree = None
+    """The layout of `samples` under `config` and `plan` and the sharing rule's decision (None where
+    `share` was given); see the module docstring. `dtype`: the model's parameter dtype (a torch dtype or
+    its name), `cost`: the model's `ModelCost` (None: the rule always shares), `total_multiple`: what the
+    pack is padded to (None: `cp_total_multiple()`, equal context-parallel shards)."""
     decision = None
     if share is None:
         if config.enabled and config.tree:
-            tree = decided_tree(samples, config, vocab_size=vocab_size, share_classes=share_classes)
-        decision = decided_sharing(samples, config, cost, device_type, dtype, tree=tree, log=False)
+            plan = plan.for_samples(samples, share_classes=share_classes, vocab_size=vocab_size)
+        decision = rule_decision(samples, config, cost, device_type, dtype,
+                                 tree=plan.tree if config.enabled and config.tree else None, log=False)
         share = decision.share
     share = config.layout_share(share)
 
-    def pack(share, tree=None):
+    def pack(share, reuse_plan: bool):
+        # the plan's tree and order where they were decided for these samples and this share mode
+        usable = reuse_plan and share == plan.layout_share and plan.holds_tree_of(samples, share_classes)
         return build_layout(
-            samples, share=share, pad_multiple=pad_multiple, vocab_size=vocab_size,
+            samples, share=share, pad_multiple=plan.pad_multiple, vocab_size=vocab_size,
             total_multiple=cp_total_multiple() if total_multiple is None else total_multiple,
             prompt_values=config.layout_prompt_values, min_shared=config.tree_min_shared,
-            max_depth=config.tree_max_depth, share_classes=share_classes, tree=tree,
+            max_depth=config.tree_max_depth, share_classes=share_classes,
+            tree=plan.tree if usable else None, order=plan.order if usable else None,
         )
 
-    layout = pack(share, tree if share == "tree" else None)
+    layout = pack(share, True)
     if decision is not None:
         if layout.shared and not layout.has_sharing:
             if decision.share and share_classes is not None:
                 decision = SharingDecision(False, "samples that share a prefix carry different temperatures: not shared")
             # nothing to share: one THD sequence per sample, the stock engine's computation
-            layout = pack(False)
+            layout = pack(False, False)
         log_decision(decision)
     log_layout(layout, f"[{rank_tag()}]{shard_tag(layout)}")
     return layout, decision

@@ -62,7 +62,7 @@ def _install_timers() -> None:
     from verl.workers.engine.megatron import transformer_impl
     from verl.workers.utils import losses
 
-    for name in ("decided_layout", "samples_from_micro_batch", "stock_row_labels", "run_packed", "PackedRows"):
+    for name in ("micro_batch_layout", "samples_from_micro_batch", "stock_row_labels", "run_packed", "PackedRows"):
         _timed(engine, name, f"engine.{name}")
     _timed(engine.PrefixSharingEngineMixin, "_packed_outputs", "engine._packed_outputs")
     _timed(engine.PrefixSharingEngineMixin, "forward_step", "engine.forward_step")
@@ -74,7 +74,7 @@ def _install_timers() -> None:
     _timed(mb, "batch_costs", "micro_batches.batch_costs")
     _timed(mb, "subtree_units", "micro_batches.subtree_units")
     _timed(mb, "first_fit_decreasing", "micro_batches.first_fit_decreasing")
-    _timed(mb, "mark_packed_budget", "micro_batches.mark_packed_budget")
+    _timed(mb, "mark_plan", "micro_batches.mark_plan")
     _timed(tu, "index_select_tensor_dict", "verl.index_select_tensor_dict")
     _timed(losses, "ppo_loss", "verl.ppo_loss")
     _timed(schedules, "backward_step", "megatron.backward_step")

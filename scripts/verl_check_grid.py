@@ -47,7 +47,7 @@ def main() -> int:
     from ps_bridge.tools import verl_check as check
 
     decisions = []
-    rule = prepare.sharing_for  # the engine's forward step decides through prepare.decided_layout
+    rule = prepare.sharing_for  # the engine's forward step decides through prepare.micro_batch_layout
 
     def counted(samples, config, *a, **kw):
         d = rule(samples, config, *a, **kw)

@@ -1,4 +1,4 @@
-"""The sharing rule (issue 21, `ps_bridge.launch_rule`): per micro-batch, shared only where the
+"""The sharing rule (`ps_bridge.launch_rule`): per micro-batch, shared only where the
 unshared GPU work outweighs the shared path's host (launch) time.
 
 - its inputs (token counts, the model's cost) equal what the layout and the model really hold;
@@ -18,7 +18,7 @@ import torch
 from ps_bridge import launch_rule
 from ps_bridge.tools.bench.catalog import FAMILIES, MODEL_SHAPES, make_samples
 from ps_bridge.config import PrefixSharingConfig
-from ps_bridge.launch_rule import MicroBatchCounts, ModelCost, decide_sharing, sharing_for
+from ps_bridge.launch_rule import MicroBatchCounts, ModelCost, sharing_pays, sharing_for
 from ps_bridge.layout import Sample, build_layout
 from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
 
@@ -46,7 +46,7 @@ def test_model_cost_counts_layer_kinds_and_weights():
     # a config the rule cannot read: no cost, and the rule is not applied
     assert ModelCost.try_from_hf_config({"hidden_size": 8}) is None
     counts = MicroBatchCounts.of(make_samples(128, 32, 8, 4, 1000, 0))
-    assert decide_sharing(counts, None).share
+    assert sharing_pays(counts, None).share
 
 
 @pytest.mark.parametrize("prompt_values", [False, True])
@@ -85,7 +85,7 @@ def test_decisions_follow_the_measured_rows(shape):
     cost = cost_of(shape)
     for (P, R), faster in MEASURED[shape].items():
         for backward, shared_faster in zip((True, False), faster):
-            d = decide_sharing(micro_batch(P, R, 8, 4), cost, backward=backward)
+            d = sharing_pays(micro_batch(P, R, 8, 4), cost, backward=backward)
             assert d.share == shared_faster, (shape, P, R, backward, d.reason)
 
 
@@ -93,12 +93,12 @@ def test_the_rows_where_sharing_pays_stay_shared_and_more_work_never_turns_it_of
     for shape, layers, groups in (("qwen2.5-7b", 4, 1), ("qwen3.5-0.8b", 8, 4), ("qwen3.5-9b", 4, 1),
                                   ("qwen2.5-1.5b", 28, 4)):
         for backward in (True, False):
-            assert decide_sharing(micro_batch(2048, 512, 8, groups), cost_of(shape, layers), backward=backward).share
-    # the issue's Qwen2.5-1.5B setting, where sharing measured 3.84x in verl, stays shared
-    assert decide_sharing(micro_batch(128, 32, 8, 4), cost_of("qwen2.5-1.5b")).share
+            assert sharing_pays(micro_batch(2048, 512, 8, groups), cost_of(shape, layers), backward=backward).share
+    # the Qwen2.5-1.5B verl setting, where sharing measured 3.84x in verl, stays shared
+    assert sharing_pays(micro_batch(128, 32, 8, 4), cost_of("qwen2.5-1.5b")).share
     q35 = cost_of("qwen3.5-0.8b")
-    small = decide_sharing(micro_batch(128, 32, 8, 4), q35)
-    larger = decide_sharing(micro_batch(1024, 32, 8, 4), q35)
+    small = sharing_pays(micro_batch(128, 32, 8, 4), q35)
+    larger = sharing_pays(micro_batch(1024, 32, 8, 4), q35)
     assert larger.gpu_unshared_ns > small.gpu_unshared_ns and larger.host_shared_ns == small.host_shared_ns
     assert not small.share and larger.share
 
@@ -106,16 +106,16 @@ def test_the_rows_where_sharing_pays_stay_shared_and_more_work_never_turns_it_of
 def test_forcing_and_the_cases_without_a_measured_cost():
     counts = micro_batch(128, 32, 8, 4)
     q35 = cost_of("qwen3.5-0.8b")
-    assert decide_sharing(counts, q35, mode="on").share
-    assert not decide_sharing(counts, q35, mode="off").share
-    assert not decide_sharing(micro_batch(2048, 512, 1, 4), q35, mode="on").share  # nothing to share
+    assert sharing_pays(counts, q35, mode="on").share
+    assert not sharing_pays(counts, q35, mode="off").share
+    assert not sharing_pays(micro_batch(2048, 512, 1, 4), q35, mode="on").share  # nothing to share
     # the reference kernels, and any backend on a CPU: no launch cost measured, sharing taken
-    cpu = decide_sharing(counts, q35, device_type="cpu")
+    cpu = sharing_pays(counts, q35, device_type="cpu")
     assert cpu.share and "no launch cost measured" in cpu.reason
-    assert decide_sharing(counts, q35, attention_backend="flex").share
-    assert decide_sharing(counts, q35, dtype_name="float32").share  # auto -> torch_ref attention
+    assert sharing_pays(counts, q35, attention_backend="flex").share
+    assert sharing_pays(counts, q35, dtype_name="float32").share  # auto -> torch_ref attention
     with pytest.raises(ValueError, match="PS_BRIDGE_SHARING"):
-        decide_sharing(counts, q35, mode="sometimes")
+        sharing_pays(counts, q35, mode="sometimes")
 
 
 def test_config_knob_and_environment(monkeypatch):
@@ -183,8 +183,8 @@ def test_every_rank_of_a_tp_cp_pp_group_decides_alike_and_both_paths_stay_exact(
     # the host price that puts the small micro-batch (with the backward) below the bar and the
     # large one (forward only) above it: the geometric mean of the two, over the margin
     num, den = launch_rule.MARGIN
-    lo = decide_sharing(small, cost, device_type="cuda", backward=True).gpu_unshared_ns
-    hi = decide_sharing(large, cost, device_type="cuda", backward=False).gpu_unshared_ns
+    lo = sharing_pays(small, cost, device_type="cuda", backward=True).gpu_unshared_ns
+    hi = sharing_pays(large, cost, device_type="cuda", backward=False).gpu_unshared_ns
     assert 4 * lo < hi
     price = int((lo * hi) ** 0.5) * den // (num * cost.attention_layers)
     spec = dict(parallel, hf_path=path, price_ns=price, batches=PARALLEL_BATCHES)

@@ -410,7 +410,7 @@ def test_layout_from_a_decided_tree_equals_the_layout_deciding_it():
 
 
 def test_make_layout_builds_the_trie_once_and_the_rule_reads_it(qwen2_loaded, monkeypatch, caplog):
-    """`make_layout` (`prepare.decided_layout`, the verl engine's step too): one trie build, the rule
+    """`make_layout` (`prepare.micro_batch_layout`, the verl engine's step too): one trie build, the rule
     reading it, and the `[PS][prepare]` lines: the decision, then the layout with the tree's depth, node
     count and trie tokens."""
     import logging

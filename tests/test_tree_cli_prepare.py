@@ -1,5 +1,5 @@
-"""`ps-bridge logprobs` decides what its batch shares through `ps_bridge.prepare`, the one owner of that
-decision (the tree and the sharing rule), and runs what prepare decided."""
+"""`ps-bridge logprobs` decides what its batch shares through `ps_bridge.plan` (the tree) and
+`ps_bridge.prepare` (the sharing rule), the owners of those decisions, and runs what they decided."""
 
 import json
 
@@ -9,6 +9,7 @@ from tree_cases import tree_samples
 
 import ps_bridge.tools.data_parallel as data_parallel
 import ps_bridge.launch_rule as launch_rule
+import ps_bridge.plan as plan
 import ps_bridge.prepare as prepare
 from ps_bridge.tools.cli import main
 from ps_bridge.tools.tiny_checkpoints import hf_sample_logprobs
@@ -18,10 +19,10 @@ from ps_bridge.tools.tiny_checkpoints import hf_sample_logprobs
 def test_logprobs_cli_runs_what_prepare_decides(tmp_path, qwen2_checkpoint, monkeypatch, capsys, tree):
     """prepare's rule is replaced by one that decides the opposite of the real rule: the CLI must
     report and run that decision (a CLI deciding on its own would report and run the real one), and
-    report the tree prepare decided (`tokens_shared`, `tree_nodes`), decided once for the batch."""
+    report the tree the plan decided (`tokens_shared`, `tree_nodes`), decided once for the batch."""
     hf_path, hf_model = qwen2_checkpoint
     trees, real_shares, run_shares = [], [], []
-    decide_tree, sharing_for, dp_logprob_pass = prepare.decide_tree, launch_rule.sharing_for, data_parallel.dp_logprob_pass
+    decide_tree, sharing_for, dp_logprob_pass = plan.decide_tree, launch_rule.sharing_for, data_parallel.dp_logprob_pass
 
     def recorded_tree(*args, **kwargs):
         trees.append(decide_tree(*args, **kwargs))
@@ -36,7 +37,7 @@ def test_logprobs_cli_runs_what_prepare_decides(tmp_path, qwen2_checkpoint, monk
         run_shares.append(share)
         return dp_logprob_pass(loaded, micro_batches, share=share, **kwargs)
 
-    monkeypatch.setattr(prepare, "decide_tree", recorded_tree)
+    monkeypatch.setattr(plan, "decide_tree", recorded_tree)
     monkeypatch.setattr(prepare, "sharing_for", opposite)
     monkeypatch.setattr(data_parallel, "dp_logprob_pass", recorded_pass)
     samples = tree_samples(2)
@@ -50,7 +51,7 @@ def test_logprobs_cli_runs_what_prepare_decides(tmp_path, qwen2_checkpoint, monk
     assert got["shared_path"] is False and got["sharing_reason"] == "the test's opposite decision"
     assert run_shares == [False]  # what every rank ran
     assert "unshared: the test's opposite decision" in capsys.readouterr().out
-    # the batch's tree: prepare's, decided once (the micro-batch ran with the packing given: no other)
+    # the batch's tree: the plan's, decided once (the micro-batch ran with the packing given: no other)
     assert len(trees) == 1 and got["tokens_shared"] == trees[0].trie_tokens
     assert got["tree_nodes"] == trees[0].num_nodes
     assert (got["tree_depth"] >= 2) == tree

@@ -504,6 +504,57 @@ def test_tree_batch_rows_match_stock_engine_with_fewer_micro_batches(engines, ch
     assert 1 < counts["ours_tree"] < counts["ours"], counts
 
 
+def count_tree_builds(monkeypatch) -> list:
+    """Patch the two deciders of a shared tree (`token_trie`, `prompt_tree`) where the layout calls
+    them, to append each build's sample count to the returned list."""
+    import ps_bridge.layout as layout_module
+
+    built: list = []
+    for name in ("token_trie", "prompt_tree"):
+        real = getattr(layout_module, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            tree = _real(*args, **kwargs)
+            built.append((_name, tree.num_samples))
+            return tree
+
+        monkeypatch.setattr(layout_module, name, counted)
+    return built
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("kind,decider", [("ours_tree", "token_trie"), ("ours", "prompt_tree")])
+def test_one_tree_build_per_micro_batch_in_an_update(engines, checkpoints, monkeypatch, kind, decider):
+    """One update (verl's `ppo_loss` through `forward_backward_batch`) builds each tree once: a mini-batch
+    that fits one micro-batch is decided once (the micro-batcher's costs, the sharing rule and the
+    layout read that one tree), and a mini-batch split into k micro-batches builds its own tree (the
+    costs) and each micro-batch's once (k + 1 in all)."""
+    path, hf = checkpoints("qwen2.5")
+    loss_fn = ppo_loss_function(path)
+    samples = tree_batch(hf.config.vocab_size)
+    whole = sum(len(s.prompt) + len(s.response) for s in samples)
+    split = 2 * max(len(s.prompt) + len(s.response) for s in samples)
+    builds = count_tree_builds(monkeypatch)
+    engine = engines("qwen2.5", "thd", kind, forward_only=False)
+    layouts = []
+    monkeypatch.setattr(engine, "layout_observer", lambda samples, layout: layouts.append(layout), raising=False)
+    for budget in (whole, split):
+        del builds[:], layouts[:]
+        loss, grads, k = ppo_loss_pass(engine, ppo_batch(samples, budget), loss_fn)
+        mine = [n for name, n in builds if name == decider]
+        print(f"{kind} budget {budget}: {k} micro-batches, tree builds of {mine} samples")
+        assert all(name == decider for name, _ in builds), builds
+        assert len(layouts) == k and torch.isfinite(torch.tensor(loss))
+        if k == 1:
+            assert mine == [len(samples)]
+        else:
+            # the mini-batch's tree (the costs), then one per micro-batch: with trees every micro-batch's
+            # (decided before the rule reads it), one level only where the rule shares (else unshared)
+            shared = k if kind == "ours_tree" else sum(layout.shared for layout in layouts)
+            assert mine[0] == len(samples) and len(mine) == 1 + shared, (mine, shared)
+    assert k > 1  # the split budget did split
+
+
 def split_group_batch(vocab):
     """`tree_batch` with groups of 6 and a budget below a group's packed tokens (a group is split
     across micro-batches, checked on the micro-batching's own output)."""

@@ -18,7 +18,10 @@ import ps_bridge.tools.verl_check.side_by_side as vt  # noqa: E402
 
 vt.prepare_side_by_side()
 
+from verl.utils import tensordict_utils as tu  # noqa: E402
+
 from ps_bridge.layout import Sample, build_layout  # noqa: E402
+from ps_bridge.plan import SharingPlan  # noqa: E402
 from ps_bridge.tools.tiny_checkpoints import system_prompt_samples  # noqa: E402
 from ps_bridge.verl.micro_batches import (  # noqa: E402
     bin_tokens, first_fit_decreasing, group_dp_partitions, split_to_count, subtree_units,
@@ -112,16 +115,25 @@ def test_group_dp_partitions_keep_groups_on_one_rank():
 def test_prefix_aware_micro_batches_on_a_verl_batch():
     """verl's `prepare_micro_batches` contract on a batch our engine marked: every sample once, the
     count raised to verl's minimum by splitting, an impossible count refused."""
-    from ps_bridge.verl.micro_batches import mark_packed_budget, prefix_aware_micro_batches
+    from ps_bridge.verl.micro_batches import PLAN_KEY, mark_plan, prefix_aware_micro_batches
 
     samples = system_prompt_samples(256, system_len=20, num_prompts=3, n=3)
     budget = 2 * max(len(s.prompt) + len(s.response) for s in samples)
     td = vt.grpo_micro_batch(samples, max_token_len=budget)
-    mark_packed_budget(td, "tree", pad_multiple=1, min_shared=0, max_depth=None)
+    mark_plan(td, SharingPlan("tree", min_shared=0, pad_multiple=1))
     batches, indices = prefix_aware_micro_batches(td)
     expected, *_ = micro_batches(samples, budget, share="tree")
     assert sorted(map(sorted, indices)) == sorted(expected)
     assert [len(b) for b in batches] == [len(i) for i in indices]
+    # each micro-batch carries the settings to the forward step; a part of the batch, no tree
+    plans = [tu.get_non_tensor_data(b, key=PLAN_KEY, default=None) for b in batches]
+    assert all(p == SharingPlan("tree", min_shared=0, pad_multiple=1) and p.tree is None for p in plans)
+    # the whole batch in one micro-batch: the batch's plan, its tree decided once and carried along
+    whole = vt.grpo_micro_batch(samples, max_token_len=sum(len(s.prompt) + len(s.response) for s in samples))
+    mark_plan(whole, SharingPlan("tree", min_shared=0, pad_multiple=1))
+    [one], [idx] = prefix_aware_micro_batches(whole)
+    plan = tu.get_non_tensor_data(one, key=PLAN_KEY, default=None)
+    assert idx == list(range(len(samples))) and plan.tree is not None and plan.tree.num_samples == len(samples)
     batches, indices = prefix_aware_micro_batches(td, min_num_micro_batch=len(samples))
     assert sorted(i for part in indices for i in part) == list(range(len(samples)))
     assert all(len(part) == 1 for part in indices)

@@ -18,7 +18,8 @@ from ps_bridge.config import PrefixSharingConfig
 from ps_bridge.forward import local_shard, run_packed
 from ps_bridge.launch_rule import ModelCost
 from ps_bridge.layout import PackedPrefixLayout
-from ps_bridge.prepare import decided_layout
+from ps_bridge.plan import SharingPlan
+from ps_bridge.prepare import micro_batch_layout
 from ps_bridge.rows import PackedRows
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -230,11 +231,12 @@ def make_layout(samples, loaded: LoadedModel, share: Optional[bool] = None) -> P
     layout lists the read positions unless `loaded.config.prompt_values` (`PrefixSharingConfig`).
     `share=None`: the sharing rule decides (`launch_rule.sharing_for`, as the verl engine);
     True / False: that packing. A shared packing is a prefix tree where `loaded.config.tree`; the
-    tree is decided once, the rule reading its token count and the layout packing it
-    (`prepare.decided_layout`, the step the verl engine runs too)."""
+    tree is decided once (`plan.SharingPlan`), the rule reading its token count and the layout packing
+    it (`prepare.micro_batch_layout`, the step the verl engine runs too)."""
     pad = loaded.config.pad_multiple or int(getattr(loaded.provider, "tensor_model_parallel_size", 1))
-    layout, _ = decided_layout(samples, loaded.config, loaded.model_cost, loaded.device.type, loaded.dtype,
-                               pad_multiple=pad, vocab_size=loaded.vocab_size, share=share)
+    layout, _ = micro_batch_layout(samples, loaded.config, loaded.model_cost, loaded.device.type, loaded.dtype,
+                                   plan=SharingPlan.from_config(loaded.config, pad), vocab_size=loaded.vocab_size,
+                                   share=share)
     return layout
 
 

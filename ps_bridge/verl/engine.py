@@ -7,10 +7,11 @@ tokens, samples that share a prefix kept together). Per micro-batch the forward 
 
 1. rebuilds every sample `prompt + response` from verl's nested `input_ids` and the prompt lengths
    (`ps_bridge.verl.batch`),
-2. packs them with `prepare.decided_layout` (the sharing rule, then `build_layout`: one prompt per
-   group, or with `PrefixSharingConfig.tree` the token prefix tree: every common prefix once, decided
-   once per micro-batch by `decide_tree` and read by the sharing rule too; samples of different
-   temperatures share nothing; `pad_multiple` = TP size),
+2. packs them with `prepare.micro_batch_layout` and the micro-batch's `plan.SharingPlan` (decided
+   once per mini-batch in `forward_backward_batch` and carried by each micro-batch: the sharing rule,
+   then `build_layout`: one prompt per group, or with `PrefixSharingConfig.tree` the token prefix tree:
+   every common prefix once, built once per micro-batch and read by the sharing rule too; samples of
+   different temperatures share nothing; `pad_multiple` = TP size),
 3. runs the prefix-aware model on the packed THD sequence (`ps_bridge.forward.run_packed`), whatever
    verl's data format (`use_remove_padding` only changes how the *stock* engine pads; our model
    always takes the pack),
@@ -44,11 +45,12 @@ from ps_bridge.forward import local_shard, run_packed
 from ps_bridge.launch_rule import ModelCost
 from ps_bridge.parallel.settings import ParallelSettings
 from ps_bridge.parallel_info import rank_tag
-from ps_bridge.prepare import decided_layout
+from ps_bridge.plan import SharingPlan
+from ps_bridge.prepare import micro_batch_layout
 from ps_bridge.rows import PackedRows
 from ps_bridge.transfer import to_device
 from ps_bridge.verl.batch import per_sample_temperature, samples_from_micro_batch, temperature_classes
-from ps_bridge.verl.micro_batches import install_prefix_aware_micro_batching, keep_groups_whole, mark_packed_budget
+from ps_bridge.verl.micro_batches import install_prefix_aware_micro_batching, keep_groups_whole, mark_plan, plan_of
 
 logger = logging.getLogger("ps_bridge")
 
@@ -186,6 +188,14 @@ class PrefixSharingEngineMixin:
             self._ps_model_cost = ModelCost.try_from_hf_config(self.model_config.hf_config)
         return self._ps_model_cost
 
+    def _sharing_plan(self) -> SharingPlan:
+        """The plan of this engine's config (no tree yet): segments padded to the TP size unless the
+        config sets `pad_multiple`."""
+        from megatron.core import parallel_state as mpu  # heavy: megatron-core's state, read once the model exists
+
+        cfg = self._prefix_sharing()
+        return SharingPlan.from_config(cfg, cfg.pad_multiple or mpu.get_tensor_model_parallel_world_size())
+
     def _unwrapped_model(self):
         from verl.utils.megatron_utils import unwrap_model
 
@@ -193,19 +203,16 @@ class PrefixSharingEngineMixin:
 
     # ---- micro-batches: shared prefixes together, token budgets in packed tokens ------------------
     def forward_backward_batch(self, data, loss_function, forward_only=False):
-        from megatron.core import parallel_state as mpu
-
         keep_groups_whole(data)
         cfg = self._prefix_sharing()
         if cfg.enabled:
             install_prefix_aware_micro_batching()
-            pad = cfg.pad_multiple or mpu.get_tensor_model_parallel_world_size()
-            mark_packed_budget(data, cfg.layout_share(True), pad, cfg.tree_min_shared, cfg.tree_max_depth)
+            # the mini-batch's plan, decided once: the micro-batcher and every forward step read it
+            mark_plan(data, self._sharing_plan())
         return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
 
     # ---- the forward step -----------------------------------------------------------------------
     def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
-        from megatron.core import parallel_state as mpu
         from verl.utils import tensordict_utils as tu
         from verl.utils.device import get_device_id
         from verl.utils.megatron_utils import unwrap_model
@@ -229,21 +236,23 @@ class PrefixSharingEngineMixin:
         cfg = self._prefix_sharing()
         samples = samples_from_micro_batch(batch)
         temperature = per_sample_temperature(batch, len(samples), "cpu")
-        pad = cfg.pad_multiple or mpu.get_tensor_model_parallel_world_size()
+        # the micro-batch's plan (the micro-batcher's; with its tree where the micro-batch is the whole
+        # mini-batch); a micro-batch verl formed without our micro-batcher gets the config's
+        plan = plan_of(batch) or self._sharing_plan()
         # the true vocabulary: a padded one's extra ids stay out of the log-probs (ps_bridge.rows)
         vocab = self.model_config.hf_config.get_text_config().vocab_size
         device = _engine_device()
-        # decide what is shared and pack it (`prepare.decided_layout`, as `runtime.make_layout`): with
-        # cfg.tree the token prefix tree is decided once, the sharing rule (`ps_bridge.launch_rule`:
-        # shared only where the unshared GPU work outweighs the shared path's host time; host integers
+        # decide what is shared and pack it (`prepare.micro_batch_layout`, as `runtime.make_layout`): with
+        # cfg.tree the token prefix tree is decided once (or taken from the plan), the sharing rule
+        # (`ps_bridge.launch_rule`: shared only where the unshared GPU work outweighs the shared path's host time; host integers
         # only, so every TP/CP/PP rank decides alike) reads its token count, the layout packs it.
         # A shared position's logits are scaled by one temperature: samples of different temperatures
         # share no position (the share classes; with nothing left to share, the unshared layout).
         # Under context parallelism the whole pack is padded to equal CP shards; shared layouts list
         # the read positions unless cfg.prompt_values, unshared ones compute every position.
-        layout, _ = decided_layout(samples, cfg, self._model_cost(), device.type,
-                                   unwrap_model(model).config.params_dtype, pad_multiple=pad, vocab_size=vocab,
-                                   share_classes=temperature_classes(temperature))
+        layout, _ = micro_batch_layout(samples, cfg, self._model_cost(), device.type,
+                                       unwrap_model(model).config.params_dtype, plan=plan, vocab_size=vocab,
+                                       share_classes=temperature_classes(temperature))
         if self.layout_observer is not None:
             self.layout_observer(samples, layout)
         post_process = unwrap_model(model).post_process

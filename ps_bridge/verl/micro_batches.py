@@ -2,14 +2,14 @@
 holds, samples that share a prefix kept together.
 
 verl forms dynamic micro-batches (`prepare_micro_batches` -> `rearrange_micro_batches`) from a token
-budget that counts every sample's whole sequence. With sharing on, our engine marks the batch
-(`mark_packed_budget`: the budget then counts packed tokens, with the layout settings the forward
-step packs with) and `prefix_aware_micro_batches` forms the micro-batches, in four steps:
+budget that counts every sample's whole sequence. With sharing on, our engine hands the batch its
+`plan.SharingPlan` (`mark_plan`: one object, the settings the forward step packs with; the budget then
+counts packed tokens) and `prefix_aware_micro_batches` forms the micro-batches, in four steps:
 
-1. **What is shared** is the layout's decision: the prefix tree (`decide_tree`) of the whole batch
-   with the forward step's settings (identical prompts, or the token prefix tree with `tree`; samples
-   of different temperatures share nothing) and its pack order, without materializing the pack
-   (`tree.split.packed_costs`). Each node costs its padded length.
+1. **What is shared** is the plan's decision for the whole batch (`batch_plan`: the prefix tree of
+   identical prompts, or the token prefix tree with `tree`; samples of different temperatures share
+   nothing) and its pack order, without materializing the pack (`tree.split.packed_costs`). Each node
+   costs its padded length.
 2. **Units** (`subtree_units`): a subtree that fits the budget together with the path above it is
    one unit (a root's subtree when it fits: a GRPO group, or a system prompt with every prompt and
    response below it). A subtree over the budget is split into its children's subtrees and the
@@ -23,13 +23,17 @@ step packs with) and `prefix_aware_micro_batches` forms the micro-batches, in fo
    agrees it; a rank that needs fewer splits its largest micro-batches; verl's order (the smaller
    micro-batches at both ends).
 
+Each micro-batch carries its plan to the forward step (`PLAN_KEY`): a micro-batch that is the whole
+batch carries the batch's plan, tree and order included (its tree is not built again); any other
+carries the settings alone, and the forward step decides its tree once.
+
 A micro-batch's own layout holds at most the tokens counted, up to two things not counted: the CP
 padding of the whole pack (at most 2 x TP x CP tokens), and, in a tree with `tree_min_shared` > 0,
 a short node kept in the batch's tree only because a sample of another micro-batch ends there
 (pushed into each of its children in this micro-batch's tree: fewer than `tree_min_shared` tokens
 per child).
 
-Batches without the mark (the stock engine, sharing off) go to verl's function unchanged. The
+Batches without a plan (the stock engine, sharing off) go to verl's function unchanged. The
 trainer-side split over data-parallel ranks (`group_dp_partitions`) and the static-size warning
 (`keep_groups_whole`) are here too.
 """
@@ -43,8 +47,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ps_bridge.layout import decide_tree
-from ps_bridge.tree.order import pack_order
+from ps_bridge.plan import SharingPlan
 from ps_bridge.tree.split import (  # noqa: F401 (re-exported)
     PackedCosts, Unit, bin_tokens, budget_micro_batches, first_fit_decreasing, packed_costs, split_to_count,
     subtree_units, warn_once,
@@ -53,11 +56,10 @@ from ps_bridge.verl.batch import per_sample_temperature, samples_from_micro_batc
 
 logger = logging.getLogger("ps_bridge")
 
-PACKED_BUDGET_KEY = "ps_bridge_packed_budget"
-PAD_MULTIPLE_KEY = "ps_bridge_pad_multiple"
-SHARE_KEY = "ps_bridge_share"  # "prompt" or "tree": what the forward step's layout shares
-MIN_SHARED_KEY = "ps_bridge_tree_min_shared"  # -1: the layout's default
-MAX_DEPTH_KEY = "ps_bridge_tree_max_depth"  # -1: no limit
+# the non-tensor entry of verl's TensorDict holding a `SharingPlan` (the mini-batch's, then each
+# micro-batch's): verl passes a micro-batch to the forward step as the object `prepare_micro_batches`
+# returned, its non-tensor entries untouched
+PLAN_KEY = "ps_bridge_sharing_plan"
 
 # ---- static micro-batch sizes ------------------------------------------------------------------
 
@@ -101,36 +103,36 @@ def keep_groups_whole(data) -> None:
 # ---- dynamic sizes: the mark, the batch's layout -------------------------------------------------
 
 
-def mark_packed_budget(data, share, pad_multiple: int, min_shared: Optional[int], max_depth: Optional[int]) -> None:
-    """Mark `data` for `prefix_aware_micro_batches`, with the forward step's layout settings (`share`:
-    True / "prompt" or "tree", as `PrefixSharingConfig.layout_share()` gives it)."""
+def mark_plan(data, plan: SharingPlan) -> None:
+    """Hand `data` its sharing plan: `prefix_aware_micro_batches` forms its micro-batches, the forward
+    step packs each with the plan its micro-batch carries."""
     from verl.utils import tensordict_utils as tu
 
-    tu.assign_non_tensor(data, **{
-        PACKED_BUDGET_KEY: True, PAD_MULTIPLE_KEY: int(pad_multiple), SHARE_KEY: "tree" if share == "tree" else "prompt",
-        MIN_SHARED_KEY: -1 if min_shared is None else int(min_shared),
-        MAX_DEPTH_KEY: -1 if max_depth is None else int(max_depth),
-    })
+    tu.assign_non_tensor_data(data, PLAN_KEY, plan)
 
 
-def batch_costs(data) -> PackedCosts:
-    """The whole marked batch's tree and pack order, as the forward step would pack it in one
-    micro-batch: each node's padded length and place (the pack itself is not materialized)."""
+def plan_of(data) -> Optional[SharingPlan]:
+    """The sharing plan `data` carries, or None (the stock engine's batches, sharing off)."""
     from verl.utils import tensordict_utils as tu
 
-    get = lambda key, default: tu.get_non_tensor_data(data, key=key, default=default)  # noqa: E731
+    return tu.get_non_tensor_data(data, key=PLAN_KEY, default=None)
+
+
+def batch_plan(data) -> SharingPlan:
+    """The plan of the whole marked batch decided for its samples: its tree and pack order, as the
+    forward step would pack them in one micro-batch."""
     samples = samples_from_micro_batch(data)
     classes = None
     if "temperature" in data.keys():
         classes = temperature_classes(per_sample_temperature(data, len(samples), "cpu"))
-    min_shared, max_depth = int(get(MIN_SHARED_KEY, -1)), int(get(MAX_DEPTH_KEY, -1))
-    tree = decide_tree(
-        samples, "tree" if get(SHARE_KEY, "prompt") == "tree" else True,
-        min_shared=None if min_shared < 0 else min_shared, max_depth=None if max_depth < 0 else max_depth,
-        share_classes=classes,
-    )
-    _, offsets, prompt_lengths = tree.sequences
-    return packed_costs(tree, pack_order(tree), np.diff(offsets), prompt_lengths, int(get(PAD_MULTIPLE_KEY, 1)))
+    return plan_of(data).for_samples(samples, share_classes=classes)
+
+
+def batch_costs(plan: SharingPlan) -> PackedCosts:
+    """Each node's padded length and place in the pack of a plan decided for its samples (the pack
+    itself is not materialized)."""
+    _, offsets, prompt_lengths = plan.tree.sequences
+    return packed_costs(plan.tree, plan.order, np.diff(offsets), prompt_lengths, plan.pad_multiple)
 
 
 def prefix_aware_micro_batches(data, dp_group=None, num_batches_divided_by=None, same_micro_num_in_dp=True,
@@ -143,7 +145,8 @@ def prefix_aware_micro_batches(data, dp_group=None, num_batches_divided_by=None,
     from verl.utils.seqlen_balancing import roundup_divisible
 
     budget = int(data["max_token_len_per_gpu"]) * int(tu.get_non_tensor_data(data, key="sp_size", default=1))
-    units, cost = subtree_units(batch_costs(data), budget)
+    plan = batch_plan(data)
+    units, cost = subtree_units(batch_costs(plan), budget)
     bins = first_fit_decreasing(units, cost, budget)
 
     sync = dist.is_initialized() and same_micro_num_in_dp and dp_group is not None
@@ -168,7 +171,11 @@ def prefix_aware_micro_batches(data, dp_group=None, num_batches_divided_by=None,
     bins.sort(key=lambda members: bin_tokens(units, members, cost), reverse=True)
     bins = bins[::2][::-1] + bins[1::2]  # verl's order: the smaller micro-batches at both ends
     indices = [sorted(i for u in members for i in units[u].samples) for members in bins]
-    return [tu.index_select_tensor_dict(data, idx) for idx in indices], indices
+    micro_batches = [tu.index_select_tensor_dict(data, idx) for idx in indices]
+    for micro_batch, idx in zip(micro_batches, indices):
+        # the whole batch in one micro-batch: the same samples in the same order, the same tree
+        mark_plan(micro_batch, plan if len(idx) == len(data) else plan.settings_only())
+    return micro_batches, indices
 
 
 def install_prefix_aware_micro_batching() -> None:
@@ -183,8 +190,7 @@ def install_prefix_aware_micro_batching() -> None:
         return
 
     def prepare_micro_batches(data, *args, **kwargs):
-        if tu.get_non_tensor_data(data, key=PACKED_BUDGET_KEY, default=False) and \
-                tu.get_non_tensor_data(data, key="use_dynamic_bsz", default=True):
+        if plan_of(data) is not None and tu.get_non_tensor_data(data, key="use_dynamic_bsz", default=True):
             return prefix_aware_micro_batches(data, *args, **kwargs)
         return stock(data, *args, **kwargs)
 

@@ -74,7 +74,8 @@ def run_logprobs(args) -> int:
     from ps_bridge.layout import build_layout
     from ps_bridge.parallel.groups import is_output_rank
     from ps_bridge.tools.cli.parallel_args import settings_from_args
-    from ps_bridge.prepare import decided_sharing, decided_tree
+    from ps_bridge.plan import SharingPlan
+    from ps_bridge.prepare import rule_decision
     from ps_bridge.providers.registry import resolve_provider
     from ps_bridge.tools.runtime import DTYPES, load_model, read_hf_config
 
@@ -92,8 +93,10 @@ def run_logprobs(args) -> int:
         # the whole batch goes through `prepare` (its one owner of deciding what is shared): the tree
         # first, before the (slow) conversion, so bad ids or tree options fail at once; decided once, it
         # serves the report and the sharing rule
-        tree = decided_tree(samples, config, vocab_size=_hf_vocab_size(hf_config, args.hf_path))
-        layout = build_layout(samples, share=config.layout_share(), tree=tree)
+        vocab_size = _hf_vocab_size(hf_config, args.hf_path)
+        plan = SharingPlan.from_config(config).for_samples(samples, vocab_size=vocab_size) if config.enabled else None
+        layout = build_layout(samples, share=config.layout_share(), vocab_size=vocab_size,
+                              tree=plan.tree if plan else None, order=plan.order if plan else None)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(str(e)) from None
 
@@ -103,8 +106,8 @@ def run_logprobs(args) -> int:
     )
     # the sharing rule, once for the whole batch (the same on every rank: each rank sees the batch),
     # logged by `prepare`; every rank then runs that packing
-    decision = decided_sharing(samples, config, loaded.model_cost, loaded.device.type, loaded.dtype,
-                               tree=tree, backward=False)
+    decision = rule_decision(samples, config, loaded.model_cost, loaded.device.type, loaded.dtype,
+                             tree=plan.tree if plan else None, backward=False)
     try:
         # data-parallel ranks (with --ep, world / (tp x pp) of them) each run whole prompt groups
         # (whole subtrees of a prefix tree); the rows come back in input order on data-parallel rank 0
