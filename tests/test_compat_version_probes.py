@@ -1,4 +1,4 @@
-"""Version differences are adapted in `ps_bridge/compat/` only (issue 18, Deliver 2): an AST scan of
+"""Version differences are adapted in `ps_bridge/compat/` only: an AST scan of
 `models/`, `providers/` and `ps_bridge/` (minus `compat/`) for the ways code probes a dependency's
 version or its symbols:
 

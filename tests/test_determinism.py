@@ -1,8 +1,8 @@
-"""Repeated float32 CPU runs of the shared path give bit-identical log-probs (issue 10, item 7).
+"""Repeated float32 CPU runs of the shared path give bit-identical log-probs.
 
 A user saw `ps-bridge logprobs --dtype float32` (Qwen2, MQA, 23 samples in 6 groups, 2 CPU threads)
-give a rarely different, less exact result. It was not reproduced on the project's machines (two
-sessions: CLI runs idle and under load, with OMP_DYNAMIC, in-process runs at 1 to 4 threads, with
+give a rarely different, less exact result. It was not reproduced on the project's machines (CLI
+runs idle and under load, with OMP_DYNAMIC, in-process runs at 1 to 4 threads, with
 several hash seeds, inputs at shifted alignments, dirty and NaN-filled memory: all identical), so
 these are regression guards for the causes looked for, not proof of a fix:
 

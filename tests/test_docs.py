@@ -58,7 +58,7 @@ README_MAX_LINES = 150
 
 
 def test_readme_reads_in_five_minutes():
-    """The README stays a newcomer's page (issue 18 item 7): at most 150 lines; details go to docs/."""
+    """The README stays a newcomer's page: at most 150 lines; details go to docs/."""
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines, at most {README_MAX_LINES}: move details to docs/"
 

@@ -1,7 +1,7 @@
 """fla backend vs torch_ref on a GPU: outputs and gradients (bf16 and fp32 inputs).
 
 Run on an H200:  python -m pytest -q -s -m gpu tests/test_gdn_fla_gpu.py
-(`-s` shows the measured differences, to note on the issue). Skipped without CUDA. Every GDN GPU
+(`-s` shows the measured differences). Skipped without CUDA. Every GDN GPU
 test uses the heads of `gdn_cases.GPU_GDN_HEADS`, so fla's kernels autotune once per dtype. On
 Hopper the fla GDN backward needs Triton >= 3.7.1 or tilelang: without either, the tests check that
 the project's own error names both fixes, then skip.

@@ -1,4 +1,4 @@
-"""The output layer on the read positions only (issue 13 item 3).
+"""The output layer on the read positions only.
 
 By default a prefix-shared run computes the output layer (and so log-probs and entropy) only at the
 positions whose values rows read: every response position and each prompt's last position. The

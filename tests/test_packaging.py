@@ -228,7 +228,7 @@ def _stack_overlay(python: Path, root: Path) -> Path:
 
 @pytest.mark.slow
 def test_wheel_installs_alone_into_a_stack_venv_and_its_commands_run(wheel, tmp_path):
-    """Issue 18's install check, offline, for the stack this test run is on (so `make test STACK=oldest`
+    """The install check of a wheel, offline, for the stack this test run is on (so `make test STACK=oldest`
     runs it on the oldest, `make test-all` on the newest): pip (the stack venv's own, through its
     resolver, no index) installs the wheel into a venv holding the stack; `pip freeze` changes by
     ps-bridge alone; the installed `ps-bridge demo`, `logprobs` (a tiny local checkpoint) and `doctor`

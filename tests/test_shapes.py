@@ -1,4 +1,4 @@
-"""Checkpoint shapes the parallel settings do not divide (issue 10, item 4).
+"""Checkpoint shapes the parallel settings do not divide.
 
 A vocabulary TP does not divide is padded (zero rows, kept out of the softmax); a layer count PP
 does not divide is split into megatron's uneven first/last stages; what no split can hold (PP

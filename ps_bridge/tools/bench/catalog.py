@@ -75,7 +75,7 @@ MODEL_SHAPES: Dict[str, ModelShape] = {
         full_layers=28,
         bench_layers=8,
     ),
-    # Qwen2.5-0.5B: the small model of a user's first run (issue 21; config.json values)
+    # Qwen2.5-0.5B: the small model of a user's first run (config.json values)
     "qwen2.5-0.5b": ModelShape(
         "qwen2.5",
         dict(_QWEN25_COMMON, vocab_size=151936, hidden_size=896, intermediate_size=4864,
@@ -257,8 +257,8 @@ def template_samples(vocab: int, seed: int, prompts: int, prompt: int, template:
     return samples
 
 
-# `--min-shared-sweep`'s run lengths and grid when none are given (the issue bounds the default threshold
-# by 64); with --smoke a tiny grid row and runs (P must exceed twice the run)
+# `--min-shared-sweep`'s run lengths and grid when none are given (the default threshold,
+# `layout.DEFAULT_MIN_SHARED`, is 64); with --smoke a tiny grid row and runs (P must exceed twice the run)
 MIN_SHARED_SWEEP: Tuple[int, ...] = (4, 8, 16, 32, 64)
 MIN_SHARED_GRID: Tuple[Tuple[int, int, int], ...] = ((512, 128, 8),)
 MIN_SHARED_SMOKE: Tuple[Tuple[Tuple[int, int, int], ...], Tuple[int, ...]] = (((24, 4, 2),), (4, 8))

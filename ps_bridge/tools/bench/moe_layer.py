@@ -121,7 +121,7 @@ def host_waits(layer, x, grad) -> bool:
 
 def profile_table(layer, x, grad, path: str, rows: int = 40) -> None:
     """torch.profiler's operator table of one forward + backward of `layer` (after the timed runs),
-    sorted by device time, written to `path`: where the grouped layer's time goes."""
+    sorted by GPU kernel time, written to `path`: where the grouped layer's time goes."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if x.is_cuda else [])

@@ -14,7 +14,8 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compare(stock: List[dict], shared: List[dict], names=("stock", "shared")) -> List[dict]:
-    """Per step, the issue's JSON record."""
+    """Per step, one JSON record of both engines: the largest log-prob / entropy differences, losses,
+    gradient norms, KL, phase times, micro-batch counts, peak memory, compiles and FLOPs."""
     steps = []
     a, b = names
     for t, (s, p) in enumerate(zip(stock, shared)):

@@ -10,7 +10,7 @@ from typing import List, Optional
 PHASES = ("old_log_prob", "ref", "update")
 
 # What verl-check sets in verl's trainer config before the user's overrides (a GRPO run with a KL
-# loss and dynamic token budgets, as the measurements use).
+# loss and dynamic token budgets, as a GRPO trainer runs them).
 CHECK_DEFAULTS = [
     "algorithm.adv_estimator=grpo",
     "actor_rollout_ref.actor.use_dynamic_bsz=True",

@@ -47,7 +47,7 @@ def checkpoint_for(settings: CheckSettings, workdir: str) -> str:
 
 def stock_kind(ckpt: str, baseline: str = "stock") -> str:
     """The first engine: 'verl' when `baseline` is "stock" and verl's stock engine can run this family
-    here, else 'ps-bridge-unshared' (our engine with prefix sharing off: `baseline="off"`, issue 21's
+    here, else 'ps-bridge-unshared' (our engine with prefix sharing off: `baseline="off"`:
     "sharing on vs sharing off" with the same model code on both sides)."""
     from transformers import AutoConfig
 
