@@ -30,6 +30,7 @@ def cp_rank_size() -> Tuple[int, int]:
     """This process's (CP rank, CP size) in megatron's parallel state; (0, 1) without one."""
     if not dist.is_initialized():
         return 0, 1
+    # imported here: megatron-core is heavy
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():

@@ -26,6 +26,7 @@ installed `grouped_experts_spec()` returns megatron's own `TEGroupedMLP` with TE
 
 from __future__ import annotations
 
+from functools import partial
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -334,8 +335,6 @@ class GroupedMMExperts(TEGroupedMLP):
 
 def grouped_experts_spec():
     """megatron's `TEGroupedMLP` with TE's grouped linears where TE is installed, else ours."""
-    from functools import partial
-
     from megatron.core.transformer.moe.experts import HAVE_TE, GroupedMLPSubmodules
 
     if HAVE_TE:  # megatron-core found real TE (not our import placeholder); not run here: no TE on our machines

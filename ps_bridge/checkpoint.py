@@ -15,6 +15,7 @@ so verl's checkpoint manager saves and loads our engine's models unchanged. What
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -27,6 +28,7 @@ def sharded_layout(sharded_state_dict: dict) -> List[Tuple]:
     """Sorted `(key, kind, global_shape, global_offset, axis_fragmentations, replica_id, dtype)` of every
     shard `sharded_state_dict` saves (`ShardedTensorFactory`s built, as `dist_checkpointing.save` does;
     objects have kind "object" and their shape / offset in the two shape fields)."""
+    # imported here: megatron-core is heavy
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
 
@@ -211,6 +213,7 @@ FULLY_RESHARDABLE_FIX = (
 
 def parallel_layout(model_chunks) -> Dict[str, int]:
     """The parallel sizes a `dp_reshardable` optimizer checkpoint depends on (all but data parallelism)."""
+    # imported here: megatron-core is heavy
     from megatron.core import parallel_state as ps
 
     return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
@@ -227,6 +230,7 @@ def layout_record_path(local_path: str) -> str:
 def _domain() -> str:
     """This rank's model-parallel position: ranks that differ only in data / context parallelism hold the
     same parameters in the same buffers."""
+    # imported here: megatron-core is heavy
     from megatron.core import parallel_state as ps
 
     return (f"tp{ps.get_tensor_model_parallel_rank()}.pp{ps.get_pipeline_model_parallel_rank()}"
@@ -236,8 +240,6 @@ def _domain() -> str:
 def buffer_order(model_chunks) -> str:
     """A digest of where every parameter lies in megatron's DDP buffers (the flat layout `dp_reshardable`
     saves): per model chunk and buffer, each parameter's name, shape, start, end and bucket, in order."""
-    import hashlib
-
     rows = []
     for c, chunk in enumerate(model_chunks):
         names = {id(p): n for n, p in chunk.named_parameters()}
@@ -270,6 +272,7 @@ def write_layout_record(local_path: str, model_chunks) -> None:
 def optimizer_sharding_type(optimizer_dir: str) -> Optional[str]:
     """The distributed optimizer's checkpoint format a `dist_checkpointing` tree was saved in (its content
     metadata's `distrib_optim_sharding_type`), None without one (the non-distributed optimizer)."""
+    # imported here: megatron-core is heavy
     from megatron.core import dist_checkpointing
 
     if not os.path.isfile(os.path.join(optimizer_dir, ".metadata")):
@@ -312,6 +315,7 @@ def refuse_distributed_optimizer_load_without_fused_adam(optimizer) -> None:
     and the load copies into torch Adam's `step` too (`_set_main_param_and_optimizer_states`). Refused with
     the setting named, before megatron fails on an assertion."""
     try:
+        # imported here: megatron-core is heavy
         from megatron.core.optimizer import distrib_optimizer
     except ImportError:
         return

@@ -99,6 +99,7 @@ class PrefixSharingConfig:
     tree_max_depth: Optional[int] = None
 
     def __post_init__(self):
+        # imported here: torch is heavy
         from ps_bridge.kernels.attention import BACKENDS
 
         if self.backend not in BACKENDS:
@@ -114,6 +115,7 @@ class PrefixSharingConfig:
                     f"unknown ps-bridge provider {self.provider!r}; "
                     f"valid providers: {', '.join(provider_names())}"
                 )
+        # imported here: torch is heavy
         from ps_bridge.kernels.gdn import GDN_BACKENDS
 
         if self.gdn_backend not in GDN_BACKENDS:

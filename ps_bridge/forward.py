@@ -36,6 +36,7 @@ def cp_total_multiple() -> int:
     _, cp_size = cp_rank_size()
     if cp_size == 1:
         return 1
+    # imported here: megatron-core is heavy
     from megatron.core import parallel_state
 
     return 2 * parallel_state.get_tensor_model_parallel_world_size() * cp_size
@@ -50,6 +51,7 @@ def shard_tag(layout: PackedPrefixLayout) -> str:
 def run_packed(model: torch.nn.Module, layout: PackedPrefixLayout, config: PrefixSharingConfig) -> torch.Tensor:
     """`model` (megatron's module, wrapped or not) on the packed sequence of `layout` (on the model's
     device), with `config.backend` as the softmax-attention backend."""
+    # imported here: megatron-core is heavy
     from ps_bridge.models.packed_seq import PrefixSharedPackedSeqParams
 
     shard = local_shard(layout)

@@ -40,6 +40,8 @@ import logging
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Tuple
 
+import numpy as np
+
 logger = logging.getLogger("ps_bridge")
 
 # Effective throughput (TFLOP/s) of the unshared step's GPU work on an H200 at the small shapes, by
@@ -136,6 +138,7 @@ class MicroBatchCounts:
         """Counts of the packing sharing would run: identical prompts (`tree=False`), or the prefix tree
         (`tree=True`: `tokens_shared` is the trie's tokens, as `build_layout(share="tree")` stores them;
         `trie`: that tree already decided, `layout.decide_tree`, read instead of built again)."""
+        # imported here: torch is heavy
         from ps_bridge.layout import find_groups
 
         groups = find_groups(samples)
@@ -154,8 +157,7 @@ class MicroBatchCounts:
 
 def tree_tokens(samples: Sequence, min_shared: Optional[int], max_depth: Optional[int]) -> int:
     """The tokens the prefix tree of `samples` stores (`ps_bridge.tree.decide.token_trie`)."""
-    import numpy as np
-
+    # imported here: torch is heavy
     from ps_bridge.layout import DEFAULT_MIN_SHARED
     from ps_bridge.tree.decide import sequence_offsets, token_trie
 

@@ -17,6 +17,7 @@ def rank_tag(pg_collection=None) -> str:
     cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
     if tp is None and dist.is_initialized():
         try:
+            # imported here: megatron-core is heavy
             from megatron.core import parallel_state
 
             tp = parallel_state.get_tensor_model_parallel_group(check_initialized=False)

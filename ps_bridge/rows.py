@@ -95,6 +95,7 @@ class PackedRows:
         (megatron's CP gradient reduction completes it). The rows themselves without CP."""
         if self.cp_shard is None:
             return rows
+        # imported here: megatron-core is heavy
         from megatron.core import parallel_state
 
         group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
@@ -240,6 +241,7 @@ def chunked_vocab_parallel_logprobs(rows: "PackedRows", logits: torch.Tensor, tp
     log-sum-exp of every packed position is taken chunk by chunk and reduced over the TP group (two
     collectives on `[T]` vectors), each row's label logit is read on the rank that holds it (one
     collective on `[N]`), and the backward writes the shard's gradient chunk by chunk."""
+    # imported here: megatron-core is heavy
     from megatron.core import parallel_state
 
     if chunk_rows < 1:
@@ -301,6 +303,7 @@ def chunked_vocab_parallel_entropy(logits: torch.Tensor, tp_group=None, chunk_ro
     """Entropy of the softmax of every packed position `[T]` (float32) from this rank's vocabulary
     shard `[T, V / tp]`, equal to verl's `vocab_parallel_entropy`, chunk by chunk: no `[T, V / tp]`
     float32 softmax or copy. Every column present counts (as verl's function counts them)."""
+    # imported here: megatron-core is heavy
     from megatron.core import parallel_state
 
     if chunk_rows < 1:

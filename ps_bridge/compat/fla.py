@@ -16,6 +16,10 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
+import importlib.util
+
+from packaging.version import Version
 
 
 def cpu_tensors_need_no_device() -> None:
@@ -23,6 +27,7 @@ def cpu_tensors_need_no_device() -> None:
     where this fla-core's own raises (0.4.2 on a host with no GPU Triton backend: `torch.cpu.device`
     does not exist); a tensor with a device index keeps fla's context. Where fla's context already
     takes a CPU tensor (fla-core 0.6.0, any GPU host) nothing changes."""
+    # imported here: fla is heavy (it loads triton and probes the GPU)
     import fla.utils
 
     try:
@@ -42,14 +47,17 @@ def causal_conv1d():
     """fla's varlen causal conv function of this fla-core."""
     cpu_tensors_need_no_device()
     try:
+        # imported here: fla is heavy (it loads triton and probes the GPU)
         from fla.modules.causal_conv1d import causal_conv1d as fn
     except ImportError:  # fla-core 0.4.2 - 0.5.x
+        # imported here: fla is heavy (it loads triton and probes the GPU)
         from fla.modules.conv import causal_conv1d as fn
     return fn
 
 
 def chunk_gated_delta_rule():
     """fla's chunked gated delta rule of this fla-core."""
+    # imported here: fla is heavy (it loads triton and probes the GPU)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
 
     return fn
@@ -61,16 +69,13 @@ TILELANG_ROUTE_SINCE = "0.6.0"
 def tilelang_backward_route() -> bool:
     """Whether this fla-core dispatches the Hopper-sensitive backward kernel to tilelang: tilelang is
     installed and fla-core is one that has that route (>= 0.6.0; the releases before it have none)."""
-    import importlib.metadata
-    import importlib.util
-
-    from packaging.version import Version
 
     if importlib.util.find_spec("tilelang") is None:
         return False
     try:
         version = importlib.metadata.version("fla-core")
     except importlib.metadata.PackageNotFoundError:  # unpacked without its metadata
+        # imported here: fla is heavy (it loads triton and probes the GPU)
         import fla
 
         version = getattr(fla, "__version__", "0")

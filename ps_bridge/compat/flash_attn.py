@@ -17,6 +17,7 @@ from typing import Callable, Tuple
 
 def varlen_functions() -> Tuple[Callable, Callable]:
     """flash-attn's `(_flash_attn_varlen_forward, _flash_attn_varlen_backward)`."""
+    # imported here: flash-attn is optional (GPU kernels)
     from flash_attn import flash_attn_interface as fai
 
     return fai._flash_attn_varlen_forward, fai._flash_attn_varlen_backward

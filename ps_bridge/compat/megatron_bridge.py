@@ -17,16 +17,16 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 from typing import List, Optional
 
+from packaging.version import Version
 
 VL_SINCE = "0.6.0"
 
 
 def installed_version() -> str:
-    import importlib.metadata
-
     try:
         return importlib.metadata.version("megatron-bridge")
     except importlib.metadata.PackageNotFoundError:  # unpacked without its metadata: the newest layout
@@ -35,8 +35,6 @@ def installed_version() -> str:
 
 def vl_refusal() -> Optional[str]:
     """Why the Qwen3.5 ConditionalGeneration (VL) provider is refused on this Megatron-Bridge, or None."""
-    from packaging.version import Version
-
     version = installed_version()
     if Version(version) >= Version(VL_SINCE):
         return None
@@ -71,6 +69,7 @@ def exact_attention_pattern(provider, hf_config) -> None:
 def dispatch_sources(source) -> List[object]:
     """The keys to register a bridge for HF architecture `source` (class or class name) under:
     the class name, and the transformers class where transformers has one."""
+    # imported here: transformers is heavy
     import transformers
 
     name = source if isinstance(source, str) else source.__name__
@@ -98,6 +97,7 @@ def experts_as_stored(registry, hf_pretrained):
     0.5.x maps the decoder's experts as fused only, so where the checkpoint is per-expert the fused
     mappings are replaced by per-expert ones (Megatron-Bridge's own `GatedMLPMapping` / `AutoMapping`,
     as its 0.5 bridge maps per-expert MTP layers)."""
+    # imported here: megatron-core is heavy
     from megatron.bridge.models.conversion import utils as mb_utils
 
     if hasattr(mb_utils, "moe_experts_stored_packed"):  # 0.6+: the stock bridge follows the checkpoint
@@ -105,6 +105,7 @@ def experts_as_stored(registry, hf_pretrained):
     keys = _checkpoint_keys(hf_pretrained)
     if not keys or not any(_PER_EXPERT.search(k) for k in keys):
         return registry
+    # imported here: megatron-core is heavy
     from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
     from megatron.bridge.models.conversion.param_mapping import (
         AutoMapping,

@@ -27,12 +27,14 @@ from __future__ import annotations
 def gdn_cp_collectives():
     """`(tensor_a2a_cp2hp, tensor_a2a_hp2cp, get_parameter_local_cp)` of this megatron-core."""
     try:
+        # imported here: megatron-core is heavy
         from megatron.core.ssm.gated_delta_net.common import (
             get_parameter_local_cp,
             tensor_a2a_cp2hp,
             tensor_a2a_hp2cp,
         )
     except ImportError:  # megatron-core 0.18: a module, not yet a package
+        # imported here: megatron-core is heavy
         from megatron.core.ssm.gated_delta_net import get_parameter_local_cp, tensor_a2a_cp2hp, tensor_a2a_hp2cp
     return tensor_a2a_cp2hp, tensor_a2a_hp2cp, get_parameter_local_cp
 

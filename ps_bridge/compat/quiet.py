@@ -79,6 +79,7 @@ def quiet_third_party(verbose: bool) -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if "transformers" in sys.modules:  # imported already (e.g. main() called in a test process)
+        # imported here: transformers is heavy
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()

@@ -73,6 +73,7 @@ def transformer_engine_installed() -> bool:
 def import_megatron_bridge():
     """Import and return `megatron.bridge`, with a temporary TE placeholder if TE is absent."""
     if "megatron.bridge" in sys.modules or transformer_engine_installed():
+        # imported here: megatron-core is heavy
         import megatron.bridge
 
         return megatron.bridge
@@ -89,6 +90,7 @@ def import_megatron_bridge():
             sys.modules[name] = _make_module(name)
             added.append(name)
     try:
+        # imported here: megatron-core is heavy
         import megatron.bridge
     finally:
         for name in added:

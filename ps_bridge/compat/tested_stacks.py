@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
+from packaging.version import Version
+
 # package -> version pinned in that stack (None: not part of it). Names are distribution names as
 # `importlib.metadata` knows them; "python" is the interpreter.
 TESTED_STACKS: Dict[str, Dict[str, Optional[str]]] = {
@@ -166,8 +168,6 @@ COMPANIONS: Tuple[Companion, ...] = (
 
 def version_range(package: str) -> Optional[Tuple[str, str]]:
     """(oldest, newest) tested version of `package`, or None when no stack pins it."""
-    from packaging.version import Version
-
     pins = sorted({s[package] for s in TESTED_STACKS.values() if s.get(package)}, key=Version)
     return (pins[0], pins[-1]) if pins else None
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from packaging.version import Version
+
 WRONG_HOPPER_GDN_BACKWARD = ("3.4.0", "3.7.1")  # [first wrong, first right again)
 
 
@@ -21,8 +23,8 @@ def wrong_hopper_gdn_backward() -> Optional[str]:
     on Hopper (3.4.0 <= version < 3.7.1), else None (another version, or no Triton: fla cannot run
     then, and its own import error says so)."""
     try:
+        # imported here: triton is heavy (GPU kernels only)
         import triton
-        from packaging.version import Version
 
         version = Version(triton.__version__.split("+")[0])
     except Exception:
@@ -35,6 +37,7 @@ def jit_runtime_hooks():
     """Triton's `knobs.runtime` (its `jit_cache_hook`, called before a kernel is compiled, and
     `jit_post_compile_hook`, after), or None where Triton or these hooks are absent."""
     try:
+        # imported here: triton is heavy (GPU kernels only)
         import triton
     except Exception:  # no Triton on this machine
         return None

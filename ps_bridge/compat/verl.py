@@ -22,8 +22,10 @@ preparation and the tests call these instead of checking versions themselves.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
 import os
+from importlib.metadata import version
 from typing import Optional
 
 # the row chunk of our chunked entropy / log-probs where verl has no setting for it (verl 0.9.1's default)
@@ -32,10 +34,9 @@ DEFAULT_ENTROPY_CHUNK_ROWS = 2048
 
 def verl_version() -> str:
     try:
-        from importlib.metadata import version
-
         return version("verl")
     except Exception:  # pragma: no cover - not installed as a distribution
+        # imported here: verl is optional (requirements-verl.txt)
         import verl
 
         return getattr(verl, "__version__", "unknown")
@@ -47,6 +48,7 @@ def verl_version() -> str:
 @functools.lru_cache(maxsize=None)
 def registry_takes_vendor() -> bool:
     """verl 0.9.1 keys engines by (device, vendor); 0.8.0 by device alone."""
+    # imported here: verl is optional (requirements-verl.txt)
     from verl.workers.engine.base import EngineRegistry
 
     return "vendor" in inspect.signature(EngineRegistry.register).parameters
@@ -60,6 +62,7 @@ def engine_registry_key(device: str, vendor: str):
 def register_engine(cls, model_type: str, backend: str, device: str, vendor: str) -> None:
     """`cls` as verl's engine for (`model_type`, `backend`) on `device` / `vendor`, in place of what
     was there (verl's `register` refuses (0.9.1) or ignores (0.8.0) a taken key). Idempotent."""
+    # imported here: verl is optional (requirements-verl.txt)
     from verl.workers.engine.base import EngineRegistry
 
     table = EngineRegistry._engines.setdefault(model_type, {}).setdefault(backend, {})
@@ -78,6 +81,7 @@ def engine_lookup_honours_device_override() -> None:
     (`ps_bridge.compat.verl_on_cpu`): on 0.8.0 the lookup reads `VERL_ENGINE_DEVICE` first."""
     if registry_takes_vendor():
         return
+    # imported here: verl is optional (requirements-verl.txt)
     from verl.workers.engine import base
 
     lookup = base.EngineRegistry.get_engine_cls
@@ -102,6 +106,7 @@ def platform_manager():
     """verl 0.9.1's device-platform manager, or None (verl 0.8.0 reads torch's device directly:
     `get_device_name()` is "cpu" on a machine without an accelerator)."""
     try:
+        # imported here: verl is optional (requirements-verl.txt)
         from verl.plugin.platform import platform_manager as manager
     except ImportError:
         return None
@@ -126,6 +131,7 @@ def length_bucket(engine_config) -> Optional[int]:
 
 def roll_thd_labels(labels, use_fp8_padding: bool, pad_to_length_bucket: Optional[int]):
     """verl's `preprocess_thd_engine` label roll: (rolled [1, T], packed_seq_params)."""
+    # imported here: verl is optional (requirements-verl.txt)
     from verl.models.mcore.util import preprocess_thd_engine
 
     kwargs = dict(pre_process=True, need_roll=True, use_fp8_padding=use_fp8_padding)
@@ -140,6 +146,7 @@ def roll_thd_labels(labels, use_fp8_padding: bool, pad_to_length_bucket: Optiona
 
 def roll_bshd_labels(labels, use_fp8_padding: bool, forced_max_seqlen: Optional[int]):
     """verl's `preprocess_bshd_engine` label roll: rolled [B, S]."""
+    # imported here: verl is optional (requirements-verl.txt)
     from verl.models.mcore.util import preprocess_bshd_engine
 
     kwargs = dict(pre_process=True, need_roll=True, use_fp8_padding=use_fp8_padding)
@@ -169,6 +176,7 @@ def loss_returns_token_count() -> bool:
     """verl 0.9.1's Megatron engine returns (loss sum, tokens, output) to megatron when
     `calculate_per_token_loss=True` (counting tokens with `_routed_num_tokens`); verl 0.8.0 always
     returns (loss, output)."""
+    # imported here: verl is optional (requirements-verl.txt)
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
     return hasattr(MegatronEngine, "_routed_num_tokens")
@@ -215,6 +223,7 @@ def _pad_input(hidden_states, indices, batch, seqlen):
 
 
 def _rearrange(*args, **kwargs):
+    # imported here: einops comes with the optional GPU kernels
     from einops import rearrange
 
     return rearrange(*args, **kwargs)
@@ -224,14 +233,14 @@ def padding_helpers_without_flash_attn() -> bool:
     """verl 0.9.1 falls back to torch for its padding helpers (`verl.utils.attention_utils`) where
     flash-attn is absent; verl 0.8.0 imports them from flash-attn (a GPU package) on every call.
     There, with flash-attn absent, these torch ones answer instead. Returns whether they were put in."""
-    import importlib.util
-
+    # imported here: verl is optional (requirements-verl.txt)
     from verl.utils import attention_utils
 
     if importlib.util.find_spec("flash_attn") is not None or hasattr(attention_utils, "_fallback_unpad_input"):
         return False
     if getattr(attention_utils._get_attention_functions, "__ps_bridge__", False):
         return True
+    # imported here: verl is optional (requirements-verl.txt)
     from verl.utils.device import is_torch_npu_available
 
     stock = attention_utils._get_attention_functions
@@ -255,6 +264,7 @@ def fp32_optimizer_overrides(dtype: str) -> dict:
     knows bf16 and fp16 only (megatron's mixed-precision wrapper, which refuses float32 CPU
     tensors), so a float32 engine (the tests' and `verl-check`'s exact comparisons) asks for
     megatron's float32 optimizer through verl's own override."""
+    # imported here: verl is optional (requirements-verl.txt)
     import torch
     from verl.utils.megatron.optimizer import init_megatron_optim_config
 

@@ -175,6 +175,7 @@ def _distributed_optimizer_on_cpu() -> None:
     are sorted under their CUDA type names (gloo has the reduce-scatter and all-gather it uses)."""
     if torch.cuda.is_available():
         return
+    # imported here: megatron-core is heavy
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     build = getattr(DistributedOptimizer.__dict__.get("_build_model_and_main_param_groups"), "__func__", None)
@@ -194,6 +195,7 @@ def _megatron_rng_tracker_on_cpu() -> None:
     CUDA RNG tracker; without CUDA the tracker forks the CPU generator instead."""
     if torch.cuda.is_available():
         return
+    # imported here: megatron-core is heavy
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
@@ -221,6 +223,7 @@ def use_cpu_platform() -> None:
     if platform_manager is None:
         cpu_device_module_can_empty_cache()
         return
+    # imported here: verl is optional (requirements-verl.txt)
     from verl.plugin.platform.platform_cuda import PlatformCUDA
 
     class CPUPlatform(PlatformCUDA):

@@ -28,6 +28,7 @@ BLOCK = 4096  # columns per step (a 152k vocabulary: 38 steps per row)
 @functools.lru_cache(maxsize=1)
 def _triton():
     try:
+        # imported here: triton is heavy (GPU kernels only)
         import triton
         import triton.language as tl
     except ImportError:

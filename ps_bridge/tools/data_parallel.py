@@ -157,6 +157,7 @@ def _top_down(children: List[List[int]], parent: List[int]) -> List[int]:
 
 
 def dp_group_and_rank():
+    # imported here: megatron-core is heavy
     from megatron.core import parallel_state
 
     return parallel_state.get_data_parallel_group(), parallel_state.get_data_parallel_rank()
@@ -205,6 +206,7 @@ def gather_rows(indices: Sequence[int], rows: Sequence[torch.Tensor], num_sample
 
 def data_parallel_size() -> int:
     """The data-parallel size (without context parallelism); 1 before megatron's groups exist."""
+    # imported here: megatron-core is heavy
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():

@@ -84,6 +84,7 @@ def load_model(
     settings = _settings(tp, pp, sequence_parallel, cp, ep)
     hf_dict = read_hf_config(hf_path)
     entry = _prepare_bridge(config, hf_dict, settings)
+    # imported here: megatron-core is heavy
     from megatron.bridge import AutoBridge
 
     bridge = AutoBridge.from_hf_pretrained(hf_path, torch_dtype=dtype)
@@ -108,6 +109,7 @@ def load_model_from_hf_config(
     settings = _settings(tp, pp, sequence_parallel, cp, ep)
     hf_dict = hf_config.to_dict()
     entry = _prepare_bridge(config, hf_dict, settings)
+    # imported here: megatron-core is heavy
     from megatron.bridge import AutoBridge
 
     bridge = AutoBridge.from_hf_config(hf_config)

@@ -42,6 +42,7 @@ def logprob_pass(
     backward pass of `sum w * logp` over all micro-batches and finishes the gradients (TP and
     pipeline reductions), so each rank's `.grad` holds its shard of the full gradient.
     """
+    # imported here: megatron-core is heavy
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if len(micro_batches) == 0:
@@ -89,6 +90,7 @@ def _logprob_loss(rows: PackedRows, weights, num_microbatches: int, vocab_parall
 
 def _from_last_stage(logprobs: List[LogProbs]) -> List[LogProbs]:
     """The last pipeline stage computed the log-probs; give them to every stage."""
+    # imported here: megatron-core is heavy
     from megatron.core import parallel_state
 
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:

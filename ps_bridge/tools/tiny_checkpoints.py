@@ -16,6 +16,7 @@ from ps_bridge.layout import Sample
 
 
 def build_tiny_qwen2(path: str, seed: int = 0, **overrides):
+    # imported here: transformers is heavy
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
@@ -88,6 +89,7 @@ def build_tiny_qwen35(path: str, seed: int = 0, moe: bool = False, conditional: 
     text = _tiny_qwen35_text_kwargs(moe)
     text.update(overrides)
     if moe:
+        # imported here: transformers is heavy
         from transformers import (
             Qwen3_5MoeConfig as VLConfig,
             Qwen3_5MoeForCausalLM as LM,
@@ -95,6 +97,7 @@ def build_tiny_qwen35(path: str, seed: int = 0, moe: bool = False, conditional: 
             Qwen3_5MoeTextConfig as TextConfig,
         )
     else:
+        # imported here: transformers is heavy
         from transformers import (
             Qwen3_5Config as VLConfig,
             Qwen3_5ForCausalLM as LM,

@@ -71,6 +71,7 @@ def _refuse(what: str) -> None:
 def _context_parallel_off():
     """megatron's parallel state reporting one CP rank of one, while verl's preprocess functions form
     the labels: they slice by CP rank, and the labels are wanted whole (`stock_row_labels`)."""
+    # imported here: megatron-core is heavy
     from megatron.core import parallel_state as mpu
 
     saved = mpu.get_context_parallel_world_size, mpu.get_context_parallel_rank
@@ -291,6 +292,7 @@ class PrefixSharingEngineMixin:
                                                       local_cp_size=local_cp_size)
         cp = self.engine_config.context_parallel_size
         if len(result) == 3 and cp > 1 and not self.engine_config.dynamic_context_parallel:
+            # imported here: megatron-core is heavy
             from megatron.core import parallel_state as mpu
 
             local_sum, _, out = result

@@ -86,6 +86,7 @@ def group_run_length(uids) -> int:
 def keep_groups_whole(data) -> None:
     """Static micro-batch sizes: a size that is a multiple of n keeps groups whole, any other splits
     them (exact, shares less; said once). Dynamic sizes are formed by `prefix_aware_micro_batches`."""
+    # imported here: verl is optional (requirements-verl.txt)
     from verl.utils import tensordict_utils as tu
 
     n = group_run_length(uid_list(data))
@@ -106,6 +107,7 @@ def keep_groups_whole(data) -> None:
 def mark_plan(data, plan: SharingPlan) -> None:
     """Hand `data` its sharing plan: `prefix_aware_micro_batches` forms its micro-batches, the forward
     step packs each with the plan its micro-batch carries."""
+    # imported here: verl is optional (requirements-verl.txt)
     from verl.utils import tensordict_utils as tu
 
     tu.assign_non_tensor_data(data, PLAN_KEY, plan)
@@ -113,6 +115,7 @@ def mark_plan(data, plan: SharingPlan) -> None:
 
 def plan_of(data) -> Optional[SharingPlan]:
     """The sharing plan `data` carries, or None (the stock engine's batches, sharing off)."""
+    # imported here: verl is optional (requirements-verl.txt)
     from verl.utils import tensordict_utils as tu
 
     return tu.get_non_tensor_data(data, key=PLAN_KEY, default=None)
@@ -139,6 +142,7 @@ def prefix_aware_micro_batches(data, dp_group=None, num_batches_divided_by=None,
                                min_num_micro_batch=None, **_ignored):
     """verl's `prepare_micro_batches` contract (micro-batches, sample index lists) for a batch our
     engine marked; see the module docstring."""
+    # imported here: verl is optional (requirements-verl.txt)
     import torch.distributed as dist
     from verl.utils import tensordict_utils as tu
     from verl.utils.device import get_device_name
@@ -182,6 +186,7 @@ def install_prefix_aware_micro_batching() -> None:
     """verl's Megatron engine calls its module's `prepare_micro_batches`; route the batches our engine
     marked to `prefix_aware_micro_batches`, every other batch (the stock engine's) to verl's own
     function, unchanged. Idempotent."""
+    # imported here: verl is optional (requirements-verl.txt)
     from verl.utils import tensordict_utils as tu
     from verl.workers.engine.megatron import transformer_impl
 
@@ -208,6 +213,7 @@ def group_dp_partitions(uids: Sequence, prompt_len: Sequence[int], total_len: Se
     groups (same uid) per rank, balanced by packed tokens (each prompt once), `dp_size` lists of
     sample indices. verl's own `get_group_balanced_partitions` (what `actor.use_prefix_grouper=True`
     turns on in `RayPPOTrainer._balance_batch`) keeps groups whole too but balances unshared tokens."""
+    # imported here: verl is optional (requirements-verl.txt)
     from verl.utils.seqlen_balancing import get_seqlen_balanced_partitions
 
     order: dict = {}

@@ -41,6 +41,7 @@ def _per_plan(cu_seqlens: torch.Tensor, host: List[int], chunk_index: bool):
     else:
         _PER_PLAN.move_to_end(key)
     if chunk_index and entry[3] is None:
+        # imported here: fla is heavy (it loads triton and probes the GPU)
         from fla.ops.utils.index import prepare_chunk_indices
 
         entry[3] = prepare_chunk_indices(cu_seqlens, CHUNK_SIZE, cu_seqlens_cpu=entry[2])

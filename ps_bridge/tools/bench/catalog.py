@@ -14,6 +14,7 @@ import torch
 
 
 def qwen2_hf_config(dims: dict, num_layers: int):
+    # imported here: transformers is heavy
     from transformers import Qwen2Config
 
     cfg = Qwen2Config(**dict(dims, num_hidden_layers=num_layers))
@@ -24,6 +25,7 @@ def qwen2_hf_config(dims: dict, num_layers: int):
 def qwen35_hf_config(dims: dict, num_layers: int):
     """Qwen3.5 text model (`Qwen3_5ForCausalLM`): the hybrid pattern of the real checkpoint
     (three Gated DeltaNet layers, then one full-attention layer) cut to `num_layers`."""
+    # imported here: transformers is heavy
     from transformers import Qwen3_5TextConfig
 
     layer_types = [("full_attention" if (i + 1) % 4 == 0 else "linear_attention") for i in range(num_layers)]
@@ -35,6 +37,7 @@ def qwen35_hf_config(dims: dict, num_layers: int):
 def qwen35_moe_hf_config(dims: dict, num_layers: int):
     """Qwen3.5 MoE text model (`Qwen3_5MoeForCausalLM`), the same hybrid pattern cut to `num_layers`;
     every layer's MLP is MoE (routed experts + a gated shared expert)."""
+    # imported here: transformers is heavy
     from transformers import Qwen3_5MoeTextConfig
 
     layer_types = [("full_attention" if (i + 1) % 4 == 0 else "linear_attention") for i in range(num_layers)]

@@ -19,11 +19,13 @@ import json
 import statistics
 import sys
 import time
+import traceback
+import warnings
 
 import torch
 
-from ps_bridge.tools.bench.catalog import FAMILIES, MODEL_SHAPES
 from ps_bridge.models.token_permutation import use_gather_sum_permutation, use_megatron_permutation
+from ps_bridge.tools.bench.catalog import FAMILIES, MODEL_SHAPES
 
 
 def _sequential_twin(loaded, grouped):
@@ -74,9 +76,6 @@ def host_syncs(layer, x, grad) -> list:
     """The calls in one forward + backward of `layer` that torch's sync debug mode reports as
     synchronising, each as its innermost three Python frames (`file:line` > ...). A true wait drains
     the GPU's queue of launched work; `host_waits` tells whether the host waited at all."""
-    import traceback
-    import warnings
-
     if not x.is_cuda:
         return []
     found = []

@@ -3,6 +3,7 @@ environment and the JSON payload."""
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import math
 from dataclasses import asdict, dataclass
 from typing import List, Optional, Sequence
@@ -166,9 +167,11 @@ def format_table(results: Sequence[RowResult]) -> str:
 
 def write_plot(results: Sequence[RowResult], path: str) -> None:
     try:
+        # imported here: matplotlib is optional (the plot extra)
         import matplotlib
 
         matplotlib.use("Agg")
+        # imported here: matplotlib is optional (the plot extra)
         import matplotlib.pyplot as plt
     except ImportError:
         raise RuntimeError("--plot needs matplotlib (pip install matplotlib)") from None
@@ -192,8 +195,6 @@ def write_plot(results: Sequence[RowResult], path: str) -> None:
 
 
 def environment(device: torch.device) -> dict:
-    import importlib.metadata as md
-
     def version(name):
         try:
             return md.version(name)

@@ -11,15 +11,32 @@ from functools import partial
 from typing import List, Optional, Tuple
 
 import torch
+from tqdm import tqdm
 
 from ps_bridge.tools.bench.catalog import (
-    DEFAULT_GRID, DEFAULT_MODELS, FAMILIES, MIN_SHARED_GRID, MIN_SHARED_SMOKE, MIN_SHARED_SWEEP, MODEL_SHAPES,
-    SMOKE_GRID, TREE_SHAPES, ideal_speedup, make_samples, template_samples,
+    DEFAULT_GRID,
+    DEFAULT_MODELS,
+    FAMILIES,
+    MIN_SHARED_GRID,
+    MIN_SHARED_SMOKE,
+    MIN_SHARED_SWEEP,
+    MODEL_SHAPES,
+    SMOKE_GRID,
+    TREE_SHAPES,
+    ideal_speedup,
+    make_samples,
+    template_samples,
 )
 from ps_bridge.tools.bench.flops import flop_shape, layout_flop_ratio
 from ps_bridge.tools.bench.fp32_reference import Fp32Reference, row_errors
 from ps_bridge.tools.bench.report import (
-    MinSharedRow, RowResult, environment, format_min_shared_table, format_table, payload, write_plot,
+    MinSharedRow,
+    RowResult,
+    environment,
+    format_min_shared_table,
+    format_table,
+    payload,
+    write_plot,
 )
 from ps_bridge.tools.bench.timing import UNSHARED_SPLITS, ModeResult, run_mode, run_pair, run_shared, run_unshared
 
@@ -130,6 +147,7 @@ def _whole_batch_rows(rows):
 
     if rows is None or data_parallel_size() == 1:
         return rows
+    # imported here: megatron-core is heavy
     from megatron.core import parallel_state
 
     group = parallel_state.get_data_parallel_group()
@@ -141,8 +159,8 @@ def _whole_batch_rows(rows):
 def _slowest_rank(mode: ModeResult) -> ModeResult:
     """Under EP the step is the slowest data-parallel rank's (they wait for each other in the expert
     exchange and the gradient reduction): the largest median time and peak over the ranks."""
-    from ps_bridge.tools.data_parallel import data_parallel_size
     from ps_bridge.parallel.groups import max_over_ranks
+    from ps_bridge.tools.data_parallel import data_parallel_size
 
     if data_parallel_size() == 1:
         return mode
@@ -155,8 +173,8 @@ def _slowest_rank(mode: ModeResult) -> ModeResult:
 
 def world_layout(args) -> dict:
     """How the processes of this run are laid out (stated with every row)."""
-    from ps_bridge.tools.data_parallel import data_parallel_size
     from ps_bridge.parallel.groups import launched_world_size
+    from ps_bridge.tools.data_parallel import data_parallel_size
 
     dp = data_parallel_size()
     return dict(world_size=launched_world_size(), cp=args.cp, ep=args.ep, data_parallel=dp,
@@ -406,8 +424,6 @@ def run_bench(args: argparse.Namespace) -> int:
         total = len(models) * len(grid) * len(args.min_shared_sweep) * 2 * len(args.backends) * (warmup + repeats)
     progress_bar = None
     if not args.no_progress and report:
-        from tqdm import tqdm
-
         progress_bar = tqdm(total=total, desc="bench", unit="step", file=sys.stderr, dynamic_ncols=True)
 
     def progress(k):

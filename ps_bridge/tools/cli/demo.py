@@ -21,6 +21,7 @@ def add_parser(sub) -> None:
 
 
 def add_demo_arguments(parser) -> None:
+    # imported here: torch is heavy
     from ps_bridge.tools.cli.parallel_args import add_parallel_arguments
     from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
 
@@ -40,6 +41,7 @@ def demo_result(
 ) -> dict:
     """Under torchrun every rank runs this (each builds the same seeded checkpoint); only global
     rank 0 compares against Hugging Face, so only its result has the `*_vs_hf` entries."""
+    # imported here: torch is heavy
     from ps_bridge.tools.compare import compare
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.parallel.groups import is_output_rank
@@ -76,6 +78,7 @@ def format_table(r: dict) -> str:
 
 
 def run_demo(args) -> int:
+    # imported here: torch is heavy
     from ps_bridge.parallel.groups import is_output_rank
     from ps_bridge.parallel.settings import ModelShapeError
     from ps_bridge.tools.cli.parallel_args import settings_from_args

@@ -14,12 +14,17 @@ version between the tested endpoints or beyond them: expected, not tested) or a 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import platform
 import time
 import traceback
 from dataclasses import asdict, dataclass
+from importlib import metadata
 from typing import Dict, List, Optional
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 
 from ps_bridge.tools.cli.errors import UsageError
 
@@ -60,7 +65,6 @@ def installed_version(name: str) -> Optional[str]:
     The one place doctor reads versions (the tests replace it)."""
     if name == "python":
         return platform.python_version()
-    from importlib import metadata
 
     try:
         return metadata.version(name)
@@ -69,8 +73,6 @@ def installed_version(name: str) -> Optional[str]:
 
 
 def _module_present(module: str) -> bool:
-    import importlib.util
-
     try:
         return bool(module) and importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
@@ -79,8 +81,6 @@ def _module_present(module: str) -> bool:
 
 def _comparable(name: str, version: str):
     """`version` as a `packaging` Version (Python: major.minor only); None when it does not parse."""
-    from packaging.version import InvalidVersion, Version
-
     try:
         v = Version(version)
     except InvalidVersion:
@@ -148,8 +148,6 @@ def check_versions(device_type: str) -> tuple:
 def check_companions(skip=()) -> List[Finding]:
     """Packages a stack package imports without declaring them (`tested_stacks.COMPANIONS`); not for
     the packages in `skip` (refused already)."""
-    from packaging.specifiers import SpecifierSet
-
     from ps_bridge.compat.tested_stacks import COMPANIONS
 
     findings = []
@@ -168,6 +166,7 @@ def check_companions(skip=()) -> List[Finding]:
 
 
 def detect_device() -> dict:
+    # imported here: torch is heavy (not loaded for argument parsing)
     import torch
 
     if torch.cuda.is_available():
@@ -193,6 +192,7 @@ def describe_device(d: dict) -> str:
 
 def check_backends(device_type: str) -> tuple:
     """What `auto` takes on this device, asked from the registries: (dict, findings)."""
+    # imported here: torch is heavy (not loaded for argument parsing)
     import torch
 
     from ps_bridge.kernels.attention.registry import BACKENDS, choose_attention_backend
@@ -207,6 +207,7 @@ def check_backends(device_type: str) -> tuple:
         attention[label] = dict(backend=name, description=BACKENDS[name].description)
     attention["rule"] = BACKENDS[AUTO].description
     if device_type == "cuda":
+        # imported here: torch is heavy
         from ps_bridge.kernels.attention.varlen import kernel_for
 
         try:
@@ -241,6 +242,7 @@ def transformer_engine_line(version: Optional[str]) -> str:
 
 def check_checkpoint(hf_path: str) -> tuple:
     """(dict, findings) for `--hf-path`: the provider its architectures resolve to."""
+    # imported here: torch is heavy
     from ps_bridge.providers.registry import resolve_provider
     from ps_bridge.tools.runtime import read_hf_config
 
@@ -272,6 +274,7 @@ def self_test() -> tuple:
     """The demo's comparison on a tiny random Qwen2.5 model on this machine's default device, on one
     CPU thread: the model is tiny, and torch's intra-op threads only add their synchronisation
     (on a loaded 2-core machine, seconds of it)."""
+    # imported here: torch is heavy (not loaded for argument parsing)
     import torch
 
     from ps_bridge.tools.cli.demo import demo_result

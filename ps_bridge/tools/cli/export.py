@@ -25,6 +25,7 @@ def add_parser(sub) -> None:
 
 
 def export_checkpoint(checkpoint: str, out: str, hf_config_dir: str | None = None) -> str:
+    # imported here: torch is heavy (not loaded for argument parsing); safetensors comes with transformers (heavy); transformers is heavy
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig
@@ -49,6 +50,7 @@ def export_checkpoint(checkpoint: str, out: str, hf_config_dir: str | None = Non
         refuse_mtp_mismatch([dist_dir], model_has_mtp=False)
     except (CheckpointFileError, InexactLoadError) as err:
         raise UsageError(str(err)) from None
+    # imported here: megatron-core is heavy; torch is heavy
     from megatron.core import dist_checkpointing
 
     from ps_bridge.tools.runtime import load_model_from_hf_config

@@ -9,6 +9,7 @@ from ps_bridge.tools.cli.errors import UsageError
 
 
 def add_parser(sub) -> None:
+    # imported here: torch is heavy
     from ps_bridge.kernels.attention import BACKENDS
     from ps_bridge.tools.cli.parallel_args import add_parallel_arguments
 
@@ -34,6 +35,7 @@ def add_parser(sub) -> None:
 
 
 def read_batch(path: str):
+    # imported here: torch is heavy
     from ps_bridge.layout import Sample
 
     p = Path(path)
@@ -67,6 +69,7 @@ def _hf_vocab_size(hf_config: dict, hf_path: str) -> int:
 
 
 def run_logprobs(args) -> int:
+    # imported here: torch is heavy (not loaded for argument parsing)
     import torch
 
     from ps_bridge.config import PrefixSharingConfig

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import sys
 
+from tqdm import tqdm
+
 from ps_bridge.tools.cli.errors import UsageError
 
 SMOKE = dict(model="tiny-qwen2.5", prompts=4, n=4, prompt_len=24, response_len=8, steps=3, dtype="float32")
@@ -60,6 +62,7 @@ def add_parser(sub) -> None:
 
 
 def run_verl_check(args) -> int:
+    # imported here: torch is heavy
     from ps_bridge.tools import verl_check as check
 
     bad = [o for o in args.overrides if "=" not in o]
@@ -84,8 +87,6 @@ def run_verl_check(args) -> int:
     total = (3 if settings.noise_floor else 2) * settings.steps * len(check.PHASES) + 1
     bar = None
     if not args.no_progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=total, desc="verl-check", unit="phase", file=sys.stderr, dynamic_ncols=True)
 
     def progress(message: str) -> None:
@@ -118,6 +119,7 @@ def run_verl_check(args) -> int:
 def _prepare_process() -> None:
     """verl's engine imports in the order that works without TE (and, on a CPU, without CUDA);
     then the plugin with sharing on (its engine registered, the stock bridges remembered)."""
+    # imported here: torch is heavy
     from ps_bridge.tools.verl_check.side_by_side import prepare_side_by_side
 
     prepare_side_by_side()

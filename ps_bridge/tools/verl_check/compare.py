@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from typing import Dict, List
 
 import torch
@@ -46,8 +47,6 @@ def speedups(steps: List[dict], names=("stock", "shared"), skip_first: bool = Tr
     carries one-off compilation and autotuning): of their sums (`statistic="sum"`), or of their
     medians (`"median"`: a one-off event in a later step, such as a kernel compiled for a shape first
     met there, which lands on whichever engine meets the shape first, does not decide)."""
-    import statistics
-
     if statistic not in ("sum", "median"):
         raise ValueError(f"statistic {statistic!r}: use 'sum' or 'median'")
     reduce = sum if statistic == "sum" else statistics.median

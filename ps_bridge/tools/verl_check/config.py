@@ -3,7 +3,10 @@ actor's and ref's `ActorConfig` as verl's worker builds them, the token budgets.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import os
+import typing
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -57,6 +60,7 @@ class CheckSettings:
 
 def trainer_config(settings: CheckSettings):
     """verl's generated Megatron trainer config with verl-check's defaults and the user's dotlist."""
+    # imported here: verl is optional (requirements-verl.txt); omegaconf comes with verl (optional)
     import verl
     from omegaconf import OmegaConf
 
@@ -76,6 +80,7 @@ def role_configs(cfg):
     `McoreActorConfig` built field by field from the resolved subtree (what hydra's `instantiate` of
     the `_target_`s does in verl's worker; hydra is not needed here), the ref's keys renamed as
     `ActorRolloutRefWorker.init_model` renames them."""
+    # imported here: omegaconf comes with verl (optional); verl is optional (requirements-verl.txt)
     from omegaconf import OmegaConf
     from verl.workers.config import McoreActorConfig
 
@@ -101,10 +106,6 @@ def role_configs(cfg):
 def to_dataclass(node: dict, cls):
     """`cls(**node)` (or the node's `_target_` class), nested dataclass fields built from their
     sub-dicts, keys the dataclass does not have left out (verl's generated yaml carries a few for other readers)."""
-    import dataclasses
-    import importlib
-    import typing
-
     target = node.get("_target_")
     if target:  # the yaml names the concrete class (e.g. McoreOptimizerConfig for a field typed OptimizerConfig)
         module, _, name = target.rpartition(".")
@@ -131,6 +132,7 @@ BUDGET_KEYS = ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
 
 def scaled_budgets(cfg, factor: float):
     """`cfg` with every dynamic token budget times `factor` (other micro-batch boundaries)."""
+    # imported here: omegaconf comes with verl (optional)
     from omegaconf import OmegaConf
 
     values = [f"{key}={int(OmegaConf.select(cfg, key) * factor)}" for key in BUDGET_KEYS]

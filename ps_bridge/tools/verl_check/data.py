@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import List
 
+import numpy as np
 import torch
 
 from ps_bridge.tools.verl_check.config import CheckSettings
@@ -16,7 +17,7 @@ def synthetic_batch(settings: CheckSettings, vocab: int, step: int, algo_cfg):
     """One trainer step's batch as the trainer holds it after the rollout: left-padded prompts,
     right-padded responses, uid, random outcome rewards and verl's GRPO advantages. Every prompt
     begins with the run's system prompt (`system_prompt`)."""
-    import numpy as np
+    # imported here: verl is optional (requirements-verl.txt)
     from verl.protocol import DataProto
     from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 

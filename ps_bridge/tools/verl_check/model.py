@@ -28,6 +28,7 @@ def checkpoint_for(settings: CheckSettings, workdir: str) -> str:
     path = os.path.join(workdir, f"{settings.model}-{layers}l-seed{settings.seed}")
     if os.path.exists(os.path.join(path, "config.json")):
         return path
+    # imported here: transformers is heavy
     from transformers import AutoModelForCausalLM
 
     from ps_bridge.tools.verl_check.side_by_side import save_tiny_tokenizer
@@ -49,6 +50,7 @@ def stock_kind(ckpt: str, baseline: str = "stock") -> str:
     """The first engine: 'verl' when `baseline` is "stock" and verl's stock engine can run this family
     here, else 'ps-bridge-unshared' (our engine with prefix sharing off: `baseline="off"`:
     "sharing on vs sharing off" with the same model code on both sides)."""
+    # imported here: transformers is heavy
     from transformers import AutoConfig
 
     if baseline not in ("stock", "off"):
@@ -82,6 +84,7 @@ def free_memory() -> None:
 def checkpoint_text_config(ckpt: str):
     """The checkpoint's HF text config, read once per checkpoint (the vocabulary of the synthetic data,
     the FLOP shape of F)."""
+    # imported here: transformers is heavy
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(ckpt).get_text_config()

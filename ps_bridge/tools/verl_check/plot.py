@@ -8,9 +8,11 @@ from ps_bridge.tools.verl_check.config import PHASES
 def write_plot(doc: dict, path: str) -> None:
     """Per optimizer step loss and grad norm of both engines; per step phase times; log-prob diffs."""
     try:
+        # imported here: matplotlib is optional (the plot extra)
         import matplotlib
 
         matplotlib.use("Agg")
+        # imported here: matplotlib is optional (the plot extra)
         import matplotlib.pyplot as plt
     except ImportError:
         raise RuntimeError("--plot needs matplotlib (pip install matplotlib)") from None

@@ -24,6 +24,7 @@ class Role:
         inner = engine.forward_backward_batch
 
         def counting(data, loss_function, forward_only=False):
+            # imported here: verl is optional (requirements-verl.txt)
             from verl.utils import tensordict_utils as tu
 
             out = inner(data, loss_function, forward_only=forward_only)
@@ -33,6 +34,7 @@ class Role:
         engine.forward_backward_batch = counting
 
     def _defaults(self, td, infer: bool) -> None:
+        # imported here: verl is optional (requirements-verl.txt)
         from verl.utils import tensordict_utils as tu
 
         cfg = self.engine.engine_config
@@ -59,6 +61,7 @@ class Role:
     def train(self, td) -> dict:
         """TrainingWorker.train_mini_batch: per mini-batch loss (summed over its micro-batches, as the
         worker's `_postprocess_output`), grad norm, and the loss function's KL metric."""
+        # imported here: tensordict comes with verl (optional); verl is optional (requirements-verl.txt)
         from tensordict import NonTensorData
         from verl.utils import tensordict_utils as tu
 
@@ -89,6 +92,7 @@ class Role:
 
 def build_role_engines(kind: str, ckpt: str, settings: CheckSettings, actor_cfg, ref_cfg, rollout):
     """(actor engine, ref engine) of `kind` ('stock', 'shared', 'stock-split'), built by verl."""
+    # imported here: verl is optional (requirements-verl.txt)
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.verl.engine import PrefixSharedMegatronEngine
     from ps_bridge.tools.verl_check.side_by_side import build_engine, build_stock_engine
@@ -131,6 +135,7 @@ def shared_backend(settings: CheckSettings) -> str:
 def metric_value(x) -> float:
     """A verl `Metric` (or a list of per-micro-batch ones) aggregated as verl aggregates it."""
     if isinstance(x, list):
+        # imported here: verl is optional (requirements-verl.txt)
         from verl.utils.metric.utils import Metric
 
         return float(Metric.aggregate_dp(x)) if x and isinstance(x[0], Metric) else float(sum(x))

@@ -3,6 +3,7 @@ verl's trainer runs them, then the comparison document."""
 
 from __future__ import annotations
 
+import tempfile
 import time
 from functools import partial
 from typing import Callable, Dict, Iterator, List, Optional
@@ -11,9 +12,9 @@ import torch
 
 from ps_bridge.tools.verl_check.compare import compare, speedups
 from ps_bridge.tools.verl_check.compiles import counting_compiles
-from ps_bridge.tools.verl_check.flops import PhaseFlops, checkpoint_flop_shape, flop_ratios
 from ps_bridge.tools.verl_check.config import CheckSettings, role_configs, scaled_budgets, trainer_config
 from ps_bridge.tools.verl_check.data import ideal_ratio, synthetic_batch
+from ps_bridge.tools.verl_check.flops import PhaseFlops, checkpoint_flop_shape, flop_ratios
 from ps_bridge.tools.verl_check.model import checkpoint_for, checkpoint_text_config, free_memory, stock_description
 from ps_bridge.tools.verl_check.roles import Role, build_role_engines, shared_backend
 
@@ -62,6 +63,7 @@ def kind_steps(kind: str, settings: CheckSettings, ckpt: str, cfg, batches,
                progress: Callable[[str], None]) -> Iterator[dict]:
     """`run_kind`'s steps one at a time (the engines are built at the first and freed when the
     generator ends or is closed)."""
+    # imported here: verl is optional (requirements-verl.txt)
     from verl.workers.utils.losses import ppo_loss
 
     if kind == "stock-split":  # the noise floor: stock with different micro-batch boundaries
@@ -87,6 +89,7 @@ def kind_steps(kind: str, settings: CheckSettings, ckpt: str, cfg, batches,
 
 def _one_step(kind, step, batch, settings, arr, actor, ref, actor_cfg, resident_before, progress, flops=None) -> Dict:
     """One trainer step (old log-probs, ref log-probs, the update) of one engine kind: its record."""
+    # imported here: verl is optional (requirements-verl.txt)
     from verl.protocol import DataProto
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
@@ -159,6 +162,7 @@ def _as_list(value):
 
 
 def _kl(old, ref, mask, kind: str) -> float:
+    # imported here: verl is optional (requirements-verl.txt)
     from verl.trainer.ppo.core_algos import kl_penalty
 
     return float(kl_penalty(old, ref, kl_penalty=kind)[mask].mean())
@@ -169,8 +173,7 @@ def run_check(settings: CheckSettings, progress: Optional[Callable[[str], None]]
     """Build both engines in turn, run the steps, compare: the `--json` document. `on_result` gets the
     document as soon as stock and shared are compared, and again with the noise floor (so a run cut
     short during the noise floor still leaves the comparison)."""
-    import tempfile
-
+    # imported here: omegaconf comes with verl (optional)
     from omegaconf import OmegaConf
 
     progress = progress or (lambda msg: None)

@@ -17,6 +17,7 @@ import contextlib
 import math
 from typing import Optional
 
+import numpy as np
 import torch
 
 from ps_bridge.compat.verl_on_cpu import engine_call_on_cpu, prepare_cpu_process
@@ -77,6 +78,7 @@ def _flash_causal(q, k, v, bounds, scale):
 
 
 def _reference_core_attention_class():
+    # imported here: megatron-core is heavy
     from megatron.core.transformer.module import MegatronModule
 
     class ReferenceCoreAttention(MegatronModule):
@@ -117,6 +119,7 @@ def _reference_core_attention_class():
 def reference_gpt_layer_spec(config, vp_stage=None):
     """Our block spec (this stage's layers) with the reference core attention: the stock engine's
     stock-format model."""
+    # imported here: megatron-core is heavy
     from ps_bridge.models.specs import prefix_shared_gpt_layer_spec
 
     spec = prefix_shared_gpt_layer_spec(config, vp_stage=vp_stage)
@@ -130,6 +133,7 @@ def reference_gpt_layer_spec(config, vp_stage=None):
 
 def save_tiny_tokenizer(path: str, vocab_size: int) -> None:
     """A word-level tokenizer over `vocab_size` ids; verl reads `pad_token_id` from it."""
+    # imported here: tokenizers comes with transformers (heavy); transformers is heavy
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -152,6 +156,7 @@ def tiny_checkpoint(path: str, family: str = "qwen2.5", seed: int = 0):
 def stock_overrides() -> dict:
     """The stock engine's config overrides: our providers' fusions off (`FUSIONS_OFF`), no dropout,
     so both engines of a comparison compute the same thing."""
+    # imported here: megatron-core is heavy
     from ps_bridge.providers.base import FUSIONS_OFF
 
     return dict(FUSIONS_OFF, attention_dropout=0.0, hidden_dropout=0.0, attention_backend="auto")
@@ -167,6 +172,7 @@ def build_engine(engine_cls, ckpt: str, *, use_remove_padding: bool = True, forw
     `McoreEngineConfig` / `McoreOptimizerConfig` from a trainer config (`ps-bridge verl-check`), else
     the tests' (fp32, TP `tp`, PP `pp`, CP `cp`, EP `ep`, plain Adam). Either way the fusions and dropout are off
     (`stock_overrides`): both engines of a comparison compute the same thing."""
+    # imported here: verl is optional (requirements-verl.txt)
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
 
@@ -220,7 +226,7 @@ def grpo_micro_batch(samples, *, micro_batch_size: Optional[int] = None, max_tok
     """`samples` (ps_bridge.layout.Sample, n adjacent responses per prompt) as the TensorDict that
     `RayPPOTrainer._compute_old_log_prob` hands the worker: left-padded prompts, right-padded
     responses, uid, then `left_right_2_no_padding`, plus the worker's micro-batching keys."""
-    import numpy as np
+    # imported here: verl is optional (requirements-verl.txt)
     from verl.protocol import DataProto
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
@@ -265,6 +271,7 @@ _STOCK_DISPATCH: dict = {}
 
 
 def _bridge_dispatchers():
+    # imported here: megatron-core is heavy
     from megatron.bridge.models.conversion import model_bridge
     from megatron.bridge.models.decorators.dispatch import _Dispatch
 
@@ -310,6 +317,7 @@ def prepare_side_by_side() -> None:
 def build_stock_engine(ckpt: str, **kwargs):
     """verl's stock `MegatronEngineWithLMHead` on Megatron-Bridge's stock provider, with the
     reference core attention (the only non-stock module, needed because none runs on a CPU)."""
+    # imported here: verl is optional (requirements-verl.txt)
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
     overrides = dict(kwargs.pop("overrides", None) or {}, transformer_layer_spec=reference_gpt_layer_spec)
