@@ -13,7 +13,7 @@ model the checkpoint holds). ENGINE: `ours` (prefix sharing on), `stock`
 (verl's MegatronEngineWithLMHead on Megatron-Bridge's stock provider) or `sequential` (ours with
 megatron's own SequentialMLP experts in place of our grouped ones: the stock expert module); DIST:
 use_dist_checkpointing (0/1); DISTOPT: the distributed optimizer (0/1); LAYOUT: e.g. `tp2sp`, `pp2`,
-`cp2`, `ep2` (one rank when absent). Environment (scripts/gpu_ckpt.sh): PS_CKPT_DTYPE (float32;
+`cp2`, `ep2` (one rank when absent). Environment (tools/gpu_ckpt.sh): PS_CKPT_DTYPE (float32;
 bfloat16 on the GPU), PS_CKPT_SHARING (on/off: our engine's prefix sharing, on by default),
 PS_CKPT_FULLY_RESHARDABLE (1: the distributed optimizer's fully reshardable checkpoint format),
 PS_CKPT_LOAD_CONTENTS (e.g. `model,optimizer`: verl's `checkpoint.load_contents`)."""

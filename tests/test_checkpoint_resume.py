@@ -142,7 +142,7 @@ def test_the_distributed_optimizer_trains_and_saves_and_its_load_is_refused_here
     """megatron's distributed optimizer (verl's default) trains and saves on a CPU (with the CPU shims of
     ps_bridge.compat.verl_on_cpu) and computes the non-distributed run's step; megatron-core loads its state
     only on Transformer Engine's / Apex's Adam, absent here: our engine refuses the load naming
-    use_distributed_optimizer (the GPU check: scripts/gpu_ckpt.sh)."""
+    use_distributed_optimizer (the GPU check: tools/gpu_ckpt.sh)."""
     from ps_bridge.checkpoint import LAYOUT_RECORD, optimizer_sharding_type, verl_tree_path
 
     save, distributed, hf = runs("qwen2.5", "ours", 1, 1)

@@ -29,7 +29,7 @@ def test_doc_mentions_of_repository_files_resolve():
     missing = []
     files = [p for p in ROOT.rglob("*") if p.suffix in {".py", ".md", ".sh"} and not any(part.startswith(".venv") for part in p.parts) and ".git" not in p.parts]
     for path in files:
-        for target in re.findall(r"\b((?:docs|scripts|configs)/[\w./-]+\.(?:md|py|sh|png|yaml))", path.read_text(errors="ignore")):
+        for target in re.findall(r"(?<![\w./-])((?:docs|tools|configs)/[\w./-]+\.(?:md|py|sh|png|yaml|json|txt|log))", path.read_text(errors="ignore")):
             if not (ROOT / target).exists():
                 missing.append(f"{path.relative_to(ROOT)} -> {target}")
     assert not missing, missing

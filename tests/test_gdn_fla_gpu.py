@@ -61,7 +61,7 @@ def run_kernel(case, layout, backend, dtype, device):
     return out.float(), [g_.float() for g_ in grads]
 
 
-# ids name the dtype: scripts/gpu_checks.sh selects the float32 and the bfloat16 GDN tests by them
+# ids name the dtype: tools/gpu_checks.sh selects the float32 and the bfloat16 GDN tests by them
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_fla_matches_torch_ref(dtype):
     device = torch.device("cuda")
@@ -94,7 +94,7 @@ def run_on_tree(layout, backend, leaves, device):
     return out.float()[layout.valid.to(device)], [x.float() for x in grads]
 
 
-# ids name the dtype: scripts/gpu_checks.sh selects the float32 and the bfloat16 GDN tests by them
+# ids name the dtype: tools/gpu_checks.sh selects the float32 and the bfloat16 GDN tests by them
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_fla_matches_torch_ref_on_trees(dtype):
     """fla on a prefix tree of depth >= 3 (one call per level, each node from its parent's final

@@ -1,8 +1,8 @@
 """Merge the JSON of every bench step of a GPU script into one file (rows in step order).
 
-    python3 scripts/merge_bench_rows.py ROWS_DIR OUT.json
+    python3 tools/merge_bench_rows.py ROWS_DIR OUT.json
 
-Each step's file is ROWS_DIR/step<k>-<tag><nproc>.json (`bench_step` in scripts/gpu_env.sh); every
+Each step's file is ROWS_DIR/step<k>-<tag><nproc>.json (`bench_step` in tools/gpu_env.sh); every
 row gets `<tag>: <nproc>` (e.g. cp: 2, ep: 2), so the merged file says how each row ran.
 """
 

@@ -1,6 +1,6 @@
 """Profile one verl-check phase on the GPU: where does the time of the stock and the prefix-shared engine go?
 
-    python3 scripts/profile_verl_phase.py --model qwen2.5-7b --layers 4 --prompts 32 --n 8 \
+    python3 tools/profile_verl_phase.py --model qwen2.5-7b --layers 4 --prompts 32 --n 8 \
         --system-prompt-len 2048 --prompt-len 512 --response-len 512 --phase update --out DIR [OVERRIDES...]
 
 Builds verl-check's checkpoint, trainer config and synthetic batches (`ps_bridge.tools.verl_check`), then per

@@ -1,7 +1,7 @@
 """GPU check of the fused vocab-softmax kernels (ps_bridge.kernels.vocab_softmax) against the chunked torch path of
 ps_bridge.rows at a Qwen2.5 vocabulary (T = 9000 positions, V = 152064, bf16): log-probs, the logits' gradient, time.
 
-    python3 scripts/check_vocab_softmax_gpu.py OUT.json
+    python3 tools/check_vocab_softmax_gpu.py OUT.json
 """
 import json, sys, time, torch
 from ps_bridge import rows as R

@@ -1,29 +1,29 @@
 #!/usr/bin/env bash
-# Issue 21 ("never slower than sharing off") on one H200 (device kind nvidia-h200), in one call:
+# The small shapes (is sharing ever slower than sharing off?) on one GPU, in one run:
 #   base   the rows where sharing pays today: bench Qwen2.5-7B shape (2048, 512, 8) 4 layers, and
 #          Qwen3.5-0.8B shape (2048, 512, 8) --groups 4 (its bench default of 8 layers);
 #   small  bench rows of the small shapes (24 layers, --groups 4: a verl update micro-batch of the
-#          issue's settings) that calibrate the sharing rule (ps_bridge/launch_rule.py);
-#   prof   scripts/profile_bench_row.py on Qwen3.5-0.8B and Qwen2.5-0.5B (128, 32, 8) x 4 groups, 24 layers
+#          settings of BENCHMARKS.md) that calibrate the sharing rule (ps_bridge/launch_rule.py);
+#   prof   tools/profile_bench_row.py on Qwen3.5-0.8B and Qwen2.5-0.5B (128, 32, 8) x 4 groups, 24 layers
 #          (host vs GPU time per layer, launches, syncs);
-#   verl   `ps-bridge verl-check` at the issue's settings (8 prompts x n = 8, 3 steps, mini-batch of 4
+#   verl   `ps-bridge verl-check` at the small-shape settings (8 prompts x n = 8, 3 steps, mini-batch of 4
 #          prompts) for the runs given in VERL_RUNS ("model:P:R:mode ...", mode = PS_BRIDGE_SHARING of
 #          the prefix-shared engine: auto, on or off; the stock engine is unaffected);
-#   grid   scripts/verl_check_grid.py: the same settings for every "model:P:R" of VERL_GRID (comma-separated)
+#   grid   tools/verl_check_grid.py: the same settings for every "model:P:R" of VERL_GRID (comma-separated)
 #          in one process, the first engine being ours with sharing disabled (sharing on vs off alone).
-# Usage (repository root): STEPS="base small prof verl" VERL_RUNS="qwen3.5-0.8b:128:32:auto" scripts/gpu_small_shapes.sh
+# Usage (repository root): STEPS="base small prof verl" VERL_RUNS="qwen3.5-0.8b:128:32:auto" tools/gpu_small_shapes.sh
 # Everything runs within BUDGET_S seconds (default 560): each step gets what is left. SMALL_MODELS,
 # SMALL_GRID and VERL_LIMIT (seconds per verl-check run, default 200) narrow the steps.
 # Results in $OUT: small-$TAG.log (every step's output), results.tar.gz (bench / verl-check JSON,
-# profile tables, under $TAG/), triton-autotune.tar.gz (kernel caches for the next call: copy to .whl/).
+# profile tables, under $TAG/), triton-autotune.tar.gz (kernel caches for the next run: copy to .whl/).
 set -uo pipefail
 OUT=${OUT:-/tmp/ps-bridge-out}
 mkdir -p "$OUT"
-TAG=${TAG:-run}  # names this tree's log and results (several trees may run in one call)
+TAG=${TAG:-run}  # names this tree's log and results (several trees may run in one run)
 RES=/tmp/ps-bridge-res/$TAG
 mkdir -p "$RES"
 [ -d /tmp/gpusite ] || tar -C /tmp -xJf .whl/gpusite.tar.xz || exit 1
-source scripts/gpu_env.sh
+source tools/gpu_env.sh
 python3 -m pip install -q --no-deps --no-build-isolation --disable-pip-version-check -e . >/tmp/ps-bridge-install.log 2>&1 \
   || { cat /tmp/ps-bridge-install.log; exit 1; }
 mkdir -p "$TRITON_CACHE_DIR"
@@ -55,10 +55,10 @@ for s in ${STEPS:-base small prof verl}; do
         --grid "${SMALL_GRID:-128,32,8;512,32,8;128,256,8;512,256,8}" --json "$RES/bench-small.json" ;;
     prof)
       mkdir -p "$RES/prof"
-      step profile 200 python3 scripts/profile_bench_row.py --models "${PROF_MODELS:-qwen3.5-0.8b,qwen2.5-0.5b}" --layers 24 \
+      step profile 200 python3 tools/profile_bench_row.py --models "${PROF_MODELS:-qwen3.5-0.8b,qwen2.5-0.5b}" --layers 24 \
         --row 128,32,8 --groups 4 --out "$RES/prof" ;;
     grid)  # every (model, P, R) of VERL_GRID in one process, against our engine with sharing off
-      step verl-grid "${GRID_LIMIT:-470}" env PS_BRIDGE_SHARING="${GRID_MODE:-auto}" python3 scripts/verl_check_grid.py \
+      step verl-grid "${GRID_LIMIT:-470}" env PS_BRIDGE_SHARING="${GRID_MODE:-auto}" python3 tools/verl_check_grid.py \
         --runs "${VERL_GRID:-qwen3.5-0.8b:128:32,qwen2.5-0.5b:128:32}" --workdir /tmp/verl-check --json "$RES/verl-grid.json" ;;
     verl)
       for run in ${VERL_RUNS:-qwen3.5-0.8b:128:32:auto}; do

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Context parallelism on two GPUs, in one call of at most ~8 minutes (every step has a time limit;
-# machine kind nvidia-h200-x2):
-#   OUT=... scripts/gpu_cp.sh
-# 1. scripts/gpu_checks.sh tests/test_context_parallel_gpu.py: unpacks the stack, installs the repo
+# Context parallelism on two GPUs, of one host, in one run of at most ~8 minutes (every
+# step has a time limit):
+#   OUT=... tools/gpu_cp.sh
+# 1. tools/gpu_checks.sh tests/test_context_parallel_gpu.py: unpacks the stack, installs the repo
 #    editable, restores / saves Triton's autotune results, runs the CP=2 bf16-vs-float32 GPU test
 #    ($OUT/versions.txt, gpu_tests.log, triton-autotune.tar.gz).
 # 2. `ps-bridge bench` under torchrun, every step in its own processes (an out-of-memory rank that
@@ -17,8 +17,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/ps-bridge-out}
 mkdir -p "$OUT"
 start=$SECONDS
-timeout 110 scripts/gpu_checks.sh tests/test_context_parallel_gpu.py
-source scripts/gpu_env.sh
+timeout 110 tools/gpu_checks.sh tests/test_context_parallel_gpu.py
+source tools/gpu_env.sh
 ROWS=/tmp/ps-bridge-cp-rows
 rm -rf "$ROWS" && mkdir -p "$ROWS"
 bench() { bench_step "$OUT/bench_cp.log" "$ROWS" cp "$@"; }  # bench LIMIT_S NPROC ARGS...
@@ -29,5 +29,5 @@ bench 75 2 --cp 2 --models qwen3.5-9b --grid "32768,1024,8" --max-tokens-per-gpu
 LADDER=(--models qwen2.5-7b --shared-only --stop-on-failure --warmup 0 --repeats 1 --layers 4)
 bench 60 1 "${LADDER[@]}" --grid "65536,1024,8;81920,1024,8;98304,1024,8;114688,1024,8"
 bench 75 2 --cp 2 "${LADDER[@]}" --grid "131072,1024,8;163840,1024,8;196608,1024,8;229376,1024,8"
-python3 scripts/merge_bench_rows.py "$ROWS" "$OUT/bench_cp.json"
+python3 tools/merge_bench_rows.py "$ROWS" "$OUT/bench_cp.json"
 echo "gpu_cp.sh done in $((SECONDS - start)) s" | tee -a "$OUT/bench_cp.log"

@@ -1,5 +1,5 @@
-# Sourced by scripts/gpu_checks.sh, gpu_cp.sh and gpu_ep.sh (repository root): the environment our
-# stack runs in on the lent GPU machine, from the archive `.whl/gpusite.tar.xz` unpacked to
+# Sourced by tools/gpu_checks.sh, gpu_cp.sh and gpu_ep.sh (repository root): the environment our
+# stack runs in on a GPU machine without a package index, from the archive `.whl/gpusite.tar.xz` unpacked to
 # /tmp/gpusite; `save_autotune`, which keeps the kernel caches worth carrying in $OUT; and
 # `bench_step`, one `ps-bridge bench` under torchrun.
 export PYTHONPATH="/tmp/gpusite" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -19,7 +19,7 @@ bench_step() {
   # bench_step LOG ROWS TAG LIMIT_S NPROC ARGS...: one bench process group under torchrun (an
   # out-of-memory rank that hangs its NCCL peer costs that step only: `timeout`, --collective-timeout),
   # output appended to LOG, its JSON kept apart as ROWS/step<k>-<TAG><NPROC>.json
-  # (scripts/merge_bench_rows.py merges them)
+  # (tools/merge_bench_rows.py merges them)
   local log=$1 rows=$2 tag=$3 limit=$4 nproc=$5; shift 5
   BENCH_STEP=$((BENCH_STEP + 1))
   echo "=== [$SECONDS s] bench step $BENCH_STEP (nproc $nproc): $*" | tee -a "$log"

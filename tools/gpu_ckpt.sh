@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The checkpoint GPU check (issue 20): one H200 (machine kind nvidia-h200), bfloat16, the Qwen3.5-0.8B shape
+# The checkpoint GPU check: one GPU (an H200 here), bfloat16, the Qwen3.5-0.8B shape
 # (random weights, the bench's layer count), verl 0.9.1's engine with verl's default checkpoint path (the model
 # as HF safetensors through the bridge; optimizer, scheduler, RNG through dist checkpointing) and the
 # non-distributed optimizer (megatron-core loads the distributed one's state only with Transformer Engine or
-# Apex, neither on the image: docs/checkpoints.md), one call:
-#   OUT=... scripts/gpu_ckpt.sh            (repository root; the lead's command: docs/checkpoints.md)
+# Apex, neither on the image: docs/checkpoints.md), one run:
+#   OUT=... tools/gpu_ckpt.sh            (repository root; docs/checkpoints.md)
 # (the runs' parameters stay in /tmp/ps-ckpt, only the comparison comes back)
 # 1. our engine, prefix sharing ON: 2 steps, save (model, optimizer, scheduler, RNG), a 3rd step
 #                                                                           -> uninterrupted_on.pt
@@ -22,8 +22,8 @@ OUT=${OUT:-/tmp/ps-bridge-out}
 mkdir -p "$OUT"
 log="$OUT/ckpt.log"
 # unpacks the stack and installs ps-bridge (its one test is not a GPU test: nothing else runs)
-timeout 180 scripts/gpu_checks.sh tests/test_checkpoint_refusals.py -k mtp >"$OUT/setup.log" 2>&1
-source scripts/gpu_env.sh
+timeout 180 tools/gpu_checks.sh tests/test_checkpoint_refusals.py -k mtp >"$OUT/setup.log" 2>&1
+source tools/gpu_env.sh
 # megatron's dist_checkpointing writer needs psutil (the optimizer and RNG always go through it); the stack's
 # archive does not carry it: the image's, else a wheel placed in .whl/
 if ! python3 -c "import psutil" 2>/dev/null; then

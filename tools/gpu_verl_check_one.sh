@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One verl-check shape (MODEL=qwen2.5-7b by default; LIMIT seconds, default 400), 4 layers, 3 steps, the
-# issue's data and budgets: for a call of its own on a warm or fresh nvidia-h200.
+# data and budgets of BENCHMARKS.md: a run of its own on one GPU.
 set -uo pipefail
 OUT=${OUT:-/tmp/ps-bridge-out}
 mkdir -p "$OUT"
 [ -d /tmp/gpusite ] || tar -C /tmp -xJf .whl/gpusite.tar.xz || exit 1
-source scripts/gpu_env.sh
+source tools/gpu_env.sh
 python3 -m pip install -q --no-deps --no-build-isolation --disable-pip-version-check -e . >/tmp/ps-bridge-install.log 2>&1 || exit 1
 log="$OUT/run.log"
 timeout ${LIMIT:-400} python3 -m ps_bridge.tools.cli verl-check --model "${MODEL:-qwen2.5-7b}" --no-progress --workdir /tmp/verl-check --layers 4 \

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The Qwen3.5 MoE GPU work in one call on one H200 (nvidia-h200), built on scripts/gpu_checks.sh
+# The Qwen3.5 MoE GPU work in one call on one H200 (nvidia-h200), built on tools/gpu_checks.sh
 # (which unpacks .whl/gpusite.tar.xz, installs the repository editable, restores the Triton autotune
 # cache from .whl/triton-autotune.tar.gz and runs the selected `-m gpu` tests). About 5-7 minutes.
 #
-# Usage (repository root): scripts/gpu_moe.sh
+# Usage (repository root): tools/gpu_moe.sh
 # $OUT gets (8 files):
 #   versions.txt, gpu_tests.log      from gpu_checks.sh (tests/test_grouped_experts.py and
 #                                    tests/test_token_permutation.py, -m gpu: grouped_mm, the fused SwiGLU,
@@ -18,8 +18,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/ps-bridge-out}
 mkdir -p "$OUT"
-scripts/gpu_checks.sh tests/test_grouped_experts.py tests/test_token_permutation.py; tests_status=$?
-source scripts/gpu_env.sh
+tools/gpu_checks.sh tests/test_grouped_experts.py tests/test_token_permutation.py; tests_status=$?
+source tools/gpu_env.sh
 timeout 150 python3 -m ps_bridge.tools.bench.moe_layer --json "$OUT/moe_layer.json" --profile /tmp/moe_profile.txt 2>&1 | grep -v "^WARNING\|warn" | tee "$OUT/moe_layer.log"
 cat /tmp/moe_profile.txt >> "$OUT/moe_layer.log"
 bench=(python3 -m ps_bridge.tools.cli bench --no-progress --models qwen3.5-35b-a3b --warmup 1 --repeats 3)

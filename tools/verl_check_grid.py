@@ -1,14 +1,14 @@
 """`ps-bridge verl-check` over a grid of (model, P, R) in one process, against our engine with sharing off.
 
-    PS_BRIDGE_SHARING=auto python3 scripts/verl_check_grid.py --runs qwen3.5-0.8b:128:32,qwen2.5-0.5b:128:32 --json OUT.json
+    PS_BRIDGE_SHARING=auto python3 tools/verl_check_grid.py --runs qwen3.5-0.8b:128:32,qwen2.5-0.5b:128:32 --json OUT.json
 
-Issue 21's "sharing on vs sharing off": verl-check's second engine is `PrefixSharedMegatronEngine`
+Sharing on vs sharing off: verl-check's second engine is `PrefixSharedMegatronEngine`
 with the sharing rule (`PS_BRIDGE_SHARING`, default auto); its first is verl's stock engine for
 Qwen2.5 (Megatron-Bridge's stock provider, a different model implementation) and our engine with
 sharing disabled for Qwen3.5. This script makes the first engine our engine with sharing disabled for
 every family (verl-check's `--baseline off`, the default here; `stock` keeps verl-check's default), so both engines run
 the same model code and the ratio is sharing on / sharing off alone. Everything else is verl-check's:
-the issue's settings (8 prompts x n = 8, 3 steps, bf16, `ppo_mini_batch_size=4`, 24 layers) unless
+the small-shape settings (8 prompts x n = 8, 3 steps, bf16, `ppo_mini_batch_size=4`, 24 layers) unless
 given. Runs share one process (imports and CUDA set-up once); the JSON is rewritten after each run,
 with, per run, verl-check's document and how many micro-batches the rule ran shared, by pass
 (`fwd+bwd`: the update; `fwd`: old and ref log-probs), all steps.

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# `ps-bridge verl-check` on one H200 (device kind nvidia-h200), bf16, reduced layers (4):
+# `ps-bridge verl-check` on one GPU (an H200 here), bf16, reduced layers (4):
 # verl 0.9.1's own trainer step, stock Megatron engine vs prefix-shared, for the Qwen2.5-7B and
-# Qwen3.5-9B shapes at the issue's settings: 32 prompts x n=8, P=2048, R drawn from [256, 768]
+# Qwen3.5-9B shapes at the settings of BENCHMARKS.md: 32 prompts x n=8, P=2048, R drawn from [256, 768]
 # (mean 512), mini-batch of 8 prompts, ppo_max_token_len_per_gpu=16384, log-prob budgets 32768 (the
 # same numbers for both engines), 3 trainer steps (the first is left out of the speed-ups), plus the
 # stock-vs-stock noise floor (stock at 3/4 of every budget) on the Qwen2.5-7B shape.
 #
-# Usage (repository root, about 7-8 minutes): scripts/gpu_verl_check.sh
-# Built on scripts/gpu_checks.sh (sourced: unpacks .whl/gpusite.tar.xz, installs the repo editable,
+# Usage (repository root, about 7-8 minutes): tools/gpu_verl_check.sh
+# Built on tools/gpu_checks.sh (sourced: unpacks .whl/gpusite.tar.xz, installs the repo editable,
 # restores and saves Triton's autotune results, writes versions.txt). Results in $OUT (8 files):
 #   versions.txt                 GPU, torch/triton/transformers/megatron/fla, then verl/tensordict
-#   triton-autotune.tar.gz       Triton autotune cache for the next call (copy to .whl/)
+#   triton-autotune.tar.gz       Triton autotune cache for the next run (copy to .whl/)
 #   verl_check.log               both runs' printed tables (per step diffs, losses, phase times)
 #   verl_check_qwen2.5-7b.json   per-step JSON (schema: docs/verl.md), with "noise_floor"
 #   verl_check_qwen2.5-7b.png    curves: loss / grad norm per optimizer step, phase times, diffs
@@ -34,7 +34,7 @@ try:
     print("verl engine path imports: ok")
 except Exception as e:
     print(f"FAILED: verl's engine path does not import here ({type(e).__name__}: {e}); "
-          "rebuild .whl/gpusite.tar.xz (scripts/build_gpu_site.sh) with the missing package")
+          "rebuild .whl/gpusite.tar.xz (tools/build_gpu_site.sh) with the missing package")
     sys.exit(3)
 PY
 [ "${PIPESTATUS[0]}" -eq 0 ] || exit 3

@@ -1,6 +1,6 @@
 """Profile one `ps-bridge bench` grid row on the GPU: where does the time of each packing go, host or GPU?
 
-    python3 scripts/profile_bench_row.py --models qwen3.5-0.8b,qwen2.5-0.5b --layers 24 --row 128,32,8 --groups 4 --out DIR
+    python3 tools/profile_bench_row.py --models qwen3.5-0.8b,qwen2.5-0.5b --layers 24 --row 128,32,8 --groups 4 --out DIR
 
 Builds each model shape as the bench does (random weights, bf16), packs the row's micro-batch
 unshared and shared, warms up, and for the actor step (forward, log-probs, loss, backward) and the

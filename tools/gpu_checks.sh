@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# All GPU checks and benchmarks in one call, on a GPU machine whose image has torch, triton and
-# transformers but not the rest of our stack (the H200 lent to this project: no internet, no
+# All GPU checks and benchmarks in one run, on a GPU machine whose image has torch, triton and
+# transformers but not the rest of our stack (for anyone with GPUs and no package index: no
 # megatron, no fla). The rest travels as one archive, `.whl/gpusite.tar.xz` (git-ignored): the
 # unpacked cp312 wheels of megatron-core 0.19.2, megatron-bridge 0.6.2, fla-core 0.6.0, omegaconf,
 # antlr4, and tilelang 0.1.15 with apache-tvm-ffi, torch-c-dlpack-ext and z3-solver (fla's GDN
-# backward on Hopper with Triton < 3.7.1 needs tilelang). xz fits them in one call's 64 MiB.
-# Build it with scripts/build_gpu_site.sh.
+# backward on Hopper with Triton < 3.7.1 needs tilelang). xz fits them in a 64 MiB upload.
+# Build it with tools/build_gpu_site.sh.
 #
-# Usage (repository root): scripts/gpu_checks.sh [pytest selection...] [-- bench args...]
-# The single-GPU test set (nvidia-h200; tests/test_parallel_gpu.py needs two GPUs):
-#   scripts/gpu_checks.sh tests/test_attention_backends.py tests/test_bf16_vs_fp32_gpu.py tests/test_gdn_fla_gpu.py
+# Usage (repository root): tools/gpu_checks.sh [pytest selection...] [-- bench args...]
+# The single-GPU test set (one GPU; tests/test_parallel_gpu.py needs two):
+#   tools/gpu_checks.sh tests/test_attention_backends.py tests/test_bf16_vs_fp32_gpu.py tests/test_gdn_fla_gpu.py
 # Results land in $OUT: versions.txt, gpu_tests.log (pytest output, the 15 slowest tests, the wall
 # times), bench.json / bench.png / bench.log, and triton-autotune.tar.gz: the kernel caches worth
 # carrying, Triton's autotune results (fla's GDN kernels autotune for minutes per head configuration
@@ -25,14 +25,14 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/ps-bridge-out}
 mkdir -p "$OUT"
-# GPUSITE picks the stack's archive (scripts/build_gpu_site.sh): .whl/gpusite.tar.xz (newest, the
+# GPUSITE picks the stack's archive (tools/build_gpu_site.sh): .whl/gpusite.tar.xz (newest, the
 # default) or .whl/gpusite-oldest.tar.xz (oldest); both unpack to /tmp/gpusite
 GPUSITE=${GPUSITE:-.whl/gpusite.tar.xz}
 if [ -f "$GPUSITE" ]; then
   rm -rf /tmp/gpusite
   tar -C /tmp -xJf "$GPUSITE" || exit 1
 fi
-source scripts/gpu_env.sh
+source tools/gpu_env.sh
 # ps_bridge (with providers/ and models/ mapped into it by pyproject.toml) through an editable
 # install, offline: no build isolation, no dependencies
 python3 -m pip install -q --no-deps --no-build-isolation --disable-pip-version-check -e . >/tmp/ps-bridge-install.log 2>&1 \
@@ -104,7 +104,7 @@ if [ "${#tests[@]}" -gt 0 ]; then
     save_autotune
     size=$(stat -c %s "$OUT/triton-autotune.tar.gz" 2>/dev/null || echo 0)
     echo "triton-autotune.tar.gz: $((size / 1024)) KiB"
-    [ "$size" -gt $((15 * 1024 * 1024)) ] && echo "WARNING: over 15 MiB; with gpusite.tar.xz it may not fit one call's 64 MiB carry"
+    [ "$size" -gt $((15 * 1024 * 1024)) ] && echo "WARNING: over 15 MiB; with gpusite.tar.xz it may not fit a 64 MiB upload"
   } >"$OUT/gpu_tests.log"
   for name in "${names[@]}"; do rm -f "$OUT/gpu_tests.$name.log"; done
   cat "$OUT/gpu_tests.log"

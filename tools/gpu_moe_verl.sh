@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# One nvidia-h200 call for the MoE and verl-check GPU rows when device time is short (a subset of
-# scripts/gpu_moe.sh and scripts/gpu_verl_check.sh; each step has its own time limit):
+# One GPU run for the MoE and verl-check GPU rows when time is short (a subset of
+# tools/gpu_moe.sh and tools/gpu_verl_check.sh; each step has its own time limit):
 #   1. tests/test_grouped_experts.py (grouped_mm on CUDA vs the per-expert loop)
 #   2. the Qwen3.5-35B-A3B MoE layer alone, grouped vs sequential experts   -> moe_layer.json
 #   3. the 35B-A3B actor step (4 layers) at (2048, 512, 8) --groups 4       -> bench_g4.json
-#   4. verl-check, Qwen2.5-7B shape (4 layers), 3 steps, the data and budgets
+#   4. verl-check, Qwen2.5-7B shape (4 layers), 3 steps, the data and budgets of BENCHMARKS.md
 #                                                                           -> verl_check_qwen2.5-7b.json/.png
-# Logs of 2-4 in run.log. Usage (repository root): OUT=... scripts/gpu_moe_verl.sh
+# Logs of 2-4 in run.log. Usage (repository root): OUT=... tools/gpu_moe_verl.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/ps-bridge-out}
 mkdir -p "$OUT"
-scripts/gpu_checks.sh tests/test_grouped_experts.py
-source scripts/gpu_env.sh
+tools/gpu_checks.sh tests/test_grouped_experts.py
+source tools/gpu_env.sh
 log="$OUT/run.log"
 echo "=== moe layer ($(date +%T))" | tee -a "$log"
 timeout 120 python3 -m ps_bridge.tools.bench.moe_layer --json "$OUT/moe_layer.json" >>"$log" 2>&1; echo "=== exit $?" >>"$log"
