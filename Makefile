@@ -1,7 +1,7 @@
 # `make demo` runs the main job, `make test` the test suite; both create or reuse a Python 3.12
 # virtualenv at $(VENV) and install the pinned stack into it.
 # STACK=newest (default: today's pins, requirements*.txt) or STACK=oldest (the oldest tested stack,
-# requirements-oldest*.txt, in .venv-oldest); docs/stacks.md lists both.
+# requirements-oldest*.txt, in .venv-oldest); docs/install.md lists both.
 STACK ?= newest
 ifeq ($(STACK),newest)
 VENV ?= .venv

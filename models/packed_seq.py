@@ -66,7 +66,7 @@ class PrefixSharedPackedSeqParams(PackedSeqParams):
         # whole pack too: megatron's THD RoPE then reads this rank's entries of the table at its
         # load-balanced offsets (`PrefixSharedGPTModel`). The offsets stay on the host: that RoPE reads
         # them with `.tolist()` and `.item()` (three per call, query and key, every attention layer),
-        # each a device sync when they are on the GPU (docs/never-slower.md).
+        # each a device sync when they are on the GPU (docs/how-it-works.md).
         T = layout.num_tokens
         whole = torch.tensor([0, T], dtype=layout.cu_seqlens_padded.dtype)
         return cls(

@@ -79,7 +79,7 @@ class PrefixSharingConfig:
     tree:         with sharing on, share every common prefix (the token radix tree: a system prompt
                   shared across prompts, a sample that is a prefix of another's, ...) instead of
                   identical prompts only. Runs under TP, SP, PP, CP and EP with every attention
-                  backend but `flash_atten_gpu_expand` / `flash_atten_npu` (see docs/tree.md). Under
+                  backend but `flash_atten_gpu_expand` / `flash_atten_npu` (see docs/how-it-works.md). Under
                   verl `PS_BRIDGE_TREE=1` (docs/verl.md).
     tree_min_shared: the shortest common run a tree shares (None: `layout.DEFAULT_MIN_SHARED`);
                   `PS_BRIDGE_TREE_MIN_SHARED`.

@@ -18,7 +18,7 @@ F = 6 with the backward (forward + backward as 3 x the forward's 2 FLOPs per wei
 `layer_weights` are the matmul weights a token passes through in all decoder layers (the active
 experts of an MoE layer, `ModelCost.from_hf_config`), `hidden * vocab` the output layer, which the
 unshared step runs at every position. The constants were fitted on one H200 to `ps-bridge bench`
-rows of the small shapes (docs/never-slower.md gives the rows and the fit): `TFLOPS` is the
+rows of the small shapes (docs/how-it-works.md gives the rows and the fit): `TFLOPS` is the
 throughput the unshared step reaches there, by the model's mixer kind (`gdn` for a model with any
 Gated DeltaNet layer); `HOST_NS` the shared step's time per layer where it is host-bound. A
 (backend, device) pair without a measured cost always shares (the reason says so): the reference
@@ -45,7 +45,7 @@ import numpy as np
 logger = logging.getLogger("ps_bridge")
 
 # Effective throughput (TFLOP/s) of the unshared step's GPU work on an H200 at the small shapes, by
-# the model's mixer kind and whether the step runs the backward (docs/never-slower.md: the unshared
+# the model's mixer kind and whether the step runs the backward (docs/how-it-works.md: the unshared
 # rows of 12288-17408 tokens, GPU-bound).
 TFLOPS: Mapping[Tuple[str, bool], int] = {
     ("attention", True): 220, ("attention", False): 150,
@@ -53,7 +53,7 @@ TFLOPS: Mapping[Tuple[str, bool], int] = {
 }
 # Host time of the shared step per decoder layer where it is host-bound (nanoseconds), by (layer kind,
 # concrete backend, device type, backward): the measured step time over the layer count, an
-# attention layer's share taken from the attention-only Qwen2.5 rows (docs/never-slower.md).
+# attention layer's share taken from the attention-only Qwen2.5 rows (docs/how-it-works.md).
 HOST_NS: Mapping[Tuple[str, str, str, bool], int] = {
     ("attention", "flash_atten_gpu", "cuda", True): 4_400_000,
     ("attention", "flash_atten_gpu", "cuda", False): 2_650_000,
@@ -64,7 +64,7 @@ HOST_NS: Mapping[Tuple[str, str, str, bool], int] = {
 # break-even both paths take about as long and run-to-run noise decides which is faster, so such a
 # micro-batch runs unshared, the path that is sharing off. 5/4 let Qwen3.5-0.8B's (128, 256) update
 # micro-batches share, which measured 1.16x in `ps-bridge bench` but 0.92x in verl-check
-# (docs/never-slower.md).
+# (docs/how-it-works.md).
 MARGIN: Tuple[int, int] = (3, 2)
 MODES = ("auto", "on", "off")
 

@@ -28,7 +28,7 @@ used as the reference and as the fallback.
 Prefix trees. The layout above is the depth-one case of a prefix tree; `share="tree"` shares every
 common prefix (a system prompt across prompts, a sample that is a prefix of another's): one segment
 per node of a token radix tree, packed level by level (roots, then their children, ...), each token
-at its position in its own sequence, each node attending to its ancestors' tokens (docs/tree.md).
+at its position in its own sequence, each node attending to its ancestors' tokens (docs/how-it-works.md).
 The layout is built in three steps, each testable alone: decide what is shared
 (`ps_bridge.tree.decide`), order the pack (`ps_bridge.tree.order`), materialize the tensors and the
 way back (`ps_bridge.tree.materialize`); `build_layout` runs the three for every `share` mode.
@@ -62,7 +62,7 @@ logger = logging.getLogger("ps_bridge")
 PAD_SEGMENT = -1
 
 # the shortest common run a "tree" layout shares by default (shorter runs are computed per sample):
-# measured with `ps-bridge bench --min-shared-sweep` on an H200 (docs/tree.md, "Choosing the threshold"):
+# measured with `ps-bridge bench --min-shared-sweep` on an H200 (docs/how-it-works.md, "Choosing the threshold"):
 # sharing a run of K <= 64 tokens among 8 prompts was slower than computing it in every prompt on every
 # measured shape (x 0.80-0.95), so the default is the largest such run
 DEFAULT_MIN_SHARED = 64

@@ -18,7 +18,7 @@ from ps_bridge.tools.compare import loss_weights
 from ps_bridge.layout import Sample
 from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
 
-# docs/design.md section 6: valid lengths [5, 2] become padded [6, 2] at TP=2
+# docs/how-it-works.md section 6: valid lengths [5, 2] become padded [6, 2] at TP=2
 PADDING_EXAMPLE = Sample([11, 12, 13, 14, 15], [16, 17])
 
 

@@ -63,18 +63,46 @@ def test_readme_reads_in_five_minutes():
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines, at most {README_MAX_LINES}: move details to docs/"
 
 
-def test_status_page_names_tests_that_exist():
-    """docs/status.md backs each support-matrix cell with tests: every test function and test file it
+def test_support_page_names_tests_that_exist():
+    """docs/support.md backs each support-matrix cell with tests: every test function and test file it
     names (and every `tests/<file>.py::<name>` in any doc) exists, so a renamed test cannot leave a
     cell pointing at nothing."""
     sources = {p.name: p.read_text() for p in (ROOT / "tests").glob("*.py")}
     defined = {name for text in sources.values() for name in re.findall(r"^\s*def (test_\w+)", text, flags=re.M)}
     missing = []
-    for name, py in re.findall(r"\b(test_\w+)(\.py)?", (ROOT / "docs" / "status.md").read_text()):
+    for name, py in re.findall(r"\b(test_\w+)(\.py)?", (ROOT / "docs" / "support.md").read_text()):
         if (py and f"{name}.py" not in sources) or (not py and name not in defined):
-            missing.append(f"docs/status.md -> {name}{py}")
+            missing.append(f"docs/support.md -> {name}{py}")
     for doc in DOCS:
         for file, name in re.findall(r"tests/(test_\w+\.py)::(test_\w+)", doc.read_text()):
             if not re.search(rf"^\s*def {name}\b", sources.get(file, ""), flags=re.M):
                 missing.append(f"{doc.relative_to(ROOT)} -> tests/{file}::{name}")
     assert not missing, missing
+
+
+DOC_PAGES_MAX = 7
+BENCHMARKS_MAX_LINES = 250
+
+
+def test_docs_is_a_manual_of_a_few_pages():
+    """docs/ is a user's manual of at most 7 pages, one subject each; BENCHMARKS.md holds today's figures
+    only, in at most 250 lines."""
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
+    assert len(pages) <= DOC_PAGES_MAX, f"docs/ has {len(pages)} pages, at most {DOC_PAGES_MAX}: {pages}"
+    lines = len((ROOT / "BENCHMARKS.md").read_text().splitlines())
+    assert lines <= BENCHMARKS_MAX_LINES, f"BENCHMARKS.md has {lines} lines, at most {BENCHMARKS_MAX_LINES}"
+
+
+# Words about how the work was organised, which a reader who never saw the work cannot use.
+WORK_WORDS = re.compile(r"session|device time|call [0-9]|(first|second|third|fourth) round|issue [0-9]", re.I)
+
+
+def test_docs_and_tools_speak_of_the_project_not_of_its_work():
+    """README, BENCHMARKS, docs/ (raw results included), tools/ and configs/ name no work sessions, device
+    time, "call N", rounds or issue numbers."""
+    paths = [ROOT / "README.md", ROOT / "BENCHMARKS.md"]
+    for folder in ("docs", "tools", "configs"):
+        paths += [p for p in sorted((ROOT / folder).rglob("*")) if p.is_file() and p.suffix != ".png"]
+    found = [f"{p.relative_to(ROOT)}:{n}: {line.strip()[:80]}" for p in paths
+             for n, line in enumerate(p.read_text(errors="ignore").splitlines(), 1) if WORK_WORDS.search(line)]
+    assert not found, found

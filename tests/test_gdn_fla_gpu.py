@@ -157,7 +157,7 @@ def test_model_fla_matches_torch_ref_and_sharing_is_exact(tmp_path):
     lp_diff = (lp_fla - lp_ref).abs().max().item()
     share_diff = (lp_fla - lp_fla_unshared).abs().max().item()
     # all parameters as one vector: fla's fp32 path uses TF32 dots, and a parameter whose gradient
-    # is a small difference of large terms (the decay gate's A_log / dt_bias, docs/gate_findings.md) can be
+    # is a small difference of large terms (the decay gate's A_log / dt_bias, docs/how-it-works.md) can be
     # noise-dominated on its own; the worst ones are printed
     per_param = {n: float((g_fla[n] - g_ref[n]).norm() / g_ref[n].norm().clamp(min=1e-30)) for n in g_ref}
     total = total_relative_grad_diff(g_fla, g_ref)

@@ -2,7 +2,7 @@
 unshared GPU work outweighs the shared path's host (launch) time.
 
 - its inputs (token counts, the model's cost) equal what the layout and the model really hold;
-- its decisions on the measured shapes (docs/never-slower.md), and the knob forcing either way;
+- its decisions on the measured shapes (docs/how-it-works.md), and the knob forcing either way;
 - the same decision on every rank of a 2-rank gloo group that sees one micro-batch (TP/CP/PP ranks);
 - both paths stay exact: a micro-batch the rule runs unshared equals `share=False` and Hugging Face,
   one it runs shared equals them within float32 rounding (fp32, CPU).
@@ -66,7 +66,7 @@ def micro_batch(P, R, n, groups):
     return MicroBatchCounts.of(make_samples(P, R, n, groups, 1000, 0))
 
 
-# `ps-bridge bench` on an H200 (docs/never-slower.md, the refit rows of 2026-12-01 after the fla
+# `ps-bridge bench` on an H200 (docs/how-it-works.md, the refit rows of 2026-12-01 after the fla
 # change; (512, 256) from the first rows): 24 layers, 4 prompts x n = 8 per micro-batch;
 # (P, R) -> whether the rule shares (forward + backward, forward only). Shared where it measured
 # clearly faster (>= 1.5x, or in verl-check); unshared where it measured slower, tied, or faster in

@@ -27,7 +27,7 @@ ARCHS = ["qwen3.5", "qwen3.5-moe", "qwen3.5-vl", "qwen3.5-moe-vl"]
 
 # the CausalLM cases also run on the oldest tested stack (`core`); the ConditionalGeneration (VL) ones
 # do not: on Megatron-Bridge 0.5.0 their shared gradients differ from the unshared ones (not yet
-# understood, docs/stacks.md)
+# understood, docs/install.md)
 CORE_ARCHS = {"qwen3.5", "qwen3.5-moe"}
 
 
@@ -146,7 +146,7 @@ def test_conditional_generation_refuses_images(tiny):
 # cumulative sum: the gradients of these three parameters carry float32 cancellation errors of
 # 1e-5 to 4e-3 relative there, while ours (token-by-token recurrence) are accurate to ~1e-5 in
 # float32 and exact in float64. Our float64 gradients are checked against finite differences below,
-# HF's against ours only loosely (a wrong head mapping would still be caught). See docs/gate_findings.md.
+# HF's against ours only loosely (a wrong head mapping would still be caught). See docs/how-it-works.md.
 DECAY_GATE = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.in_proj_a.weight")
 HF_DECAY_GATE_TOLERANCE = 1e-2
 

@@ -3,7 +3,7 @@
 # but no internet: a stack's cp312 wheels (and verl's engine path: verl, tensordict and their small
 # pure-Python needs), unpacked into one folder and xz-compressed so they fit a 64 MiB upload.
 #   tools/build_gpu_site.sh               -> .whl/gpusite.tar.xz         (the newest stack, about 48 MB)
-#   STACK=oldest tools/build_gpu_site.sh  -> .whl/gpusite-oldest.tar.xz  (the oldest stack, docs/stacks.md)
+#   STACK=oldest tools/build_gpu_site.sh  -> .whl/gpusite-oldest.tar.xz  (the oldest stack, docs/install.md)
 # Both are git-ignored; gpu_checks.sh unpacks whichever it is given (GPUSITE=.whl/gpusite-oldest.tar.xz).
 set -euo pipefail
 cd "$(dirname "$0")/.."

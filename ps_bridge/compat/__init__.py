@@ -7,7 +7,7 @@ Each shim lives in its own module and is a no-op where the real thing is present
 - `verl`: what differs between the verl releases the engine runs on (0.8.0, 0.9.1), by what verl offers.
 - `quiet`: third-party import notices and progress prints silenced unless `-v`.
 
-And one adapter per dependency for what differs between the tested releases (docs/stacks.md):
+And one adapter per dependency for what differs between the tested releases (docs/install.md):
 - `megatron_core`: megatron-core 0.18.0 - 0.19.2.
 - `megatron_bridge`: Megatron-Bridge 0.5.0 - 0.6.2.
 - `verl`: verl 0.8.0 - 0.9.1 (above).

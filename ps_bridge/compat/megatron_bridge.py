@@ -40,7 +40,7 @@ def vl_refusal() -> Optional[str]:
         return None
     return (
         f"Qwen3.5 ConditionalGeneration (VL) checkpoints are refused on Megatron-Bridge {version}: there "
-        "the prefix-shared gradients differ from the unshared run (docs/stacks.md). Fix: install "
+        "the prefix-shared gradients differ from the unshared run (docs/install.md). Fix: install "
         f"megatron-bridge>={VL_SINCE} (`pip install --no-deps megatron-bridge==0.6.2`), or train the "
         "text-only model (a Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM checkpoint)."
     )

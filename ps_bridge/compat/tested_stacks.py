@@ -1,7 +1,7 @@
 """The stacks ps-bridge is tested on, and the versions below which it is known not to work.
 
 The ONE place that names the newest and the oldest tested version of each package: `ps-bridge
-doctor` compares the installed versions against it, docs/doctor.md describes it.
+doctor` compares the installed versions against it, docs/install.md describes it.
 A tested range is `[min, max]` of a package's pins over `TESTED_STACKS`:
 - a version equal to one of the pins is tested;
 - a version between the endpoints is expected to work, not tested (a warning);

@@ -1,4 +1,4 @@
-"""verl's Megatron engine (0.8.0 and 0.9.1) on a machine without an accelerator (docs/design.md section 8).
+"""verl's Megatron engine (0.8.0 and 0.9.1) on a machine without an accelerator (docs/how-it-works.md section 8).
 
 Everything here only makes verl's own engine code runnable on a CPU (the tests, and the `--smoke`
 runs of the commands); none of it changes what the engines compute:

@@ -46,7 +46,7 @@ class ParallelSettings:
         """Refuse, naming the setting and the fix, what prefix sharing does not support. The only
         place that knows: the CLI (before any process group), our providers (when the model is
         built) and the verl engine (before it builds anything) all call this. Prefix trees of any
-        depth run under every supported setting (docs/tree.md), so nothing here depends on them."""
+        depth run under every supported setting (docs/how-it-works.md), so nothing here depends on them."""
         sizes = (
             ("tensor_model_parallel_size", self.tp),
             ("pipeline_model_parallel_size", self.pp),

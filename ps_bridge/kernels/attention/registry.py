@@ -49,7 +49,7 @@ def choose_attention_backend(device: torch.device, dtype: torch.dtype, head_dim:
     """`auto`'s choice, for a prefix tree of any depth: the cascade where the CUDA flash kernels take
     the inputs (fp16/bf16, a head dim that is a multiple of 8 up to 256), else the reference (CPU,
     float32 exactness runs). The cascade copies no key/value and was fastest or within a few percent
-    of the fastest in the measurements (docs/design.md section 4, BENCHMARKS.md); on trees its
+    of the fastest in the measurements (docs/how-it-works.md section 4, BENCHMARKS.md); on trees its
     launches grow with the depth only (cascade.py). `tree_depth` does not change the choice (every
     candidate runs any depth); it is kept for callers that pass it."""
     return "flash_atten_gpu" if flash_takes(device, dtype, head_dim) else "torch_ref"

@@ -22,7 +22,7 @@ trie; each reports its trie tokens, S, F, x / S and x / F.
 `--min-shared-sweep K,K,...` measures the tree's threshold (`layout.DEFAULT_MIN_SHARED`): prompts that
 share only a leading run of K tokens (`catalog.template_samples`), packed as a token trie at
 `min_shared=0` and at `min_shared=K+1` and timed against each other, interleaved (`timing.run_pair`);
-its own table (`report.format_min_shared_table`, docs/tree.md "Choosing the threshold").
+its own table (`report.format_min_shared_table`, docs/how-it-works.md "Choosing the threshold").
 
 Model shapes are table entries (`catalog.MODEL_SHAPES`), built by their family's HF-config builder
 (`catalog.FAMILIES`): a new family adds one builder and its shapes.

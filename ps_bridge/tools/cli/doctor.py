@@ -6,7 +6,7 @@ backends `auto` takes on it (asked from the kernel registries), what an installe
 means, the provider a checkpoint resolves to (`--hf-path`), the verl settings the integration needs,
 and a self-test (a tiny random model, prefix-shared vs unshared vs Hugging Face, on this machine's
 device): under a second once the stack is imported; importing torch, transformers, megatron-core
-and Megatron-Bridge is most of doctor's time (docs/doctor.md).
+and Megatron-Bridge is most of doctor's time (docs/install.md).
 
 Each finding is an error (ps-bridge will not work: exit status 1, with the fix), a warning (a
 version between the tested endpoints or beyond them: expected, not tested) or a note.
@@ -38,7 +38,7 @@ VERL_SETTINGS = (
 )
 
 # The self-test's bound on every difference it reports: float32 on one device, where the demo and
-# the tests see about 1e-6 (docs/doctor.md).
+# the tests see about 1e-6 (docs/install.md).
 SELF_TEST_TOLERANCE = 1e-4
 
 
@@ -96,7 +96,7 @@ def check_package(package, version: Optional[str], device_type: str) -> tuple:
     if version is None:
         if package.needed == "required":
             return "missing", Finding(ERROR, name, f"{name} is not installed; ps-bridge needs it ({package.role}). "
-                                      "Install the stack: docs/doctor.md gives the lines")
+                                      "Install the stack: docs/install.md gives the lines")
         level = WARNING if package.needed == "gpu" and device_type == "cuda" else NOTE
         return "absent", Finding(level, name, f"{name} {package.absent}")
     v = _comparable(name, version)
@@ -261,7 +261,7 @@ def check_checkpoint(hf_path: str) -> tuple:
 def _import_the_stack() -> None:
     """What the self-test runs on: transformers' Qwen2, megatron-core, Megatron-Bridge (with its TE
     placeholder) and our runtime. On a 2-core CPU this is nearly all of the self-test's time
-    (docs/doctor.md): the test itself is a few tenths of a second."""
+    (docs/install.md): the test itself is a few tenths of a second."""
     import transformers.models.qwen2.modeling_qwen2  # noqa: F401
 
     from ps_bridge.compat.te_placeholder import import_megatron_bridge

@@ -20,7 +20,7 @@ def add_parser(sub) -> None:
     lp.add_argument("--no-prefix-sharing", action="store_true", help="run every sample unshared")
     lp.add_argument("--sharing", default="auto", choices=["auto", "on", "off"],
                     help="auto (default): share where the rule of ps_bridge.launch_rule finds it pays "
-                         "(docs/never-slower.md); on: always share; off: never")
+                         "(docs/how-it-works.md); on: always share; off: never")
     lp.add_argument("--tree", action="store_true",
                     help="share every common prefix (a prefix tree: system prompts across prompts, samples that "
                          "are prefixes of others), not only identical prompts")

@@ -1,7 +1,7 @@
 """Kernel compilations during a timed phase: Triton compiles a kernel once per new specialization of
 its arguments (an integer's divisibility by 16, a pointer's alignment, ...), so a shape first met in a
 later step costs that step a compile. verl-check records, per phase, how many kernels Triton compiled
-and how long they took, to tell such one-off costs from the steady state (docs/never-slower.md).
+and how long they took, to tell such one-off costs from the steady state (docs/how-it-works.md).
 
 Uses Triton's JIT hooks (`ps_bridge.compat.triton.jit_runtime_hooks`: called before a compile and
 after it); where Triton or the hooks are absent the counts are None. A kernel found in Triton's disk

@@ -45,7 +45,7 @@ def run_interleaved(kinds, settings: CheckSettings, ckpt: str, cfg, batches,
     """Both kinds' engines resident at once, their steps alternating A B, B A, A B, ...: whatever
     the process warms up as it goes (the caching allocator's blocks, library autotuning, clocks)
     favours neither, where one kind after the other favours the second (measured:
-    docs/never-slower.md). Peak memory then includes the other engine's."""
+    docs/how-it-works.md). Peak memory then includes the other engine's."""
     a, b = kinds
     gens = {k: kind_steps(k, settings, ckpt, cfg, batches, progress) for k in kinds}
     runs: Dict[str, List[dict]] = {k: [] for k in kinds}
