@@ -58,6 +58,19 @@ class PrefixSharedProviderMixin(PrefixSharingProviderBase):
         return model
 
 
+def grouped_moe_settings(provider) -> None:
+    """MoE as ps-bridge runs it: grouped experts (megatron's TEGroupedMLP on torch's grouped_mm,
+    models/experts.py; TE's where TE is installed), in the grouped layout Megatron-Bridge's mappings
+    convert (`experts.linear_fc1.weight<i>`), unfused permutation (its fusion needs TE), megatron's
+    alltoall dispatcher on the GPU; it allocates CUDA streams at construction, so without CUDA
+    allgather (which routes the same tokens to the same experts)."""
+    import torch
+
+    provider.moe_grouped_gemm = True
+    provider.moe_permute_fusion = False
+    provider.moe_token_dispatcher_type = "alltoall" if torch.cuda.is_available() else "allgather"
+
+
 @dataclass(frozen=True)
 class Registration:
     """One row of a family's registration table: the only place its HF architectures are listed."""
