@@ -27,13 +27,13 @@ python3 -m pip install -q --no-deps --no-build-isolation --disable-pip-version-c
 } 2>&1 | tee "$OUT/versions.txt"
 echo "=== [$SECONDS s] set up" | tee "$OUT/bench.log"
 bench=(python3 -m ps_bridge.cli bench --no-progress --layers 4 --warmup 1 --repeats 3)
-timeout 170 "${bench[@]}" --models qwen3-8b --grid "2048,512,8;4096,256,16" --json "$OUT/bench_qwen3_8b.json" >>"$OUT/bench.log" 2>&1
+timeout 200 "${bench[@]}" --models qwen3-8b --grid "2048,512,8;4096,256,16" --json "$OUT/bench_qwen3_8b.json" >>"$OUT/bench.log" 2>&1
 echo "=== [$SECONDS s] qwen3-8b exit $?" >>"$OUT/bench.log"
 timeout 150 "${bench[@]}" --models qwen3-30b-a3b --groups 4 --grid 2048,512,8 --json "$OUT/bench_qwen3_30b_a3b.json" >>"$OUT/bench.log" 2>&1
 echo "=== [$SECONDS s] qwen3-30b-a3b exit $?" >>"$OUT/bench.log"
 grep -v "Warning\|warn" "$OUT/bench.log" | grep "qwen3\|===" | tail -12
 mkdir -p /tmp/ps-bridge-pytest
-TORCHDYNAMO_DISABLE=1 timeout 150 python3 -m pytest -q -s -ra -m gpu -p no:cacheprovider --basetemp=/tmp/ps-bridge-pytest/q3 \
+TORCHDYNAMO_DISABLE=1 timeout 130 python3 -m pytest -q -s -ra -m gpu -p no:cacheprovider --basetemp=/tmp/ps-bridge-pytest/q3 \
   tests/test_bf16_vs_fp32_gpu.py -k "qwen3_bf16 or qwen3_moe_bf16" >"$OUT/gpu_tests.log" 2>&1
 echo "=== [$SECONDS s] gpu tests exit $?" >>"$OUT/gpu_tests.log"
 grep "bf16 vs fp32\|passed\|failed\|===" "$OUT/gpu_tests.log"
