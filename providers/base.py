@@ -21,6 +21,7 @@ FUSIONS_OFF = dict(
     masked_softmax_fusion=False,
     bias_dropout_fusion=False,
     gradient_accumulation_fusion=False,
+    persist_layer_norm=False,  # Apex's persistent LayerNorm kernel: megatron's torch norms refuse it (Llama's bridge sets it)
 )
 
 
