@@ -121,6 +121,9 @@ class PrefixSharedGPTBridgeMixin:
         provider.__class__ = PrefixSharedGPTProvider  # adds methods and defaulted fields only
         provider.transformer_layer_spec = prefix_shared_gpt_block_spec
         provider.llama3_rope = compat_megatron_bridge.llama3_rope_parameters(hf_config)
+        linear = compat_megatron_bridge.linear_rope_factor(hf_config)
+        if linear is not None:  # megatron's per-token table divides the positions by it
+            provider.seq_len_interpolation_factor = linear
         compat_megatron_bridge.router_softmax_from_config(provider, hf_config)
         if getattr(provider, "mtp_num_layers", None):
             logger.warning(

@@ -54,9 +54,26 @@ def moe_checkpoint(tmp_path_factory):
     return path, samples, hf_sample_logprobs(hf, samples)
 
 
-@pytest.mark.parametrize("share", [True, pytest.param(False, marks=pytest.mark.slow)])
-def test_cli_ep2_equals_hf(moe_checkpoint, tmp_path, share):
-    path, samples, reference = moe_checkpoint
+@pytest.fixture(scope="module")
+def qwen3_moe_checkpoint(tmp_path_factory):
+    """Qwen3 MoE (no shared expert, a dense layer among the MoE layers, norm_topk_prob)."""
+    from transformers import AutoModelForCausalLM
+
+    from ps_bridge.tiny_checkpoints import build_tiny_qwen3_moe
+
+    path = str(tmp_path_factory.mktemp("qwen3_moe_ep"))
+    build_tiny_qwen3_moe(path)
+    samples = grpo_like_samples(248, num_prompts=3, n=3, prompt_len=(5, 13), response_len=(1, 7), seed=0)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return path, samples, hf_sample_logprobs(hf, samples)
+
+
+@pytest.mark.parametrize("checkpoint, share", [
+    ("moe_checkpoint", True), pytest.param("moe_checkpoint", False, marks=pytest.mark.slow),
+    pytest.param("qwen3_moe_checkpoint", True, marks=pytest.mark.slow),
+])
+def test_cli_ep2_equals_hf(checkpoint, tmp_path, share, request):
+    path, samples, reference = request.getfixturevalue(checkpoint)
     batch = tmp_path / "batch.json"
     batch.write_text(json.dumps({"samples": [{"prompt": s.prompt, "response": s.response} for s in samples]}))
     out = tmp_path / "out.json"

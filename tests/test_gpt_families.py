@@ -198,6 +198,17 @@ def test_llama3_inv_freq_equals_megatron_and_hf_at_their_constants():
     torch.testing.assert_close(llama3_inv_freq(16, 10000.0, 8.0, 2.0, 3.0, 100.0), hf_inv_freq.float(), rtol=0, atol=1e-7)
 
 
+def test_linear_rope_scaling_equals_hf(tmp_path):
+    """RoPE scaling `linear` on Qwen3 (the stock Qwen3 bridge drops it): positions divided by the factor."""
+    hf = TINY_BUILDERS["qwen3"](str(tmp_path), rope_scaling={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})
+    loaded = load_model(str(tmp_path), PrefixSharingConfig(enabled=True, backend="torch_ref"))
+    assert loaded.provider.seq_len_interpolation_factor == 4.0
+    samples = grpo_like_samples(loaded.vocab_size, num_prompts=2, n=3, prompt_len=(20, 40), seed=2)
+    with torch.no_grad():
+        shared = per_sample_response_logprobs(loaded, samples, share=True)
+    assert max_abs(shared, hf_sample_logprobs(hf, samples)) <= 2e-5
+
+
 # ---- refusals -------------------------------------------------------------------------------------
 
 

@@ -94,6 +94,16 @@ def llama3_inv_freq(dim: int, base: float, factor: float, low_freq_factor: float
     return torch.where(low, inv_freq / factor, torch.where(high, inv_freq, scaled))
 
 
+def linear_rope_factor(hf_config):
+    """The factor of a `linear` RoPE scaling in the HF config (positions divided by it), or None.
+    Megatron-Bridge 0.6's `LlamaBridge` sets it as `seq_len_interpolation_factor`; 0.5.x's and the Qwen3
+    bridges of both releases drop it."""
+    if hf_rope_type(hf_config) != "linear":
+        return None
+    params = getattr(hf_config, "rope_scaling", None) or getattr(hf_config, "rope_parameters", None)
+    return float(params["factor"])
+
+
 def router_softmax_from_config(provider, hf_config) -> None:
     """A top-k router's `moe_router_pre_softmax` from the HF config's `norm_topk_prob` (Qwen MoE
     convention): the softmax after the top-k renormalises the chosen experts' weights, the one before
