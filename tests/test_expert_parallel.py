@@ -41,31 +41,28 @@ def test_world_that_cannot_hold_ep_is_refused():
         ParallelSettings(ep=2, tp=2).check(world_size=2)
 
 
-@pytest.fixture(scope="module")
-def moe_checkpoint(tmp_path_factory):
+def _checkpoint_and_hf_logprobs(tmp_path_factory, family):
+    """A tiny `family` checkpoint, a GRPO-like batch (ids below the tiny vocabularies' special ids) and HF's log-probs."""
     from transformers import AutoModelForCausalLM
 
-    from ps_bridge.tools.tiny_checkpoints import build_tiny_qwen35_moe
+    from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
 
-    path = str(tmp_path_factory.mktemp("qwen35_moe_ep"))
-    build_tiny_qwen35_moe(path)
+    path = str(tmp_path_factory.mktemp(family.replace(".", "_") + "_ep"))
+    TINY_BUILDERS[family](path)
     samples = grpo_like_samples(248, num_prompts=3, n=3, prompt_len=(5, 13), response_len=(1, 7), seed=0)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return path, samples, hf_sample_logprobs(hf, samples)
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    return _checkpoint_and_hf_logprobs(tmp_path_factory, "qwen3.5-moe")
 
 
 @pytest.fixture(scope="module")
 def qwen3_moe_checkpoint(tmp_path_factory):
     """Qwen3 MoE (no shared expert, a dense layer among the MoE layers, norm_topk_prob)."""
-    from transformers import AutoModelForCausalLM
-
-    from ps_bridge.tiny_checkpoints import build_tiny_qwen3_moe
-
-    path = str(tmp_path_factory.mktemp("qwen3_moe_ep"))
-    build_tiny_qwen3_moe(path)
-    samples = grpo_like_samples(248, num_prompts=3, n=3, prompt_len=(5, 13), response_len=(1, 7), seed=0)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return path, samples, hf_sample_logprobs(hf, samples)
+    return _checkpoint_and_hf_logprobs(tmp_path_factory, "qwen3-moe")
 
 
 @pytest.mark.parametrize("checkpoint, share", [
