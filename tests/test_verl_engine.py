@@ -29,7 +29,7 @@ vt.prepare_side_by_side()
 from ps_bridge.config import PrefixSharingConfig  # noqa: E402
 from ps_bridge.layout import Sample  # noqa: E402
 from ps_bridge.providers.registry import provider_names  # noqa: E402
-from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS, grpo_like_samples  # noqa: E402
+from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS, fold_into_vocabulary, grpo_like_samples  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
 
@@ -110,8 +110,7 @@ def grouped_samples(vocab, num_prompts=3, n=4, seed=0):
     """n adjacent responses per prompt, as verl's `repeat(n, interleave=True)` leaves them. The lengths
     are those drawn for a 256-token vocabulary whatever `vocab` (the budgets below are sized for them),
     the ids folded into `vocab`."""
-    samples = grpo_like_samples(256, num_prompts=num_prompts, n=n, seed=seed, shuffle=False)
-    return [Sample([t % vocab for t in s.prompt], [t % vocab for t in s.response], uid=s.uid) for s in samples]
+    return fold_into_vocabulary(grpo_like_samples(256, num_prompts=num_prompts, n=n, seed=seed, shuffle=False), vocab)
 
 
 def infer(engine, td):

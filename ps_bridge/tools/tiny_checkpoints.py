@@ -230,6 +230,12 @@ def grpo_like_samples(
     return samples
 
 
+def fold_into_vocabulary(samples: List[Sample], vocab_size: int) -> List[Sample]:
+    """`samples` with every token id taken modulo `vocab_size`: batches drawn for one vocabulary (their
+    lengths, which tests size budgets by) on a checkpoint with a smaller one."""
+    return [Sample([t % vocab_size for t in s.prompt], [t % vocab_size for t in s.response], uid=s.uid) for s in samples]
+
+
 def system_prompt_samples(
     vocab_size: int,
     system_len: int = 20,
