@@ -26,7 +26,7 @@ python3 -m pip install -q --no-deps --no-build-isolation --disable-pip-version-c
   python3 -c "import torch, triton, transformers, megatron.core; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__, 'megatron-core', megatron.core.__version__)"
 } 2>&1 | tee "$OUT/versions.txt"
 echo "=== [$SECONDS s] set up" | tee "$OUT/bench.log"
-bench=(python3 -m ps_bridge.cli bench --no-progress --layers 4 --warmup 1 --repeats 3)
+bench=(python3 -m ps_bridge.tools.cli bench --no-progress --layers 4 --warmup 1 --repeats 3)
 timeout 200 "${bench[@]}" --models qwen3-8b --grid "2048,512,8;4096,256,16" --json "$OUT/bench_qwen3_8b.json" >>"$OUT/bench.log" 2>&1
 echo "=== [$SECONDS s] qwen3-8b exit $?" >>"$OUT/bench.log"
 timeout 150 "${bench[@]}" --models qwen3-30b-a3b --groups 4 --grid 2048,512,8 --json "$OUT/bench_qwen3_30b_a3b.json" >>"$OUT/bench.log" 2>&1
@@ -39,7 +39,7 @@ echo "=== [$SECONDS s] gpu tests exit $?" >>"$OUT/gpu_tests.log"
 grep "bf16 vs fp32\|passed\|failed\|===" "$OUT/gpu_tests.log"
 left=$((BUDGET - SECONDS))
 if [ "$left" -gt 120 ]; then
-  timeout "$left" python3 -m ps_bridge.cli verl-check --model qwen3-8b --no-progress --workdir /tmp/verl-check --layers 4 \
+  timeout "$left" python3 -m ps_bridge.tools.cli verl-check --model qwen3-8b --no-progress --workdir /tmp/verl-check --layers 4 \
     --prompts 32 --n 8 --prompt-len 2048 --response-len 512 --steps 3 --dtype bfloat16 \
     --json "$OUT/verl_check_qwen3-8b.json" \
     actor_rollout_ref.actor.ppo_mini_batch_size=8 actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384 \

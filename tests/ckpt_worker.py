@@ -157,7 +157,7 @@ def main(mode, kind, hf_ckpt, save_dir, out, k, dist, distopt, layout=""):
     # ids folded into a smaller vocabulary (the tiny Qwen3 checkpoints' 251), the lengths unchanged
     from transformers import AutoConfig
 
-    from ps_bridge.tiny_checkpoints import fold_into_vocabulary
+    from ps_bridge.tools.tiny_checkpoints import fold_into_vocabulary
 
     samples = fold_into_vocabulary(samples, AutoConfig.from_pretrained(hf_ckpt).vocab_size)
     k = int(k)

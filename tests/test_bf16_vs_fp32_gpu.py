@@ -174,8 +174,8 @@ def test_qwen3_bf16_shared_is_as_close_to_fp32_as_unshared(tmp_path, kind):
     (not hidden / heads), GQA 4:1, no q/k/v bias; every GPU attention backend on groups, the tree
     cascade on a prefix tree."""
     from ps_bridge.config import PrefixSharingConfig
-    from ps_bridge.runtime import load_model
-    from ps_bridge.tiny_checkpoints import build_tiny_qwen3
+    from ps_bridge.tools.runtime import load_model
+    from ps_bridge.tools.tiny_checkpoints import build_tiny_qwen3
 
     build_tiny_qwen3(str(tmp_path), vocab_size=2047, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
                      num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=1024)
@@ -191,8 +191,8 @@ def test_qwen3_moe_bf16_shared_is_as_close_to_fp32_as_unshared(tmp_path):
     against the float32 twin."""
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.models.experts import GroupedMMExperts
-    from ps_bridge.runtime import load_model
-    from ps_bridge.tiny_checkpoints import build_tiny_qwen3_moe, grpo_like_samples
+    from ps_bridge.tools.runtime import load_model
+    from ps_bridge.tools.tiny_checkpoints import build_tiny_qwen3_moe, grpo_like_samples
 
     build_tiny_qwen3_moe(str(tmp_path), vocab_size=2047, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=128, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64,

@@ -17,10 +17,10 @@ from qwen35_helpers import (
     export_matches_checkpoint, max_abs, max_logit_diff_unshared_vs_hf, param_grads, per_sample_response_logprobs,
 )
 from tree_cases import tree_samples
-from ps_bridge.compare import compare, hf_gradient_difference, hf_logprobs, max_abs_diff, max_relative_grad_diff, run_logprob_loss
+from ps_bridge.tools.compare import compare, hf_gradient_difference, hf_logprobs, max_abs_diff, max_relative_grad_diff, run_logprob_loss
 from ps_bridge.config import PrefixSharingConfig
-from ps_bridge.runtime import load_model
-from ps_bridge.tiny_checkpoints import TINY_BUILDERS, grpo_like_samples, hf_sample_logprobs
+from ps_bridge.tools.runtime import load_model
+from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS, grpo_like_samples, hf_sample_logprobs
 
 pytestmark = pytest.mark.core  # also run on the oldest tested stack
 

@@ -43,8 +43,8 @@ CASES = {
 def family_case(tmp_path_factory):
     """(checkpoint path, single-rank unshared reference on the micro-batches), built once each."""
     from ps_bridge.config import PrefixSharingConfig
-    from ps_bridge.runtime import load_model
-    from ps_bridge.tiny_checkpoints import TINY_BUILDERS
+    from ps_bridge.tools.runtime import load_model
+    from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
 
     paths, refs = {}, {}
 
