@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
+
 from ps_bridge.models.gpt_model import PrefixSharedGPTModel
 from ps_bridge.parallel.settings import ParallelSettings
 
@@ -65,8 +67,6 @@ def grouped_moe_settings(provider) -> None:
     convert (`experts.linear_fc1.weight<i>`), unfused permutation (its fusion needs TE), megatron's
     alltoall dispatcher on the GPU; it allocates CUDA streams at construction, so without CUDA
     allgather (which routes the same tokens to the same experts)."""
-    import torch
-
     provider.moe_grouped_gemm = True
     provider.moe_permute_fusion = False
     provider.moe_token_dispatcher_type = "alltoall" if torch.cuda.is_available() else "allgather"

@@ -29,6 +29,8 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
+from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+from megatron.bridge.models.conversion.param_mapping import AutoMapping, GatedMLPMapping
 from megatron.bridge.models.gpt_provider import GPTModelProvider
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -150,9 +152,6 @@ class PrefixSharedGPTBridgeMixin:
 def _with_dense_mlp_mappings(registry):
     """`registry` plus the dense MLP of layers among MoE layers (HF `mlp.gate_proj` / `up_proj` /
     `down_proj`), where the stock mapping (written for all-MoE models) has none."""
-    from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
-    from megatron.bridge.models.conversion.param_mapping import AutoMapping, GatedMLPMapping
-
     names = {m.megatron_param for m in registry.mappings}
     extra = []
     if "decoder.layers.*.mlp.linear_fc1.weight" not in names:
@@ -185,8 +184,6 @@ REGISTRATIONS = _registrations()
 
 def register(gdn_backend: str = "auto") -> None:
     """Register the standard families' bridges (no Gated DeltaNet: `gdn_backend` is unused)."""
-    from megatron.bridge.models.conversion.param_mapping import AutoMapping
-
     # Megatron-Bridge picks the TP split of an AutoMapping from the owning module's class name
     AutoMapping.register_module_type("PrefixSharedTopKRouter", "replicated")
     AutoMapping.register_module_type("GroupedMMColumnLinear", "column")

@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import re
 from typing import List, Optional
 
@@ -80,8 +81,7 @@ def llama3_inv_freq(dim: int, base: float, factor: float, low_freq_factor: float
     """RoPE inverse frequencies of `dim` rotary channels with llama3 scaling: wavelengths longer than
     original / low_freq_factor are divided by `factor`, shorter than original / high_freq_factor kept,
     those between interpolated linearly in original / wavelength."""
-    import math
-
+    # imported here: torch is heavy
     import torch
 
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))

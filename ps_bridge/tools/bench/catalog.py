@@ -51,6 +51,7 @@ def standard_hf_config(config_class: str, architecture: str) -> Callable:
     with the dims and `num_layers` layers (Qwen3 MoE: every layer MoE unless `mlp_only_layers` says)."""
 
     def build(dims: dict, num_layers: int):
+        # imported here: transformers is heavy
         import transformers
 
         cfg = getattr(transformers, config_class)(**dict(dims, num_hidden_layers=num_layers))
