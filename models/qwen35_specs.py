@@ -23,7 +23,6 @@ it to the HF `layer_types` list: 1 = Gated DeltaNet, 0 = full attention) and the
 from __future__ import annotations
 
 import copy
-import functools
 
 from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
     get_linear_attention_pattern,
@@ -39,24 +38,9 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from ps_bridge.models.attention import PrefixSharedCoreAttention
 from ps_bridge.models.experts import grouped_experts_spec
 from ps_bridge.models.gdn import PrefixSharedGatedDeltaNet
-from ps_bridge.models.moe import PrefixSharedMoELayer, PrefixSharedMoETransformerLayer, PrefixSharedTopKRouter
+from ps_bridge.models.moe import PrefixSharedMoETransformerLayer, PrefixSharedTopKRouter
 from ps_bridge.models.norms import ZeroCenteredRMSNorm
-
-
-def _with_moe_submodules(mlp, **changes):
-    """Our MoE layer spec from megatron's (a ModuleSpec, or a functools.partial of MoELayer):
-    `PrefixSharedMoELayer` with `changes` to its submodules (router, experts)."""
-    if isinstance(mlp, functools.partial):
-        submodules = copy.copy(mlp.keywords["submodules"])
-        for k, v in changes.items():
-            setattr(submodules, k, v)
-        return functools.partial(PrefixSharedMoELayer, *mlp.args, **{**mlp.keywords, "submodules": submodules})
-    mlp = copy.copy(mlp)
-    mlp.module = PrefixSharedMoELayer
-    mlp.submodules = copy.copy(mlp.submodules)
-    for k, v in changes.items():
-        setattr(mlp.submodules, k, v)
-    return mlp
+from ps_bridge.models.specs import with_moe_submodules
 
 
 def _layer_spec(config, moe: bool, gdn: bool) -> ModuleSpec:
@@ -77,7 +61,7 @@ def _layer_spec(config, moe: bool, gdn: bool) -> ModuleSpec:
         changes = {"router": PrefixSharedTopKRouter}
         if config.moe_grouped_gemm:  # megatron's TEGroupedMLP on torch's grouped_mm (TE's where installed)
             changes["experts"] = grouped_experts_spec()
-        sub.mlp = _with_moe_submodules(sub.mlp, **changes)
+        sub.mlp = with_moe_submodules(sub.mlp, **changes)
     if gdn:
         sub.self_attention = ModuleSpec(
             module=PrefixSharedGatedDeltaNet,

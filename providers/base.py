@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
+
 from ps_bridge.models.gpt_model import PrefixSharedGPTModel
 from ps_bridge.parallel.settings import ParallelSettings
 
@@ -21,6 +23,7 @@ FUSIONS_OFF = dict(
     masked_softmax_fusion=False,
     bias_dropout_fusion=False,
     gradient_accumulation_fusion=False,
+    persist_layer_norm=False,  # Apex's persistent LayerNorm kernel: megatron's torch norms refuse it (Llama's bridge sets it)
 )
 
 
@@ -56,6 +59,17 @@ class PrefixSharedProviderMixin(PrefixSharingProviderBase):
         # stock-built GPTModel keeps Megatron-Bridge's whole construction path unchanged.
         model.__class__ = PrefixSharedGPTModel
         return model
+
+
+def grouped_moe_settings(provider) -> None:
+    """MoE as ps-bridge runs it: grouped experts (megatron's TEGroupedMLP on torch's grouped_mm,
+    models/experts.py; TE's where TE is installed), in the grouped layout Megatron-Bridge's mappings
+    convert (`experts.linear_fc1.weight<i>`), unfused permutation (its fusion needs TE), megatron's
+    alltoall dispatcher on the GPU; it allocates CUDA streams at construction, so without CUDA
+    allgather (which routes the same tokens to the same experts)."""
+    provider.moe_grouped_gemm = True
+    provider.moe_permute_fusion = False
+    provider.moe_token_dispatcher_type = "alltoall" if torch.cuda.is_available() else "allgather"
 
 
 @dataclass(frozen=True)

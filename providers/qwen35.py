@@ -40,6 +40,7 @@ from ps_bridge.providers.base import (
     PrefixSharedProviderMixin,
     PrefixSharingProviderBase,
     Registration,
+    grouped_moe_settings,
     prepare_for_prefix_sharing,
     register_table,
 )
@@ -80,13 +81,7 @@ def make_prefix_shared(provider, gdn_backend: str) -> None:
         provider.mtp_num_layers = None
     provider.transformer_layer_spec = prefix_shared_qwen35_block_spec
     if provider.num_moe_experts:
-        # grouped experts: megatron's TEGroupedMLP on torch's grouped_mm (models/experts.py), the
-        # parameters in the grouped layout Megatron-Bridge's mapping converts (experts.linear_fc1.weight<i>)
-        provider.moe_grouped_gemm = True
-        provider.moe_permute_fusion = False  # megatron's permutation fusion needs TE
-        # megatron's alltoall dispatcher on the GPU; it allocates CUDA streams at construction, so
-        # without CUDA allgather (which routes the same tokens to the same experts)
-        provider.moe_token_dispatcher_type = "alltoall" if torch.cuda.is_available() else "allgather"
+        grouped_moe_settings(provider)
 
 
 class PrefixSharedQwen35VLProviderMixin(PrefixSharingProviderBase):

@@ -6,6 +6,10 @@ or detected from the Hugging Face config's `architectures`. Each family module
 HF architectures it serves; this registry knows the families and their names. Registering makes
 Megatron-Bridge's `AutoBridge` dispatch those architectures to our bridges (the registry's last
 registration wins).
+
+Standard-attention GPT families (plain `GPTModel`, softmax self-attention, dense or MoE MLP) need no
+module of their own: one row of `STANDARD_FAMILIES` (name, HF architecture, HF model_type, the stock
+Megatron-Bridge bridge) is the whole registration (`ps_bridge.providers.gpt`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,26 @@ class ProviderEntry:
         return tuple(row.hf_architecture for row in self.load().REGISTRATIONS if row.name == self.name)
 
 
+@dataclass(frozen=True)
+class StandardFamily:
+    name: str  # our registry name
+    hf_architecture: str  # the HF `architectures` entry
+    model_type: str  # HF model_type
+    stock_bridge: str  # "module:Class" of Megatron-Bridge's bridge (mapping and config translation)
+    description: str
+
+
+# adding a standard-attention family is one row here, plus its tests
+STANDARD_FAMILIES: Tuple[StandardFamily, ...] = (
+    StandardFamily("qwen3", "Qwen3ForCausalLM", "qwen3", "megatron.bridge.models.qwen.qwen3_bridge:Qwen3Bridge",
+                   "Qwen3 dense (q/k norm per head, no q/k/v bias)"),
+    StandardFamily("qwen3-moe", "Qwen3MoeForCausalLM", "qwen3_moe",
+                   "megatron.bridge.models.qwen.qwen3_moe_bridge:Qwen3MoEBridge",
+                   "Qwen3 MoE (routed experts, no shared expert; dense layers from mlp_only_layers)"),
+    StandardFamily("llama3", "LlamaForCausalLM", "llama", "megatron.bridge.models.llama.llama_bridge:LlamaBridge",
+                   "Llama 3 / 3.1 / 3.2 / 3.3 (RoPE scaling llama3)"),
+)
+
 _ENTRIES: Dict[str, ProviderEntry] = {
     entry.name: entry
     for entry in (
@@ -44,6 +68,7 @@ _ENTRIES: Dict[str, ProviderEntry] = {
             "qwen3.5-moe", "ps_bridge.providers.qwen35",
             "Qwen3.5 MoE (Gated DeltaNet + gated attention), text and official VL checkpoints",
         ),
+        *(ProviderEntry(f.name, "ps_bridge.providers.gpt", f.description) for f in STANDARD_FAMILIES),
     )
 }
 

@@ -154,6 +154,12 @@ def main(mode, kind, hf_ckpt, save_dir, out, k, dist, distopt, layout=""):
     # experts' collectives run per micro-batch)
     dp = parallel_state.get_data_parallel_world_size()
     samples = grpo_like_samples(256, num_prompts=3 if dp == 1 else 2 * dp, n=4, seed=7, shuffle=False)
+    # ids folded into a smaller vocabulary (the tiny Qwen3 checkpoints' 251), the lengths unchanged
+    from transformers import AutoConfig
+
+    from ps_bridge.tools.tiny_checkpoints import fold_into_vocabulary
+
+    samples = fold_into_vocabulary(samples, AutoConfig.from_pretrained(hf_ckpt).vocab_size)
     k = int(k)
     if mode == "run":
         for step in range(k):

@@ -45,6 +45,18 @@ def layout_for(loaded, samples, share, pad_multiple=1):
                         min_shared=0).to(loaded.device)
 
 
+def max_logit_diff_unshared_vs_hf(loaded, hf, samples) -> float:
+    """Largest |logit - HF logit| over the unshared pack of `samples` (one HF call per sequence)."""
+    layout = layout_for(loaded, samples, share=False)
+    worst = 0.0
+    with torch.no_grad():
+        logits = forward_logits(loaded, layout)
+        for s in range(layout.num_segments):
+            a, b = layout.host["cu_seqlens_padded"][s], layout.host["cu_seqlens_padded"][s + 1]
+            worst = max(worst, (logits[a:b] - hf(layout.tokens[a:b].unsqueeze(0)).logits[0]).abs().max().item())
+    return worst
+
+
 def per_sample_response_logprobs(loaded, samples, share, pad_multiple=1):
     layout = layout_for(loaded, samples, share, pad_multiple)
     rows = PackedRows.of(layout)

@@ -166,3 +166,40 @@ def test_qwen35_moe_bf16_shared_is_as_close_to_fp32_as_unshared(tmp_path):
     samples = grpo_like_samples(loaded.vocab_size, num_prompts=3, n=4, prompt_len=(20, 90), response_len=(1, 40))
     check_against_fp32(loaded, str(tmp_path), samples, ["flash_atten_gpu"], "qwen3.5-moe")
     assert all(m.token_dispatcher._chunk_sort_is_identity() for m in moe)  # the path without a host sync ran
+
+
+@pytest.mark.parametrize("kind", ["groups", "tree"])
+def test_qwen3_bf16_shared_is_as_close_to_fp32_as_unshared(tmp_path, kind):
+    """Qwen3 dense: q/k RMSNorm per head before RoPE, head dim 128 with hidden 512 and 8 query heads
+    (not hidden / heads), GQA 4:1, no q/k/v bias; every GPU attention backend on groups, the tree
+    cascade on a prefix tree."""
+    from ps_bridge.config import PrefixSharingConfig
+    from ps_bridge.tools.runtime import load_model
+    from ps_bridge.tools.tiny_checkpoints import build_tiny_qwen3
+
+    build_tiny_qwen3(str(tmp_path), vocab_size=2047, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
+                     num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=1024)
+    loaded = load_model(str(tmp_path), PrefixSharingConfig(backend="flash_atten_gpu"), dtype=torch.bfloat16)
+    samples, share, suffix = batch_for(2047, kind, num_prompts=3, n=4, prompt_len=(150, 400), response_len=(1, 120))
+    backends = ["flash_atten_gpu"] if kind == "tree" else ["flash_atten_gpu", "flash_atten_gpu_expand", "flex"]
+    check_against_fp32(loaded, str(tmp_path), samples, backends, "qwen3" + suffix, share=share)
+
+
+def test_qwen3_moe_bf16_shared_is_as_close_to_fp32_as_unshared(tmp_path):
+    """Qwen3 MoE on the GPU MoE path (alltoall dispatcher, grouped experts, no shared expert,
+    norm_topk_prob), a dense layer among the MoE layers, head dim 128, in bf16, shared and unshared,
+    against the float32 twin."""
+    from ps_bridge.config import PrefixSharingConfig
+    from ps_bridge.models.experts import GroupedMMExperts
+    from ps_bridge.tools.runtime import load_model
+    from ps_bridge.tools.tiny_checkpoints import build_tiny_qwen3_moe, grpo_like_samples
+
+    build_tiny_qwen3_moe(str(tmp_path), vocab_size=2047, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=128, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64,
+                         intermediate_size=384, num_hidden_layers=4, mlp_only_layers=[1])
+    loaded = load_model(str(tmp_path), PrefixSharingConfig(backend="flash_atten_gpu"), dtype=torch.bfloat16)
+    moe = [m for m in loaded.model.modules() if hasattr(m, "token_dispatcher")]
+    assert len(moe) == 3 and all(type(m.experts) is GroupedMMExperts for m in moe)
+    assert loaded.provider.moe_token_dispatcher_type == "alltoall"
+    samples = grpo_like_samples(loaded.vocab_size, num_prompts=3, n=4, prompt_len=(20, 90), response_len=(1, 40))
+    check_against_fp32(loaded, str(tmp_path), samples, ["flash_atten_gpu"], "qwen3-moe")

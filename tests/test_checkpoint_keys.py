@@ -74,12 +74,13 @@ def test_grouped_experts_save_what_sequential_mlp_saves(moe_path, monkeypatch):
 
 
 @pytest.mark.core  # both stacks (a few seconds each)
-def test_qwen2_saves_what_the_stock_local_spec_saves(tmp_path):
-    """Qwen2.5 (attention, norms, vocabulary): our provider's model against megatron's local GPT layer
-    spec on the same provider."""
+@pytest.mark.parametrize("family", ["qwen2.5", "qwen3", "llama3"])
+def test_dense_families_save_what_the_stock_local_spec_saves(tmp_path, family):
+    """Qwen2.5, Qwen3 (q/k norms per head), Llama 3 (tied): our provider's model against megatron's local
+    GPT layer spec on the same provider."""
     from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
 
-    TINY_BUILDERS["qwen2.5"](str(tmp_path), seed=0)
+    TINY_BUILDERS[family](str(tmp_path), seed=0)
     loaded = _load(str(tmp_path))
     ours = sharded_layout(loaded.model.sharded_state_dict())
     stock = stock_local_spec_model(loaded.provider)
@@ -88,6 +89,30 @@ def test_qwen2_saves_what_the_stock_local_spec_saves(tmp_path):
     assert type(loaded.model.decoder.layers[0].self_attention.core_attention).__module__.startswith("ps_bridge")
     assert ours == sharded_layout(stock.sharded_state_dict())
     assert any(r[0] == "decoder.layers.self_attention.linear_qkv.layer_norm_weight" for r in ours)
+    if family == "qwen3":
+        assert any(r[0] == "decoder.layers.self_attention.q_layernorm.weight" for r in ours)
+
+
+@pytest.mark.core  # both stacks (a few seconds each)
+def test_qwen3_moe_saves_what_megatrons_local_moe_spec_saves(tmp_path):
+    """Qwen3 MoE with a dense layer among its MoE layers: our grouped experts and per-layer MLP kinds save
+    what megatron's local decoder block spec (SequentialMLP experts, its `moe_layer_freq` pattern) saves."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
+
+    TINY_BUILDERS["qwen3-moe"](str(tmp_path), seed=0)
+    loaded = _load(str(tmp_path))
+    ours = sharded_layout(loaded.model.sharded_state_dict())
+    provider = loaded.provider
+    provider.moe_grouped_gemm = False
+    block = get_gpt_decoder_block_spec(provider, use_transformer_engine=False, normalization=provider.normalization)
+    provider.transformer_layer_spec = lambda config, vp_stage=None: block
+    stock = provider.provide()
+    assert ours == sharded_layout(stock.sharded_state_dict())
+    keys = {r[0] for r in ours}
+    assert "decoder.layers.1.mlp.linear_fc1.weight" in keys and "decoder.layers.1.mlp.router.weight" not in keys
+    assert "decoder.layers.0.mlp.experts.experts.linear_fc1.weight" in keys
 
 
 PADDED_DIVISOR = 96  # the tiny vocabulary (256) padded to 288 at TP=1, to 384 at TP=2 (multiples of 96 x TP)

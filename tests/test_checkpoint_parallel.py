@@ -90,7 +90,12 @@ LAYOUTS = [("qwen2.5", "tp2sp"), ("qwen2.5", "pp2f2l1"), ("qwen2.5", "cp2")]
 QWEN35_LAYOUTS = [(family, layout) for family in ("qwen3.5", "qwen3.5-moe") for layout in ("tp2sp", "pp2f3l1", "cp2")]
 
 
-@pytest.mark.parametrize("family,layout", LAYOUTS + QWEN35_LAYOUTS + [("qwen3.5-moe", "ep2")])
+# Qwen3 dense (2 layers: PP=2 splits 1 + 1) and Qwen3 MoE (4 layers, layer 1 dense: 2 + 2)
+QWEN3_LAYOUTS = [("qwen3", "tp2sp"), ("qwen3", "pp2"), ("qwen3", "cp2"), ("qwen3-moe", "tp2sp"), ("qwen3-moe", "pp2"),
+                 ("qwen3-moe", "ep2")]
+
+
+@pytest.mark.parametrize("family,layout", LAYOUTS + QWEN35_LAYOUTS + [("qwen3.5-moe", "ep2")] + QWEN3_LAYOUTS)
 def test_ours_resumes_ours_exactly_at_a_parallel_layout(parallel_runs, family, layout):
     """Under CP=2 and EP=2 the data-parallel group has two ranks, so megatron's fully parallel load (verl's
     load strategy) splits the reading between them and broadcasts the shards; every rank's step is bit-exact."""
@@ -154,7 +159,7 @@ def test_grouped_and_sequential_mlp_experts_resume_each_other_under_expert_paral
 # not CP=2: the stock engine's CPU attention (ps_bridge/tools/verl_check/side_by_side.py, a stand-in for TE's / flash's)
 # has no context parallelism (its run fails on the CP shard's sequence lengths)
 @pytest.mark.parametrize("saver,loader", [("ours", "stock"), ("stock", "ours")])
-@pytest.mark.parametrize("family,layout", [fl for fl in LAYOUTS if fl[1] != "cp2"])
+@pytest.mark.parametrize("family,layout", [fl for fl in LAYOUTS if fl[1] != "cp2"] + [("qwen3", "tp2sp")])
 def test_the_stock_engine_and_ours_resume_each_other_at_a_parallel_layout(parallel_runs, family, layout, saver, loader):
     uninterrupted, resumed = _resume(parallel_runs, family, saver, loader, layout)
     for a, b in zip(uninterrupted, resumed):  # stock vs ours: fp32 rounding

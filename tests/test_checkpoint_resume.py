@@ -106,6 +106,10 @@ def assert_same_step(a, b, exact: bool, params: str = "params"):
     pytest.param("qwen3.5", 0, marks=pytest.mark.slow),
     pytest.param("qwen3.5-moe", 1, marks=pytest.mark.slow),
     pytest.param("qwen3.5-moe", 0, marks=pytest.mark.slow),
+    pytest.param("qwen3", 1),
+    pytest.param("qwen3", 0, marks=pytest.mark.slow),
+    pytest.param("qwen3-moe", 1, marks=pytest.mark.slow),
+    pytest.param("qwen3-moe", 0, marks=pytest.mark.slow),
 ])
 def test_ours_resumes_ours_exactly(runs, family, dist):
     """Bit for bit, except Qwen3.5 through HF safetensors: Megatron-Bridge converts its zero-centred GDN output
@@ -120,10 +124,12 @@ def test_ours_resumes_ours_exactly(runs, family, dist):
 @pytest.mark.slow
 @pytest.mark.parametrize("saver,loader", [("ours", "stock"), ("stock", "ours")])
 @pytest.mark.parametrize("dist", [0, 1])
-def test_the_stock_engine_and_ours_resume_each_other(runs, saver, loader, dist):
-    """Qwen2.5 only: the stock Qwen3.5 model does not run on a CPU (TE-only hybrid spec, fla's Triton GDN
-    kernels). The stock engine gets the fixes of verl's checkpoint manager our engine carries."""
-    uninterrupted, resumed = _resume(runs, "qwen2.5", saver, loader, dist)
+@pytest.mark.parametrize("family", ["qwen2.5", "qwen3"])
+def test_the_stock_engine_and_ours_resume_each_other(runs, saver, loader, dist, family):
+    """Qwen2.5 and Qwen3 dense: the stock Qwen3.5 model does not run on a CPU (TE-only hybrid spec, fla's
+    Triton GDN kernels), nor Qwen3 MoE's stock alltoall dispatcher (CUDA streams). The stock engine gets
+    the fixes of verl's checkpoint manager our engine carries."""
+    uninterrupted, resumed = _resume(runs, family, saver, loader, dist)
     assert_same_step(uninterrupted, resumed, exact=False)
 
 

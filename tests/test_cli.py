@@ -110,9 +110,9 @@ def test_bad_batches(tmp_path, qwen2_checkpoint, capsys, payload, message):
 def test_unsupported_architecture(tmp_path, good_batch, capsys):
     ckpt = tmp_path / "llama"
     ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 256}))
+    (ckpt / "config.json").write_text(json.dumps({"architectures": ["GPTNeoXForCausalLM"], "vocab_size": 256}))
     err = run_error(capsys, ["logprobs", "--hf-path", str(ckpt), "--batch", good_batch, "--out", str(tmp_path / "o.json")])
-    assert "unsupported architecture LlamaForCausalLM" in err and "Qwen2ForCausalLM" in err
+    assert "unsupported architecture GPTNeoXForCausalLM" in err and "Qwen2ForCausalLM" in err
 
 
 def test_unknown_backend(tmp_path, qwen2_checkpoint, good_batch, capsys):

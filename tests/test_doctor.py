@@ -222,12 +222,22 @@ def test_checkpoint_resolves_to_its_provider(capsys, qwen2_checkpoint):
     assert doc["checkpoint"]["architectures"] == ["Qwen2ForCausalLM"]
 
 
+@pytest.mark.parametrize("architecture, provider", [
+    ("Qwen3ForCausalLM", "qwen3"), ("Qwen3MoeForCausalLM", "qwen3-moe"), ("LlamaForCausalLM", "llama3"),
+])
+def test_standard_family_checkpoint_resolves_to_its_provider(tmp_path, capsys, architecture, provider):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [architecture]}))
+    rc, doc = run_doctor_json(capsys, "--hf-path", str(tmp_path))
+    assert doc["checkpoint"]["provider"] == provider and doc["checkpoint"]["architectures"] == [architecture]
+    assert not [m for m in messages(doc, "error") if "checkpoint" in m], doc
+
+
 def test_unsupported_checkpoint_exits_1(tmp_path, capsys):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPTNeoXForCausalLM"]}))
     rc, doc = run_doctor_json(capsys, "--hf-path", str(tmp_path))
     assert rc == 1
     [error] = messages(doc, "error")
-    assert "unsupported architecture LlamaForCausalLM" in error and "Qwen2ForCausalLM" in error
+    assert "unsupported architecture GPTNeoXForCausalLM" in error and "Qwen2ForCausalLM" in error
 
 
 def test_missing_checkpoint_is_a_usage_error(tmp_path, capsys):

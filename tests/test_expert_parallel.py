@@ -41,22 +41,36 @@ def test_world_that_cannot_hold_ep_is_refused():
         ParallelSettings(ep=2, tp=2).check(world_size=2)
 
 
-@pytest.fixture(scope="module")
-def moe_checkpoint(tmp_path_factory):
+def _checkpoint_and_hf_logprobs(tmp_path_factory, family):
+    """A tiny `family` checkpoint, a GRPO-like batch (ids below the tiny vocabularies' special ids) and HF's log-probs."""
     from transformers import AutoModelForCausalLM
 
-    from ps_bridge.tools.tiny_checkpoints import build_tiny_qwen35_moe
+    from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
 
-    path = str(tmp_path_factory.mktemp("qwen35_moe_ep"))
-    build_tiny_qwen35_moe(path)
+    path = str(tmp_path_factory.mktemp(family.replace(".", "_") + "_ep"))
+    TINY_BUILDERS[family](path)
     samples = grpo_like_samples(248, num_prompts=3, n=3, prompt_len=(5, 13), response_len=(1, 7), seed=0)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return path, samples, hf_sample_logprobs(hf, samples)
 
 
-@pytest.mark.parametrize("share", [True, pytest.param(False, marks=pytest.mark.slow)])
-def test_cli_ep2_equals_hf(moe_checkpoint, tmp_path, share):
-    path, samples, reference = moe_checkpoint
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    return _checkpoint_and_hf_logprobs(tmp_path_factory, "qwen3.5-moe")
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_checkpoint(tmp_path_factory):
+    """Qwen3 MoE (no shared expert, a dense layer among the MoE layers, norm_topk_prob)."""
+    return _checkpoint_and_hf_logprobs(tmp_path_factory, "qwen3-moe")
+
+
+@pytest.mark.parametrize("checkpoint, share", [
+    ("moe_checkpoint", True), pytest.param("moe_checkpoint", False, marks=pytest.mark.slow),
+    pytest.param("qwen3_moe_checkpoint", True, marks=pytest.mark.slow),
+])
+def test_cli_ep2_equals_hf(checkpoint, tmp_path, share, request):
+    path, samples, reference = request.getfixturevalue(checkpoint)
     batch = tmp_path / "batch.json"
     batch.write_text(json.dumps({"samples": [{"prompt": s.prompt, "response": s.response} for s in samples]}))
     out = tmp_path / "out.json"

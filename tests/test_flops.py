@@ -37,7 +37,7 @@ def test_one_level_rows_match_the_formula_and_design(P, R, n, documented):
     assert F > n * (P + R) / (P + n * R)
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-7b", "qwen3.5-9b", "qwen3.5-35b-a3b"])
+@pytest.mark.parametrize("name", ["qwen2.5-7b", "qwen3.5-9b", "qwen3.5-35b-a3b", "qwen3-8b", "qwen3-30b-a3b"])
 def test_no_sharing_gives_one_and_trees_gain(name):
     shape = flop_shape(MODEL_SHAPES[name])
     # nothing shared: the shared run saves the output layer on the prompt positions not read only
@@ -85,7 +85,7 @@ def test_system_prompt_tree_matches_the_formula():
     assert build_layout(samples, share="tree", min_shared=0).tree_depth == 2
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-7b", "qwen3.5-9b", "qwen3.5-35b-a3b"])
+@pytest.mark.parametrize("name", ["qwen2.5-7b", "qwen3.5-9b", "qwen3.5-35b-a3b", "qwen3-8b", "qwen3-30b-a3b"])
 def test_flop_shape_of_a_config_reads_the_family_off_it(name):
     """`flop_shape_of_config` (verl-check's F, from a checkpoint's config) equals the bench's shape of
     the same catalogue model, the family read off the config."""

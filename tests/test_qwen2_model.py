@@ -138,8 +138,8 @@ def test_registry_and_config_errors(monkeypatch):
 
     assert "qwen2.5" in provider_names()
     assert resolve_provider(None, ["Qwen2ForCausalLM"]).name == "qwen2.5"
-    with pytest.raises(ValueError, match="unsupported architecture LlamaForCausalLM"):
-        resolve_provider(None, ["LlamaForCausalLM"])
+    with pytest.raises(ValueError, match="unsupported architecture GPTNeoXForCausalLM"):
+        resolve_provider(None, ["GPTNeoXForCausalLM"])
     with pytest.raises(ValueError, match="valid providers"):
         PrefixSharingConfig(provider="qwen9")
     with pytest.raises(ValueError, match="valid backends"):

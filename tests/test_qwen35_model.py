@@ -13,12 +13,13 @@ from qwen35_helpers import (
     layout_for,
     load_tiny,
     max_abs,
+    max_logit_diff_unshared_vs_hf,
     param_grads,
     per_sample_response_logprobs,
     samples_for,
 )
 from ps_bridge.layout import Sample
-from ps_bridge.tools.runtime import forward_logits, load_model
+from ps_bridge.tools.runtime import load_model
 from ps_bridge.tools.tiny_checkpoints import hf_sample_logprobs
 
 # CausalLM and the ConditionalGeneration architectures the official checkpoints declare
@@ -40,15 +41,7 @@ def tiny(request, tmp_path_factory):
 
 def test_megatron_logits_equal_hf(tiny):
     name, hf, loaded, _ = tiny
-    samples = samples_for(loaded, num_prompts=2, n=1)
-    layout = layout_for(loaded, samples, share=False)
-    with torch.no_grad():
-        logits = forward_logits(loaded, layout)
-        for s in range(layout.num_segments):
-            a, b = layout.host["cu_seqlens_padded"][s], layout.host["cu_seqlens_padded"][s + 1]
-            ids = layout.tokens[a:b].unsqueeze(0)
-            ref = hf(ids).logits[0]
-            assert (logits[a:b] - ref).abs().max().item() < 1e-5, name
+    assert max_logit_diff_unshared_vs_hf(loaded, hf, samples_for(loaded, num_prompts=2, n=1)) < 1e-5, name
 
 
 @pytest.mark.parametrize("pad_multiple", [1, 4])

@@ -1,4 +1,5 @@
-"""MoE load-balancing loss under prefix sharing (Qwen3.5-MoE, global aux loss, CPU fp32).
+"""MoE load-balancing loss under prefix sharing (Qwen3.5-MoE: global aux loss; Qwen3 MoE: per-micro-batch
+aux loss, a dense layer among the MoE layers; CPU fp32).
 
 Prompt tokens are weighted by their group size, so the shared run reproduces the unshared run's
 aux loss values and all parameter gradients (log-prob loss + aux loss); the unshared run reproduces
@@ -13,13 +14,18 @@ from ps_bridge.models.moe import PrefixSharedTopKRouter
 from ps_bridge.models.packed_seq import PrefixSharedPackedSeqParams
 
 
-@pytest.fixture(scope="module", params=["qwen3.5-moe", "qwen3.5-moe-vl"])
+# architecture: (the load-balancing type its bridge sets, MoE layers of the tiny checkpoint)
+CASES = {"qwen3.5-moe": ("global_aux_loss", 4), "qwen3.5-moe-vl": ("global_aux_loss", 4), "qwen3-moe": ("aux_loss", 3)}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
 def moe(request, tmp_path_factory):
     _, loaded, _ = load_tiny(request.param, tmp_path_factory)
-    assert loaded.provider.moe_router_load_balancing_type == "global_aux_loss"
+    balancing, moe_layers = CASES[request.param]
+    assert loaded.provider.moe_router_load_balancing_type == balancing
     loaded.provider.moe_aux_loss_coeff = 0.5  # large, so the aux gradient is visible next to the log-prob one
     routers = [m for m in loaded.model.modules() if isinstance(m, PrefixSharedTopKRouter)]
-    assert len(routers) == 4
+    assert len(routers) == moe_layers
     loaded.model.train()
     yield loaded, routers
     loaded.model.eval()
@@ -53,7 +59,7 @@ def test_shared_aux_loss_equals_unshared(moe, monkeypatch):
     samples = samples_for(loaded, num_prompts=2, n=4)
     shared = aux_losses(loaded, routers, samples, True, pad_multiple=4, monkeypatch=monkeypatch)
     unshared = aux_losses(loaded, routers, samples, False, pad_multiple=4, monkeypatch=monkeypatch)
-    assert len(shared) == 4
+    assert len(shared) == len(routers)
     assert max(abs(a - b) / abs(b) for a, b in zip(shared, unshared)) <= 1e-6, (shared, unshared)
 
 

@@ -38,6 +38,10 @@ CASES = {
     "qwen3.5-moe_pp2": ("qwen3.5-moe", ["--pp", "2"]),
     "qwen3.5-moe_cp2": ("qwen3.5-moe", ["--cp", "2"]),
     "qwen3.5-moe_ep2": ("qwen3.5-moe", ["--ep", "2"]),  # on `tree_ep` micro-batches (two roots in the last)
+    "qwen3_tp2_sp": ("qwen3", ["--tp", "2", "--sp"]),
+    "qwen3_cp2": ("qwen3", ["--cp", "2"]),
+    "qwen3-moe_pp2": ("qwen3-moe", ["--pp", "2"]),
+    "llama3_pp2": ("llama3", ["--pp", "2"]),
 }
 DEFAULT_SUITE = {"qwen2.5_cp2"}
 

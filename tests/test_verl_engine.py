@@ -29,7 +29,7 @@ vt.prepare_side_by_side()
 from ps_bridge.config import PrefixSharingConfig  # noqa: E402
 from ps_bridge.layout import Sample  # noqa: E402
 from ps_bridge.providers.registry import provider_names  # noqa: E402
-from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS, grpo_like_samples  # noqa: E402
+from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS, fold_into_vocabulary, grpo_like_samples  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
 
@@ -47,10 +47,12 @@ def _family_param(name, core=False):
     return pytest.param(name, marks=marks + ([pytest.mark.core] if core else []))
 
 
-FAMILIES = [_family_param("qwen2.5", core=True), _family_param("qwen3.5")]
+FAMILIES = [_family_param("qwen2.5", core=True), _family_param("qwen3.5"), _family_param("qwen3"),
+            _family_param("qwen3-moe")]
 # families whose stock Megatron-Bridge model runs on a CPU in verl's formats (with the reference core
-# attention); Qwen3.5's stock hybrid spec needs Transformer Engine and fla's GPU kernels
-STOCK_ENGINE_ON_CPU = {"qwen2.5"}
+# attention; Qwen3: its q/k norms from the config); Qwen3.5's stock hybrid spec needs Transformer
+# Engine and fla's GPU kernels, Qwen3 MoE's stock alltoall dispatcher allocates CUDA streams
+STOCK_ENGINE_ON_CPU = {"qwen2.5", "qwen3"}
 FORMATS = ["thd", "bshd"]
 
 
@@ -105,8 +107,10 @@ OUR_CONFIGS = {
 
 
 def grouped_samples(vocab, num_prompts=3, n=4, seed=0):
-    """n adjacent responses per prompt, as verl's `repeat(n, interleave=True)` leaves them."""
-    return grpo_like_samples(vocab, num_prompts=num_prompts, n=n, seed=seed, shuffle=False)
+    """n adjacent responses per prompt, as verl's `repeat(n, interleave=True)` leaves them. The lengths
+    are those drawn for a 256-token vocabulary whatever `vocab` (the budgets below are sized for them),
+    the ids folded into `vocab`."""
+    return fold_into_vocabulary(grpo_like_samples(256, num_prompts=num_prompts, n=n, seed=seed, shuffle=False), vocab)
 
 
 def infer(engine, td):

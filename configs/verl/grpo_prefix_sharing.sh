@@ -3,8 +3,8 @@
 # per-device wrappers next to this file; every setting can be overridden from the environment and
 # extra Hydra overrides can be appended on the command line.
 #
-#   MODEL_PATH   HF checkpoint (Qwen/Qwen2.5-0.5B-Instruct, Qwen/Qwen3.5-0.8B, or a local path)
-#   PS_PROVIDER  ps-bridge provider name (qwen2.5 | qwen3.5)
+#   MODEL_PATH   HF checkpoint (Qwen/Qwen2.5-0.5B-Instruct, Qwen/Qwen3.5-0.8B, Qwen/Qwen3-8B, or a local path)
+#   PS_PROVIDER  ps-bridge provider name (qwen2.5 | qwen3.5 | qwen3.5-moe | qwen3 | qwen3-moe | llama3)
 #   DEVICE       cuda | npu
 #   TRAIN_FILES / VAL_FILES  verl parquet files (e.g. from examples/data_preprocess/gsm8k.py)
 set -euo pipefail
@@ -22,6 +22,7 @@ TP=${TP:-1}
 # SEQUENCE_PARALLEL=False for TP > 1 ("sequence parallel not supported by torch LayerNorm").
 SEQUENCE_PARALLEL=${SEQUENCE_PARALLEL:-True}
 PP=${PP:-1}
+EP=${EP:-1}  # expert parallelism (MoE models): groups stay whole on each data-parallel rank
 N_RESPONSES=${N_RESPONSES:-8}
 TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-128}      # prompts per step
 PPO_MINI_BATCH_SIZE=${PPO_MINI_BATCH_SIZE:-32} # prompts per mini-batch
@@ -68,11 +69,13 @@ python3 -m verl.trainer.main_ppo --config-path=config --config-name=ppo_megatron
     actor_rollout_ref.actor.megatron.tensor_model_parallel_size="$TP" \
     actor_rollout_ref.actor.megatron.pipeline_model_parallel_size="$PP" \
     actor_rollout_ref.actor.megatron.context_parallel_size=1 \
+    actor_rollout_ref.actor.megatron.expert_model_parallel_size="$EP" \
     actor_rollout_ref.actor.megatron.sequence_parallel="$SEQUENCE_PARALLEL" \
     actor_rollout_ref.ref.megatron.sequence_parallel="$SEQUENCE_PARALLEL" \
     actor_rollout_ref.ref.megatron.tensor_model_parallel_size="$TP" \
     actor_rollout_ref.ref.megatron.pipeline_model_parallel_size="$PP" \
     actor_rollout_ref.ref.megatron.context_parallel_size=1 \
+    actor_rollout_ref.ref.megatron.expert_model_parallel_size="$EP" \
     actor_rollout_ref.actor.optim.lr=1e-6 \
     actor_rollout_ref.actor.ppo_mini_batch_size="$PPO_MINI_BATCH_SIZE" \
     actor_rollout_ref.actor.use_dynamic_bsz=True \

@@ -13,11 +13,22 @@
 - The Qwen3.5 ConditionalGeneration (VL) model: on 0.5.x our prefix-shared run of it gave gradients
   that differ from the unshared run (relative 0.61, tests/test_qwen35_model.py's VL cases, cause not
   found), so it is refused there (`vl_refusal`); the text-only models are unaffected.
+- Qwen3 MoE's router: 0.5.x's `Qwen3MoEBridge.provider_bridge` (megatron/bridge/models/qwen/
+  qwen3_moe_bridge.py) sets `moe_router_pre_softmax=False` whatever the checkpoint's
+  `norm_topk_prob`, right only where it is true; 0.6 sets `not norm_topk_prob`
+  (`router_softmax_from_config` does that on both).
+- Llama 3 RoPE scaling: both releases' `LlamaBridge.provider_bridge` (megatron/bridge/models/llama/
+  llama_bridge.py) keep the `llama3` factor only, and megatron-core's `RotaryEmbedding._apply_scaling`
+  (megatron/core/models/common/embeddings/rotary_pos_embedding.py) fixes low_freq_factor=1,
+  high_freq_factor=4, original_max_position_embeddings=8192; a checkpoint with other values gets other
+  frequencies than Hugging Face's. `llama3_rope_parameters` keeps the checkpoint's, `llama3_inv_freq`
+  computes the frequencies from them (the standard provider sets them on the model).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import re
 from typing import List, Optional
 
@@ -44,6 +55,62 @@ def vl_refusal() -> Optional[str]:
         f"megatron-bridge>={VL_SINCE} (`pip install --no-deps megatron-bridge==0.6.2`), or train the "
         "text-only model (a Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM checkpoint)."
     )
+
+
+def hf_rope_type(hf_config) -> str:
+    """The HF config's RoPE type (`rope_scaling` / transformers 5's `rope_parameters`), "default" when none."""
+    for key in ("rope_scaling", "rope_parameters"):
+        params = getattr(hf_config, key, None)
+        if isinstance(params, dict) and (params.get("rope_type") or params.get("type")):
+            return str(params.get("rope_type") or params.get("type"))
+    return "default"
+
+
+def llama3_rope_parameters(hf_config) -> Optional[tuple]:
+    """(factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) of a `llama3`
+    RoPE scaling in the HF config, or None."""
+    if hf_rope_type(hf_config) != "llama3":
+        return None
+    params = getattr(hf_config, "rope_scaling", None) or getattr(hf_config, "rope_parameters", None)
+    return (float(params.get("factor", 8.0)), float(params.get("low_freq_factor", 1.0)),
+            float(params.get("high_freq_factor", 4.0)), float(params.get("original_max_position_embeddings", 8192)))
+
+
+def llama3_inv_freq(dim: int, base: float, factor: float, low_freq_factor: float, high_freq_factor: float,
+                    original_max_position_embeddings: float):
+    """RoPE inverse frequencies of `dim` rotary channels with llama3 scaling: wavelengths longer than
+    original / low_freq_factor are divided by `factor`, shorter than original / high_freq_factor kept,
+    those between interpolated linearly in original / wavelength."""
+    # imported here: torch is heavy
+    import torch
+
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    wavelength = 2 * math.pi / inv_freq
+    ratio = original_max_position_embeddings / wavelength
+    smooth = ((ratio - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0.0, 1.0)
+    scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    low = wavelength > original_max_position_embeddings / low_freq_factor
+    high = wavelength < original_max_position_embeddings / high_freq_factor
+    return torch.where(low, inv_freq / factor, torch.where(high, inv_freq, scaled))
+
+
+def linear_rope_factor(hf_config):
+    """The factor of a `linear` RoPE scaling in the HF config (positions divided by it), or None.
+    Megatron-Bridge 0.6's `LlamaBridge` sets it as `seq_len_interpolation_factor`; 0.5.x's and the Qwen3
+    bridges of both releases drop it."""
+    if hf_rope_type(hf_config) != "linear":
+        return None
+    params = getattr(hf_config, "rope_scaling", None) or getattr(hf_config, "rope_parameters", None)
+    return float(params["factor"])
+
+
+def router_softmax_from_config(provider, hf_config) -> None:
+    """A top-k router's `moe_router_pre_softmax` from the HF config's `norm_topk_prob` (Qwen MoE
+    convention): the softmax after the top-k renormalises the chosen experts' weights, the one before
+    does not. Configs without `norm_topk_prob` are left as the bridge set them."""
+    norm = getattr(hf_config, "norm_topk_prob", None)
+    if norm is not None and getattr(provider, "num_moe_experts", None):
+        provider.moe_router_pre_softmax = not bool(norm)
 
 
 _LAYER_KINDS = {"linear_attention": 1, "full_attention": 0}  # megatron's pattern: 1 = Gated DeltaNet

@@ -132,6 +132,69 @@ def build_tiny_qwen35_moe_vl(path: str, seed: int = 0, **overrides):
     return build_tiny_qwen35(path, seed=seed, moe=True, conditional=True, **overrides)
 
 
+def _perturb_norms(model, seed: int) -> None:
+    """Random init leaves RMSNorm weights at 1: give them values so that each norm's mapping (q/k
+    norms per head included) is exercised."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
+def build_tiny_qwen3(path: str, seed: int = 0, **overrides):
+    """Tiny Qwen3 dense: head_dim 24 with hidden 64 and 4 query heads (not hidden / heads), 2 KV heads,
+    q/k norms per head, no q/k/v bias, an odd vocabulary, untied embeddings."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    kwargs = dict(vocab_size=251, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=24, max_position_embeddings=512, rope_theta=10000.0,
+                  tie_word_embeddings=False)
+    kwargs.update(overrides)
+    model = Qwen3ForCausalLM(Qwen3Config(**kwargs)).eval()
+    _perturb_norms(model, seed)
+    model.save_pretrained(path)
+    return model
+
+
+def build_tiny_qwen3_moe(path: str, seed: int = 0, **overrides):
+    """Tiny Qwen3 MoE: 4 layers, layer 1 dense (`mlp_only_layers`), 4 routed experts top-2 with
+    `norm_topk_prob`, no shared expert; head_dim 24 (not hidden / heads), an odd vocabulary."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    kwargs = dict(vocab_size=251, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+                  num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                  max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False)
+    kwargs.update(overrides)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**kwargs)).eval()
+    _perturb_norms(model, seed)
+    model.save_pretrained(path)
+    return model
+
+
+def build_tiny_llama3(path: str, seed: int = 0, **overrides):
+    """Tiny Llama 3: one KV head (MQA), tied embeddings, an odd vocabulary, RoPE scaling `llama3` with
+    original_max_position_embeddings 64: wavelengths above 64 positions are scaled, those between 16
+    and 64 interpolated, so positions past 64 see scaled frequencies (megatron-core's fixed 8192 would
+    not scale them the same)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    kwargs = dict(vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 64, "rope_theta": 10000.0},
+                  rope_theta=10000.0)
+    kwargs.update(overrides)
+    model = LlamaForCausalLM(LlamaConfig(**kwargs)).eval()
+    _perturb_norms(model, seed)
+    model.save_pretrained(path)
+    return model
+
+
 # name -> builder (registry names; the ConditionalGeneration forms carry a "-vl" suffix)
 TINY_BUILDERS: Dict[str, Callable] = {
     "qwen2.5": build_tiny_qwen2,
@@ -139,6 +202,9 @@ TINY_BUILDERS: Dict[str, Callable] = {
     "qwen3.5-moe": build_tiny_qwen35_moe,
     "qwen3.5-vl": build_tiny_qwen35_vl,
     "qwen3.5-moe-vl": build_tiny_qwen35_moe_vl,
+    "qwen3": build_tiny_qwen3,
+    "qwen3-moe": build_tiny_qwen3_moe,
+    "llama3": build_tiny_llama3,
 }
 
 
@@ -162,6 +228,12 @@ def grpo_like_samples(
     if shuffle:
         rng.shuffle(samples)
     return samples
+
+
+def fold_into_vocabulary(samples: List[Sample], vocab_size: int) -> List[Sample]:
+    """`samples` with every token id taken modulo `vocab_size`: batches drawn for one vocabulary (their
+    lengths, which tests size budgets by) on a checkpoint with a smaller one."""
+    return [Sample([t % vocab_size for t in s.prompt], [t % vocab_size for t in s.response], uid=s.uid) for s in samples]
 
 
 def system_prompt_samples(

@@ -46,11 +46,28 @@ def qwen35_moe_hf_config(dims: dict, num_layers: int):
     return cfg
 
 
+def standard_hf_config(config_class: str, architecture: str) -> Callable:
+    """The builder of a standard-attention family (providers/gpt.py): its transformers config class
+    with the dims and `num_layers` layers (Qwen3 MoE: every layer MoE unless `mlp_only_layers` says)."""
+
+    def build(dims: dict, num_layers: int):
+        # imported here: transformers is heavy
+        import transformers
+
+        cfg = getattr(transformers, config_class)(**dict(dims, num_hidden_layers=num_layers))
+        cfg.architectures = [architecture]
+        return cfg
+
+    return build
+
+
 # family -> builder(real dims, number of layers) -> transformers config our provider registry serves.
 FAMILIES: Dict[str, Callable] = {
     "qwen2.5": qwen2_hf_config,
     "qwen3.5": qwen35_hf_config,
     "qwen3.5-moe": qwen35_moe_hf_config,
+    "qwen3": standard_hf_config("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3-moe": standard_hf_config("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
 
@@ -70,7 +87,33 @@ _QWEN35_COMMON = dict(
     rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25),
 )
 
+_QWEN3_COMMON = dict(vocab_size=151936, head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                     max_position_embeddings=40960)
+
 MODEL_SHAPES: Dict[str, ModelShape] = {
+    # Qwen3 (values of the released config.json files; q/k norm per head, head_dim 128 whatever the width)
+    "qwen3-0.6b": ModelShape(
+        "qwen3",
+        dict(_QWEN3_COMMON, hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
+             tie_word_embeddings=True),
+        full_layers=28,
+        bench_layers=8,
+    ),
+    "qwen3-8b": ModelShape(
+        "qwen3",
+        dict(_QWEN3_COMMON, hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+             tie_word_embeddings=False),
+        full_layers=36,
+        bench_layers=4,
+    ),
+    "qwen3-30b-a3b": ModelShape(
+        "qwen3-moe",
+        dict(_QWEN3_COMMON, hidden_size=2048, intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4,
+             num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+             decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False),
+        full_layers=48,
+        bench_layers=4,
+    ),
     "qwen2.5-1.5b": ModelShape(
         "qwen2.5",
         dict(_QWEN25_COMMON, vocab_size=151936, hidden_size=1536, intermediate_size=8960,
@@ -133,6 +176,22 @@ MODEL_SHAPES: Dict[str, ModelShape] = {
              linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=512, tie_word_embeddings=False),
         full_layers=4,
         bench_layers=4,
+    ),
+    # CPU runs of the standard-attention families' bench path (head_dim not hidden / heads)
+    "tiny-qwen3": ModelShape(
+        "qwen3",
+        dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=32, max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False),
+        full_layers=2,
+        bench_layers=2,
+    ),
+    "tiny-qwen3-moe": ModelShape(
+        "qwen3-moe",
+        dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+             max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False),
+        full_layers=2,
+        bench_layers=2,
     ),
     # --smoke: Qwen2-shaped and tiny
     "tiny-qwen2.5": ModelShape(

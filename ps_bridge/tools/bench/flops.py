@@ -93,16 +93,23 @@ def flop_shape(model, num_layers: Optional[int] = None) -> FlopShape:
 
 def flop_shape_of_config(c, family: Optional[str] = None) -> FlopShape:
     """The `FlopShape` of a transformers text config `c` (all its layers). `family`: "qwen2.5",
-    "qwen3.5" or "qwen3.5-moe"; None reads it off the config (Gated DeltaNet fields: Qwen3.5, experts:
+    "qwen3", "llama3", "qwen3-moe", "qwen3.5" or "qwen3.5-moe"; None reads it off the config (Gated DeltaNet fields: Qwen3.5, experts:
     its MoE)."""
     if family is None:
         gdn_config = hasattr(c, "linear_num_key_heads")
-        family = ("qwen3.5-moe" if getattr(c, "num_experts", 0) else "qwen3.5") if gdn_config else "qwen2.5"
+        moe = bool(getattr(c, "num_experts", 0))
+        family = ("qwen3.5-moe" if moe else "qwen3.5") if gdn_config else ("qwen3-moe" if moe else "qwen2.5")
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     common = dict(hidden=c.hidden_size, vocab=c.vocab_size, heads=c.num_attention_heads,
                   kv_heads=c.num_key_value_heads, head_dim=head_dim)
-    if family == "qwen2.5":
+    if family in ("qwen2.5", "qwen3", "llama3"):
         return FlopShape(layer_kinds=["attention"] * c.num_hidden_layers, intermediate=c.intermediate_size, **common)
+    if family == "qwen3-moe":
+        if getattr(c, "mlp_only_layers", None) or int(getattr(c, "decoder_sparse_step", 1) or 1) != 1:
+            raise ValueError("the FLOP count takes every layer's MLP to be MoE: dense layers among MoE layers "
+                             "(mlp_only_layers, decoder_sparse_step) are not counted")
+        return FlopShape(layer_kinds=["attention"] * c.num_hidden_layers, experts=c.num_experts,
+                         experts_per_token=c.num_experts_per_tok, expert_intermediate=c.moe_intermediate_size, **common)
     kinds = ["attention" if t == "full_attention" else "gdn" for t in c.layer_types[: c.num_hidden_layers]]
     gdn = dict(gdn_key_heads=c.linear_num_key_heads, gdn_value_heads=c.linear_num_value_heads,
                gdn_key_dim=c.linear_key_head_dim, gdn_value_dim=c.linear_value_head_dim,

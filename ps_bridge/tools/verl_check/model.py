@@ -46,6 +46,11 @@ def checkpoint_for(settings: CheckSettings, workdir: str) -> str:
     return path
 
 
+# dense families whose stock Megatron-Bridge model verl's engine runs here with the local layer spec
+# (no Transformer Engine): Qwen2 / Qwen2.5, Qwen3 (its q/k norms are megatron's local per-head norms)
+STOCK_ENGINE_ARCHITECTURES = {"Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+
+
 def stock_kind(ckpt: str, baseline: str = "stock") -> str:
     """The first engine: 'verl' when `baseline` is "stock" and verl's stock engine can run this family
     here, else 'ps-bridge-unshared' (our engine with prefix sharing off: `baseline="off"`:
@@ -59,7 +64,7 @@ def stock_kind(ckpt: str, baseline: str = "stock") -> str:
         return "ps-bridge-unshared"
 
     archs = AutoConfig.from_pretrained(ckpt).architectures or []
-    return "verl" if any(a.startswith("Qwen2") for a in archs) else "ps-bridge-unshared"
+    return "verl" if set(archs) & STOCK_ENGINE_ARCHITECTURES else "ps-bridge-unshared"
 
 
 def stock_description(ckpt: str, settings: CheckSettings) -> str:
