@@ -25,7 +25,7 @@ PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || ls $$HOME/.pyenv/versi
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ps-bridge-installed
 
-.PHONY: venv demo test test-all clean-venv grpo-venv
+.PHONY: venv demo test test-all clean-venv grpo-venv grpo grpo-short test-grpo
 
 venv: $(STAMP)
 
@@ -71,3 +71,17 @@ $(GRPO_STAMP): requirements-grpo.txt requirements-grpo-nodeps.txt pyproject.toml
 	$(GRPO_PY) -m pip install -q -r requirements-grpo.txt
 	$(GRPO_PY) -m pip install -q --no-deps -e .
 	@touch $(GRPO_STAMP)
+
+# `make grpo`: verl's own main_ppo GRPO on a tiny Qwen2.5 with verl's stock engine and with ps-bridge from one
+# seed (5 steps, a resume from step 3, a shared system prompt as a prefix tree): the per-step table, the
+# verdict and outputs/grpo/grpo.png. `make grpo-short`: the pair only, 3 steps. `make test-grpo`: the
+# short form's assertions and the stale-weights case (tests/test_grpo_e2e.py).
+GRPO_ARGS ?=
+grpo: grpo-venv
+	$(GRPO_PY) -m ps_bridge.tools.grpo $(GRPO_ARGS)
+
+grpo-short: grpo-venv
+	$(GRPO_PY) -m ps_bridge.tools.grpo --short $(GRPO_ARGS)
+
+test-grpo: grpo-venv
+	$(GRPO_PY) -m pytest -q -ra -m grpo tests/test_grpo_e2e.py
