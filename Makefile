@@ -74,8 +74,8 @@ $(GRPO_STAMP): requirements-grpo.txt requirements-grpo-nodeps.txt pyproject.toml
 
 # `make grpo`: verl's own main_ppo GRPO on a tiny Qwen2.5 with verl's stock engine and with ps-bridge from one
 # seed (5 steps, a resume from step 3, a shared system prompt as a prefix tree): the per-step table, the
-# verdict and outputs/grpo/grpo.png. `make grpo-short`: the pair only, 3 steps. `make test-grpo`: the
-# short form's assertions and the stale-weights case (tests/test_grpo_e2e.py).
+# verdict and outputs/grpo/grpo.png. `make grpo-short`: the pair only, 3 steps. `make test-grpo`: the grpo
+# tests on the grpo stack, among them the short form's assertions and the stale-weights case (test_grpo_e2e.py).
 GRPO_ARGS ?=
 grpo: grpo-venv
 	$(GRPO_PY) -m ps_bridge.tools.grpo $(GRPO_ARGS)
@@ -84,4 +84,4 @@ grpo-short: grpo-venv
 	$(GRPO_PY) -m ps_bridge.tools.grpo --short $(GRPO_ARGS)
 
 test-grpo: grpo-venv
-	$(GRPO_PY) -m pytest -q -ra -m grpo tests/test_grpo_e2e.py
+	$(GRPO_PY) -m pytest -q -ra tests/test_grpo_report.py tests/test_grpo_harness.py tests/test_grpo_data.py tests/test_grpo_e2e.py
