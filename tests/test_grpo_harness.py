@@ -53,6 +53,7 @@ def test_full_plan_passes_and_writes_outputs(fake, tmp_path, capsys):
     assert str(calls["ps-resumed"]["resume_from"]).endswith(f"ps/ckpt/global_step_{harness.RESUME_AFTER}")
     assert calls["ps-tree"]["tree"] and calls["ps-tree"]["data_dir"] == "DS" and calls["stock-system"]["data_dir"] == "DS"
     assert calls["ps-tree"]["max_prompt_length"] == 120 and calls["ps"]["max_prompt_length"] == 40
+    assert calls["ps-tree"]["micro_batch"] == calls["stock-system"]["micro_batch"] == harness.TREE_MICRO_BATCH
     assert calls["stock"]["engine"] == "stock" and calls["ps"]["engine"] == "ps"
     out = capsys.readouterr().out
     assert "VERDICT: PASS" in out and "resume from step 3" in out and "system prompt, tree" in out

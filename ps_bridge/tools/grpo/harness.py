@@ -26,7 +26,9 @@ from ps_bridge.tools.grpo import report
 from ps_bridge.tools.grpo.report import Check, RunData
 
 RESUME_AFTER = 3  # the checkpoint step the resume check restarts from
-MICRO_BATCH, FLOOR_MICRO_BATCH = 4, 2
+# samples per micro-batch (actor, ref and old log-probs): 4 = one prompt's group at n = 4; the floor splits it;
+# the tree pair takes both prompts of a step in one micro-batch, so the system prompt is shared across prompts
+MICRO_BATCH, FLOOR_MICRO_BATCH, TREE_MICRO_BATCH = 4, 2, 8
 
 
 class RunFailed(RuntimeError):
@@ -177,8 +179,9 @@ def run_plan(plan: Plan, progress: Progress, extra_ps_overrides: Sequence[str] =
                      extra_overrides=tuple(extra_ps_overrides))
         checks += report.check_resume(ps, resumed, RESUME_AFTER)
     if plan.tree:
-        stock_sys = go("stock-system", "stock", system=True)
-        tree = go("ps-tree", "ps", system=True, tree=True, extra_overrides=tuple(extra_ps_overrides))
+        stock_sys = go("stock-system", "stock", system=True, micro_batch=TREE_MICRO_BATCH)
+        tree = go("ps-tree", "ps", system=True, tree=True, micro_batch=TREE_MICRO_BATCH,
+                  extra_overrides=tuple(extra_ps_overrides))
         checks += report.compare_runs(stock_sys, tree, name="system prompt, tree")
         checks += report.check_logs(stock_sys, tree, tree=True, name="system prompt, tree")
     return checks
