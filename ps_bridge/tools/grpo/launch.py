@@ -35,14 +35,18 @@ CPU_SETTINGS: Dict[str, str] = {
         "verl places its workers on Ray 'GPU' resources and counts only those (one per worker here)",
     "ray_kwargs.ray_init.num_cpus=8":
         "Ray's logical CPU slots for verl's actors (trainer, workers, vLLM server, reward, TransferQueue)",
+    "ray_kwargs.ray_init.include_dashboard=False":
+        "two fewer Python processes at Ray's start (Ray gives its node 30 s to come up, verl cannot change it)",
     "transfer_queue.backend.SimpleStorage.num_data_storage_units=1":
         "each TransferQueue storage unit is a Ray actor taking a CPU slot",
-    "actor_rollout_ref.rollout.free_cache_engine=False":
-        "vLLM's CPU build has no sleep mode (verl frees the KV cache through it)",
+    "actor_rollout_ref.rollout.enable_sleep_mode=False, free_cache_engine=False":
+        "vLLM's CPU build refuses sleep mode ('Sleep mode is not supported on current platform'); verl frees the KV cache through it",
     "actor_rollout_ref.rollout.enforce_eager=True":
         "no CUDA graphs on a CPU; also skips torch.compile's start-up",
     "actor_rollout_ref.actor.megatron.dtype=float32 (and ref, rollout)":
         "a CPU gains nothing from bf16, and the two engines are compared within float32 noise",
+    "actor_rollout_ref.actor.megatron.use_distributed_optimizer=False":
+        "megatron-core loads the distributed optimizer's state only on TE's or Apex's Adam (checkpoints)",
     "VLLM_CPU_KVCACHE_SPACE=1":
         "vLLM's CPU KV cache in GiB (its default takes a large share of memory)",
     "TORCHDYNAMO_DISABLE=1":
@@ -126,6 +130,8 @@ def _overrides(spec: RunSpec, on_cpu: bool) -> List[str]:
         "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
         "actor_rollout_ref.actor.entropy_coeff=0",
         "actor_rollout_ref.actor.shuffle=False",
+        # a resumed run continues the learning-rate schedule instead of restarting it (docs/verl.md)
+        "actor_rollout_ref.actor.optim.use_checkpoint_opt_param_scheduler=True",
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
         "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1",
         f"actor_rollout_ref.actor.megatron.seed={spec.seed}",
@@ -178,13 +184,16 @@ def _overrides(spec: RunSpec, on_cpu: bool) -> List[str]:
             "trainer.device=cpu",
             "+ray_kwargs.ray_init.num_gpus=1",
             "+ray_kwargs.ray_init.num_cpus=8",
+            "+ray_kwargs.ray_init.include_dashboard=False",
             f"+ray_kwargs.ray_init._temp_dir=/tmp/ray-grpo-{spec.engine}-{os.getpid()}",
             "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+            "+actor_rollout_ref.rollout.enable_sleep_mode=False",
             "actor_rollout_ref.rollout.free_cache_engine=False",
             "actor_rollout_ref.rollout.enforce_eager=True",
             "actor_rollout_ref.rollout.dtype=float32",
             "actor_rollout_ref.actor.megatron.dtype=float32",
             "actor_rollout_ref.ref.megatron.dtype=float32",
+            "actor_rollout_ref.actor.megatron.use_distributed_optimizer=False",
         ]
     return o + list(spec.extra_overrides)
 
@@ -248,7 +257,23 @@ def run_main_ppo(spec: RunSpec, progress: Optional[Callable[[str], None]] = None
         indent=1))
     say = progress or (lambda line: None)
     start = time.time()
-    say(f"{spec.engine}: starting verl main_ppo ({spec.steps} steps)")
+    for attempt in range(1 + RAY_START_RETRIES):
+        say(f"{spec.engine}: starting verl main_ppo ({spec.steps} steps)")
+        returncode = _run_logged(argv, env, log_path, spec, say, start)
+        if returncode == 0 or RAY_START_TIMEOUT not in log_path.read_text(errors="replace"):
+            break
+        say(f"{spec.engine}: Ray's node did not come up within its 30 s on this busy machine; trying again")
+    return RunResult(returncode=returncode, out_dir=spec.out_dir, metrics_path=metrics_path, log_path=log_path,
+                     rollouts_dir=spec.out_dir / "rollouts", checkpoint_dir=spec.out_dir / "ckpt",
+                     steps=read_metrics(metrics_path), seconds=time.time() - start)
+
+
+#: Ray's own message when its node is not up 30 s after start (ray/_private/node.py; not configurable)
+RAY_START_TIMEOUT = "The current node timed out during startup"
+RAY_START_RETRIES = 2
+
+
+def _run_logged(argv, env, log_path: Path, spec: RunSpec, say, start: float) -> int:
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 bufsize=1, start_new_session=True)
@@ -262,15 +287,23 @@ def run_main_ppo(spec: RunSpec, progress: Optional[Callable[[str], None]] = None
                 elif "sharing detected" in line and "[PS][prepare]" in line:
                     say(f"{spec.engine}: {line.strip()[-120:]}")
                 if time.time() - start > spec.timeout_s:
-                    proc.kill()
+                    say(f"{spec.engine}: stopped after {spec.timeout_s} s (RunSpec.timeout_s)")
+                    _stop(proc)
                     break
-            returncode = proc.wait()
+            return proc.wait()
         except BaseException:
-            proc.kill()
+            _stop(proc)
             raise
-    return RunResult(returncode=returncode, out_dir=spec.out_dir, metrics_path=metrics_path, log_path=log_path,
-                     rollouts_dir=spec.out_dir / "rollouts", checkpoint_dir=spec.out_dir / "ckpt",
-                     steps=read_metrics(metrics_path), seconds=time.time() - start)
+
+
+def _stop(proc) -> None:
+    """main_ppo and what it started in its process group (Ray's processes)."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
