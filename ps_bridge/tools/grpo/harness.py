@@ -240,7 +240,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("-v", "--verbose", action="store_true", help="every progress line, and tracebacks")
     args = p.parse_args(argv)
+    from ps_bridge.compat.quiet import quiet_third_party
 
+    quiet_third_party(args.verbose)  # transformers' warnings and progress bars while the data is built
     steps = args.steps or (3 if args.short else 5)
     resume = (not args.short) if args.resume is None else args.resume
     tree = (not args.short) if args.tree is None else args.tree
