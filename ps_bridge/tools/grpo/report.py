@@ -206,12 +206,12 @@ def compare_runs(ref: RunData, other: RunData, floor: Optional[RunData] = None,
     exact = [k for k in steps if flip is None or k < flip]
     after = [k for k in steps if flip is not None and k >= flip]
     if flip is None:
-        checks.append(Check(f"{tag}rollouts identical at every step", True, f"steps {steps[0]}-{steps[-1]}"))
-    else:
-        checks.append(Check(f"{tag}rollouts identical at every step", False if flip == first else True,
-                            f"first differ at step {flip}"
-                            + ("" if flip == first else ": later steps are judged against the noise floor")))
-
+        checks.append(Check(f"{tag}rollouts of every step identical", True, f"steps {steps[0]}-{steps[-1]}"))
+    elif flip != first:
+        checks.append(Check(f"{tag}rollouts of every step identical", True,
+                            f"steps {steps[0]}-{flip - 1} identical, step {flip} "
+                            + ("has no rollout dump" if diffs[flip] is None else f"differs in {diffs[flip]} responses")
+                            + ": from there the runs are judged against the noise floor"))
     # (2.) exact phase
     for key in (PG_LOSS, GRAD_NORM):
         tol = TOLERANCES[key]
