@@ -179,5 +179,5 @@ def test_load_run_and_tables(tmp_path):
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
     stock = make_run("stock")
-    path = report.plot([stock, twin(stock, "ps")], tmp_path / "g.png")
+    path = report.plot([("pair", [stock, twin(stock, "ps")]), ("tree", [stock])], tmp_path / "g.png")
     assert path.stat().st_size > 10_000

@@ -215,7 +215,10 @@ def write_outputs(plan: Plan, checks: Sequence[Check], say: Callable[[str], None
         {"passed": ok, "checks": [asdict(c) for c in checks], "runs": sorted(runs)}, indent=1))
     if png:
         try:
-            path = report.plot(list(runs.values()), plan.out / "grpo.png")
+            groups = [("stock vs ps-bridge", [runs[k] for k in ("stock", "ps", "ps-resumed", "stock-floor") if k in runs])]
+            if "ps-tree" in runs:
+                groups.append(("system prompt, tree", [runs["stock-system"], runs["ps-tree"]]))
+            path = report.plot(groups, plan.out / "grpo.png")
             say(f"curves: {path}")
         except ImportError:
             say("curves: not drawn (matplotlib is not installed: pip install 'ps-bridge[plot]')")

@@ -403,8 +403,9 @@ def verdict_text(checks: Sequence[Check]) -> str:
     return f"{format_checks(checks)}\n{head}"
 
 
-def plot(runs: Sequence[RunData], path, title: str = "verl main_ppo GRPO: stock engine vs ps-bridge") -> Path:
-    """Reward, policy loss, grad norm, rollout-vs-actor difference and step time per step, one line per run."""
+def plot(groups: Sequence[Tuple[str, Sequence[RunData]]], path) -> Path:
+    """One row of panels per (title, runs) group: reward, policy loss, grad norm, rollout-vs-actor difference
+    and step time per step, one line per run."""
     import matplotlib  # optional dependency (the `plot` extra): only the PNG needs it
 
     matplotlib.use("Agg")
@@ -412,21 +413,22 @@ def plot(runs: Sequence[RunData], path, title: str = "verl main_ppo GRPO: stock 
 
     panels = (("reward mean", REWARD, False), ("policy loss", PG_LOSS, False), ("grad norm", GRAD_NORM, False),
               ("|p_vllm - p_actor| mean", PROBS_DIFF_MEAN, True), ("step time (s)", "timing_s/step", False))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
+    fig, axes = plt.subplots(len(groups), len(panels), figsize=(4.2 * len(panels), 3.4 * len(groups)), squeeze=False)
     styles = ("-o", "--s", ":^", "-.v", "-x")
-    for ax, (label, key, log) in zip(axes, panels):
-        for r, style in zip(runs, styles):
-            pts = [(k, r.value(k, key)) for k in r.step_numbers() if r.value(k, key) is not None]
-            pts = [(k, v) for k, v in pts if not math.isnan(v) and (v > 0 or not log)]
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=r.label, markersize=4)
-        ax.set_title(label, fontsize=10)
-        ax.set_xlabel("step")
-        if log:
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(title, fontsize=11)
+    for row, (title, runs) in zip(axes, groups):
+        for ax, (label, key, log) in zip(row, panels):
+            for r, style in zip(runs, styles):
+                pts = [(k, r.value(k, key)) for k in r.step_numbers() if r.value(k, key) is not None]
+                pts = [(k, v) for k, v in pts if not math.isnan(v) and (v > 0 or not log)]
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=r.label, markersize=4)
+            ax.set_title(f"{title}: {label}" if ax is row[0] else label, fontsize=9)
+            ax.set_xlabel("step")
+            if log:
+                ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+        row[0].legend(fontsize=8)
+    fig.suptitle("verl main_ppo GRPO, the same seed: verl's stock engine and ps-bridge", fontsize=11)
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
