@@ -121,3 +121,15 @@ def test_stale_weights_fail(fake, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(harness, "launch", stale)
     assert harness.main(["--out", str(tmp_path), "--short", "--no-plot"]) == 1
     assert f"[FAIL] {PROBS_DIFF_MEAN} as small as stock's" in capsys.readouterr().out
+
+
+def test_a_failed_run_is_named_by_its_last_error_line(tmp_path):
+    log = tmp_path / "main_ppo.log"
+    log.write_text(
+        "\x1b[36m(WorkerDict pid=1)\x1b[0m AttributeError: module 'x' has no attribute 'y'\n"
+        "Error executing job with overrides: ['a=1']\n"
+        "Traceback (most recent call last):\n  File \"verl/utils/megatron_utils.py\", line 827\n"
+        "AttributeError: 'NoneType' object has no attribute 'storage'\n"
+        "\x1b[36m(raylet)\x1b[0m shutting down\n")
+    assert harness._last_error(log) == "AttributeError: 'NoneType' object has no attribute 'storage'"
+    assert harness._last_error(tmp_path / "absent.log") == "no log written"

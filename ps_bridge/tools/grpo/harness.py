@@ -38,14 +38,16 @@ class RunFailed(RuntimeError):
 
 
 _ERROR_LINE = re.compile(r"(Error|Exception|error:|refused|Killed)")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _last_error(log_path: Path) -> str:
     """The last line of the log that names an error (people read this line; the log has the traceback)."""
     if not log_path.exists():
         return "no log written"
-    lines = [l.strip() for l in log_path.read_text(errors="replace").splitlines() if l.strip()]
-    errors = [l for l in lines if _ERROR_LINE.search(l)]
+    text = _ANSI.sub("", log_path.read_text(errors="replace"))  # Ray colours its workers' prefixes
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if _ERROR_LINE.search(line)]
     return (errors or lines or ["empty log"])[-1][-300:]
 
 
