@@ -112,5 +112,7 @@ def test_same_seed_same_files_and_reuse(built, tmp_path):
     before = stamp.stat().st_mtime_ns
     assert data.build(tmp_path / "a", seed=3, **SMALL) == again  # read back, not rebuilt
     assert stamp.stat().st_mtime_ns == before
+    (Path(again.data_dir) / "test.parquet").unlink()  # a file gone: built again
+    assert data.build(tmp_path / "a", seed=3, **SMALL) == again and stamp.stat().st_mtime_ns != before
     other = data.build(tmp_path / "b", seed=4, **SMALL)
     assert (Path(other.data_dir) / "train.parquet").read_bytes() != (Path(built.data_dir) / "train.parquet").read_bytes()

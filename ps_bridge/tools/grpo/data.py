@@ -272,6 +272,11 @@ class GrpoData:
     def dir(self, system_prompt: bool = False) -> str:
         return self.system_data_dir if system_prompt else self.data_dir
 
+    def files(self) -> List[Path]:
+        model = Path(self.model)
+        return [model / name for name in ("config.json", "model.safetensors", "tokenizer.json")] + [
+            Path(d) / f"{split}.parquet" for d in (self.data_dir, self.system_data_dir) for split in ("train", "test")]
+
 
 def _key(**params) -> str:
     return hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
@@ -280,8 +285,9 @@ def _key(**params) -> str:
 def build(out_dir, seed: int = 0, n_train: int = 512, n_test: int = 64, tokenizer_vocab: int = 1024,
           fit_steps: int = 150, dtype: str = "float32",
           progress: Optional[Callable[[str, int, int], None]] = None) -> GrpoData:
-    """Write the tokenizer, the model and the parquet files under `out_dir` (model/, data/, data_system/), or reuse them when
-    `out_dir/data.json` records the same arguments. `progress(what, done, total)` is called as it goes."""
+    """Write the tokenizer, the model and the parquet files under `out_dir` (model/, data/, data_system/), or
+    reuse them when `out_dir/data.json` records the same arguments and they are all there. `progress(what, done,
+    total)` is called as it goes."""
     out = Path(out_dir)
     params = dict(seed=seed, n_train=n_train, n_test=n_test, tokenizer_vocab=tokenizer_vocab,
                   fit_steps=fit_steps, dtype=dtype, version=FORMAT_VERSION, shape=MODEL_SHAPE)
@@ -292,7 +298,9 @@ def build(out_dir, seed: int = 0, n_train: int = 512, n_test: int = 64, tokenize
         if recorded.get("key") == key:
             fields = recorded["data"]
             fields["fit"] = FitSummary(**fields["fit"])
-            return GrpoData(**fields)
+            data = GrpoData(**fields)
+            if all(Path(f).exists() for f in data.files()):
+                return data
     report = progress or (lambda what, done, total: None)
 
     # train and test problems come from separate streams of the seed, so the test set is not the train set
