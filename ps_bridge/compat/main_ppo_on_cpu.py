@@ -32,10 +32,12 @@ Each patch names the upstream line it works around:
   `process_weights_after_loading` after the last bucket (utils.py:351) packs the new ones.
 - `_megatron_engine_config_takes_float32`: verl's Megatron engine config accepts bf16/fp16 only
   (verl/workers/config/engine.py:218); the CPU run trains in float32.
+- `_model_load_skips_unsharded_buffers`: verl's `load_megatron_model_to_gpu` reads DDP buffers'
+  `param_data`, which exist only with the distributed optimizer (verl/utils/megatron_utils.py:827).
 - `_megatron_on_cpu` (right after `megatron.core` is first imported, i.e. only in the processes that
   build a Megatron model): megatron-core's hard-coded CUDA calls (`ps_bridge.compat.cuda_on_cpu`), its RNG
   tracker, side streams and distributed optimizer (`ps_bridge.compat.verl_on_cpu`), Transformer Engine's
-  absence (`ps_bridge.compat.te_placeholder`), and its `device="cuda"` factory calls made from Ray's
+  absence (`ps_bridge.compat.te_placeholder`), its gradient clipping's CUDA type check, and its `device="cuda"` factory calls made from Ray's
   actor threads (a `TorchFunctionMode` is thread-local, so here the factories themselves are wrapped).
 """
 
@@ -83,6 +85,7 @@ def install() -> bool:
     _megatron_engine_config_takes_float32()
     _after_import("vllm.model_executor.layers.utils", _vllm_cpu_linear_keeps_weights)
     _after_import("megatron.core", _megatron_on_cpu)
+    _after_import("verl.workers.engine.megatron.transformer_impl", _model_load_skips_unsharded_buffers)
     return True
 
 
@@ -318,6 +321,29 @@ def _cuda_factories_on_cpu() -> None:
             setattr(torch, name, wrap(stock))
 
 
+def _grad_clipping_on_cpu() -> None:
+    """megatron-core's gradient clipping asserts CUDA gradients by type name
+    (megatron/core/optimizer/clip_grads.py:174, `param.grad.type() == 'torch.cuda.FloatTensor'`); on the
+    CPU the same gradients pass under their CUDA type names (`verl_on_cpu._cpu_tensors_typed_as_cuda`), as
+    the distributed optimizer's parameters do. optimizer.py imports the function by name: both are replaced."""
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    from ps_bridge.compat.verl_on_cpu import _cpu_tensors_typed_as_cuda
+
+    stock = clip_grads.clip_grad_by_total_norm_fp32
+    if getattr(stock, "__ps_bridge_cpu__", False):
+        return
+
+    @functools.wraps(stock)
+    def clip_grad_by_total_norm_fp32(*args, **kwargs):
+        with _cpu_tensors_typed_as_cuda():
+            return stock(*args, **kwargs)
+
+    clip_grad_by_total_norm_fp32.__ps_bridge_cpu__ = True
+    clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+
 def _megatron_on_cpu(megatron_core=None) -> None:
     from ps_bridge.compat import cuda_on_cpu, verl_on_cpu
     from ps_bridge.compat.te_placeholder import import_megatron_bridge
@@ -331,6 +357,7 @@ def _megatron_on_cpu(megatron_core=None) -> None:
     verl_on_cpu._cuda_streams_on_cpu()
     verl_on_cpu._distributed_optimizer_on_cpu()
     _cuda_factories_on_cpu()
+    _grad_clipping_on_cpu()
     _stock_provider_takes_cpu_layer_spec()
     _INSTALLED.append("megatron on cpu")
 
@@ -344,7 +371,10 @@ def _stock_provider_takes_cpu_layer_spec() -> None:
     providers (ps_bridge.providers) set their spec themselves and are not affected."""
     from megatron.bridge.models.gpt_provider import GPTModelProvider
 
-    from ps_bridge.verl.side_by_side import reference_gpt_layer_spec
+    try:  # the verl-check tooling's home (ps_bridge/tools/verl_check); ps_bridge/verl before it moved
+        from ps_bridge.tools.verl_check.side_by_side import reference_gpt_layer_spec
+    except ImportError:
+        from ps_bridge.verl.side_by_side import reference_gpt_layer_spec
 
     stock = GPTModelProvider.provide
     if getattr(stock, "__ps_bridge_cpu__", False):
@@ -358,6 +388,37 @@ def _stock_provider_takes_cpu_layer_spec() -> None:
 
     provide.__ps_bridge_cpu__ = True
     GPTModelProvider.provide = provide
+
+
+def _model_load_skips_unsharded_buffers(transformer_impl) -> None:
+    """verl's `load_megatron_model_to_gpu` (verl/utils/megatron_utils.py:827, called before every weight
+    export, transformer_impl.py:1040) reads `buffer.param_data` of each DDP buffer, which megatron-core
+    allocates only for the distributed optimizer: with `use_distributed_optimizer=False` (which the CPU run
+    needs to resume, since megatron-core loads the distributed optimizer's state only on TE's or Apex's Adam)
+    it is None. Nothing is offloaded on the CPU path, so those buffers have nothing to load: they are
+    left out of the call."""
+    stock = transformer_impl.load_megatron_model_to_gpu
+    if getattr(stock, "__ps_bridge_cpu__", False):
+        return
+
+    @functools.wraps(stock)
+    def load_megatron_model_to_gpu(models, *args, **kwargs):
+        hidden = []
+        for chunk in models:
+            for attr in ("buffers", "expert_parallel_buffers"):
+                buffers = getattr(chunk, attr, None)
+                if buffers and any(getattr(b, "param_data", 0) is None for b in buffers):
+                    hidden.append((chunk, attr, buffers))
+                    setattr(chunk, attr, [b for b in buffers if getattr(b, "param_data", 0) is not None])
+        try:
+            return stock(models, *args, **kwargs)
+        finally:
+            for chunk, attr, buffers in hidden:
+                setattr(chunk, attr, buffers)
+
+    load_megatron_model_to_gpu.__ps_bridge_cpu__ = True
+    transformer_impl.load_megatron_model_to_gpu = load_megatron_model_to_gpu
+    _INSTALLED.append("model load without distributed-optimizer buffers")
 
 
 # ---- import hooks ------------------------------------------------------------------------------------

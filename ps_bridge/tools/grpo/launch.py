@@ -45,8 +45,8 @@ CPU_SETTINGS: Dict[str, str] = {
         "no CUDA graphs on a CPU; also skips torch.compile's start-up",
     "actor_rollout_ref.actor.megatron.dtype=float32 (and ref, rollout)":
         "a CPU gains nothing from bf16, and the two engines are compared within float32 noise",
-    "actor_rollout_ref.actor.megatron.use_distributed_optimizer=False":
-        "megatron-core loads the distributed optimizer's state only on TE's or Apex's Adam (checkpoints)",
+    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=64":
+        "weights reach vLLM through a shared-memory bucket of this size (2 GB by default) in /dev/shm",
     "VLLM_CPU_KVCACHE_SPACE=1":
         "vLLM's CPU KV cache in GiB (its default takes a large share of memory)",
     "TORCHDYNAMO_DISABLE=1":
@@ -193,7 +193,7 @@ def _overrides(spec: RunSpec, on_cpu: bool) -> List[str]:
             "actor_rollout_ref.rollout.dtype=float32",
             "actor_rollout_ref.actor.megatron.dtype=float32",
             "actor_rollout_ref.ref.megatron.dtype=float32",
-            "actor_rollout_ref.actor.megatron.use_distributed_optimizer=False",
+            "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=64",
         ]
     return o + list(spec.extra_overrides)
 
@@ -210,6 +210,8 @@ def build_command(spec: RunSpec, on_cpu: Optional[bool] = None) -> Tuple[List[st
         "PYTHONUNBUFFERED": "1",
         "HYDRA_FULL_ERROR": "1",
         "WANDB_MODE": "disabled",
+        # every worker's lines reach the log (Ray folds repeated lines of different workers into one)
+        "RAY_DEDUP_LOGS": "0",
     })
     env.pop("ENABLE_PREFIX_SHARING", None)
     env.pop("PS_BRIDGE_TREE", None)
