@@ -135,6 +135,15 @@ def test_logs():
     assert report.passed(report.check_logs(stock, ps))
     assert failing(report.check_logs(stock, make_run("ps", log="nothing"))) == ["ps log shows sharing"]
     assert failing(report.check_logs(make_run("stock", log=PS_LOG), ps)) == ["stock ran verl's stock engine"]
+    # ps_bridge.verl imported with sharing off (the CPU path borrows its layer spec) is still stock
+    off = ("(TaskRunnerV1 pid=2) [PS][prepare] config.enable_prefix_sharing=False tree=False backend=torch_ref "
+           "provider=None (ps_bridge.verl)\n")
+    assert report.passed(report.check_logs(make_run("stock", log=off), ps))
+    on = off.replace("=False tree", "=True tree")
+    assert failing(report.check_logs(make_run("stock", log=on), ps)) == ["stock ran verl's stock engine"]
+    engine = ("(WorkerDict pid=3) [PS][prepare][global_rank=0] config.enable_prefix_sharing=False sharing=auto "
+              "engine=PrefixSharedMegatronEngine model=PrefixSharedGPTModel\n")
+    assert failing(report.check_logs(make_run("stock", log=engine), ps)) == ["stock ran verl's stock engine"]
     assert failing(report.check_logs(stock, ps, tree=True)) == ["ps shares the system prompt as a tree"]
     assert report.passed(report.check_logs(stock, make_run("ps", log=TREE_LOG), tree=True))
 

@@ -26,9 +26,9 @@ The verdict's properties and their tolerances (`TOLERANCES`, `PROBS_DIFF`):
    probabilities of the sampled tokens against the actor's recomputed ones) is as small as the stock run's:
    it measures whether vLLM sampled with the weights the actor has; stale or misnamed weights raise it by
    orders of magnitude from step 2 on;
-6. the ps-bridge run's log shows `[PS][prepare] PATH 6: sharing detected` from the workers and the stock
-   run's log no `[PS]` line at all (it really ran verl's stock engine); with the prefix tree on, a layout
-   line of depth >= 2 (the system prompt shared across prompts);
+6. the ps-bridge run's log shows `[PS][prepare] PATH 6: sharing detected` from the workers, and the stock
+   run's log no `[PS]` line that turns sharing on or uses ps-bridge's engine (it really ran verl's stock
+   engine); with the prefix tree on, a layout line of depth >= 2 (the system prompt shared across prompts);
 7. a run resumed from a checkpoint repeats the uninterrupted run's later steps (same tolerances).
 """
 
@@ -75,7 +75,7 @@ PROBS_DIFF = {PROBS_DIFF_MEAN: (3.0, 1e-5), PROBS_DIFF_MAX: (3.0, 1e-4)}
 FLOOR_FACTOR = 3.0
 
 SHARING_DETECTED = re.compile(r"\[PS\]\[prepare\].*PATH 6: sharing detected")
-PS_LINE = re.compile(r"\[PS\]")
+SHARING_ON = re.compile(r"\[PS\]\[prepare\].*(enable_prefix_sharing=True|engine=PrefixShared\w+)")
 TREE_DEPTH = re.compile(r"\[PS\]\[prepare\].*packed_batch_layout:.*\bdepth=(\d+)")
 
 
@@ -104,6 +104,8 @@ class Check:
 def read_metrics(path: Path) -> Dict[int, Dict[str, float]]:
     """verl's file logger lines; a later line for the same step (a resumed run) replaces the earlier one."""
     steps: Dict[int, Dict[str, float]] = {}
+    if not Path(path).exists():  # a run that stopped before its first step
+        return steps
     for line in Path(path).read_text().splitlines():
         if line.strip():
             row = json.loads(line)
@@ -294,14 +296,24 @@ def check_logs(stock: RunData, ps: RunData, tree: bool = False, name: str = "") 
     checks = [
         Check(f"{tag}{ps.label} log shows sharing", detected > 0,
               f"{detected} '[PS][prepare] PATH 6: sharing detected' lines"),
-        Check(f"{tag}{stock.label} ran verl's stock engine", not PS_LINE.search(stock.log),
-              "no [PS] line in its log" if not PS_LINE.search(stock.log) else "its log has [PS] lines"),
+        _stock_check(stock, tag),
     ]
     if tree:
         depths = [int(d) for d in TREE_DEPTH.findall(ps.log)]
         checks.append(Check(f"{tag}{ps.label} shares the system prompt as a tree", bool(depths) and max(depths) >= 2,
                             f"deepest layout: depth {max(depths)}" if depths else "no packed_batch_layout line"))
     return checks
+
+
+def _stock_check(stock: RunData, tag: str) -> Check:
+    """The stock run may import ps_bridge.verl (the CPU path borrows a layer spec from it), which then logs its
+    config, sharing off; it must never have turned sharing on or logged a shared micro-batch."""
+    on = [m.group(0) for m in SHARING_ON.finditer(stock.log)]
+    detected = len(SHARING_DETECTED.findall(stock.log))
+    ok = not on and not detected
+    return Check(f"{tag}{stock.label} ran verl's stock engine", ok,
+                 "no [PS] line turns sharing on" if ok else
+                 f"its log has {len(on)} lines turning sharing on and {detected} 'sharing detected' lines")
 
 
 def check_resume(uninterrupted: RunData, resumed: RunData, after_step: int) -> List[Check]:
