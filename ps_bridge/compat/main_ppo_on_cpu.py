@@ -132,6 +132,10 @@ class _CPUDeviceModule:
     def current_device():
         return torch.device("cpu")
 
+    @staticmethod
+    def get_device_name(device=None) -> str:
+        return "CPU"  # verl's flops counter looks the name up in its table (verl/utils/flops_counter.py:80)
+
     def __getattr__(self, name: str):
         if name in ("manual_seed", "manual_seed_all"):
             return torch.manual_seed
