@@ -25,13 +25,14 @@ pytestmark = [
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 STEPS = 3
+SEED = 1  # the harness's default --seed
 
 
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo")
     proc = subprocess.run([sys.executable, "-m", "ps_bridge.tools.grpo", "--short", "--steps", str(STEPS),
-                           "--out", str(out), "--no-plot"], cwd=ROOT, capture_output=True, text=True,
+                           "--out", str(out), "--seed", str(SEED), "--no-plot"], cwd=ROOT, capture_output=True, text=True,
                           timeout=3600)
     return out, proc
 
@@ -67,14 +68,13 @@ def test_training_moved_the_weights(short_run):
 
 def test_stale_weights_in_vllm_fail_the_verdict(short_run, monkeypatch):
     from ps_bridge.tools.grpo import harness, report
-    from ps_bridge.tools.grpo.data import build
 
     out, _ = short_run
     stock = report.load_run("stock", out / "stock")
-    built = build(out / "data")  # reads back the files the short run wrote
+    built = harness.build_data(out, SEED, say=lambda line: None)  # reads back the files the short run wrote
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
     stale = harness.launch(
-        "ps-stale", "ps", built.model, built.data_dir, out, STEPS, seed=1, micro_batch=harness.MICRO_BATCH,
+        "ps-stale", "ps", built.model, built.data_dir, out, STEPS, seed=SEED, micro_batch=harness.MICRO_BATCH,
         max_prompt_length=built.max_prompt_tokens, say=lambda line: None,
         extra_overrides=("actor_rollout_ref.model.external_lib=grpo_stale_export",))
     assert "[grpo_stale_export] weight export frozen" in stale.log  # the patch ran in the workers
