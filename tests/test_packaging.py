@@ -56,6 +56,7 @@ IMPORTED = {
     "flash_attn": "optional (flash-attn)", "torch_npu": "optional (NPU)",
     "verl": "stack (verl)", "tensordict": "stack (verl)", "omegaconf": "stack (verl, Megatron-Bridge)",
     "einops": "stack (megatron-core, verl)", "safetensors": "stack (transformers)",
+    "pyarrow": "stack (verl: its datasets read parquet; the grpo job writes it)",
 }
 
 

@@ -67,6 +67,17 @@ def _refuse(what: str) -> None:
     )
 
 
+def _has_multi_modal_inputs(batch) -> bool:
+    """verl's trainer hands text-only batches a `multi_modal_inputs` entry too (one empty dict per sample):
+    what counts is whether verl's own extraction finds any input in it."""
+    entries = batch.get("multi_modal_inputs", None)
+    if entries is None:
+        return False
+    from verl.utils.model import extract_multi_modal_inputs  # verl: the engine's host, imported in its workers
+
+    return bool(extract_multi_modal_inputs(entries))
+
+
 @contextmanager
 def _context_parallel_off():
     """megatron's parallel state reporting one CP rank of one, while verl's preprocess functions form
@@ -224,7 +235,7 @@ class PrefixSharingEngineMixin:
                 _refuse(what)
         if tu.get_non_tensor_data(batch, key="use_fused_kernels", default=False):
             _refuse("per-batch use_fused_kernels=True")
-        if batch.get("multi_modal_inputs", None) is not None:
+        if _has_multi_modal_inputs(batch):
             _refuse("multi-modal inputs")
         calculate_entropy = tu.get_non_tensor_data(batch, key="calculate_entropy", default=False)
         calculate_sum_pi_squared = tu.get_non_tensor_data(batch, key="calculate_sum_pi_squared", default=False)

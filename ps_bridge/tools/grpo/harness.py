@@ -1,0 +1,279 @@
+"""`python -m ps_bridge.tools.grpo`: verl's own `main_ppo` GRPO twice from the same seed, with verl's stock
+Megatron engine and with ps-bridge, on a tiny Qwen2.5 and GSM8K-format arithmetic built here (`data.py`);
+then the side-by-side table, the verdict (`report.py`) and the curves.
+
+Runs, each one `launch.run_main_ppo` in its own folder under --out:
+- `stock`, `ps`: the pair (ps saves a checkpoint at step 3 when the resume check is on);
+- `ps-resumed` (--resume): ps again from its step-3 checkpoint to the last step;
+- `stock-system`, `ps-tree` (--tree): the same problems behind one shared system prompt, ps with
+  `PS_BRIDGE_TREE=1`;
+- `stock-floor` (--noise-floor, or `auto` when the pair's rollouts differ after step 1): stock with another
+  micro-batch split, the float32 noise floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+from ps_bridge.tools.grpo import report
+from ps_bridge.tools.grpo.report import Check, RunData
+
+RESUME_AFTER = 3  # the checkpoint step the resume check restarts from
+# samples per micro-batch (actor, ref and old log-probs): 4 = one prompt's group at n = 4; the floor splits it;
+# the tree pair takes both prompts of a step in one micro-batch, so the system prompt is shared across prompts
+MICRO_BATCH, FLOOR_MICRO_BATCH, TREE_MICRO_BATCH = 4, 2, 8
+
+
+class RunFailed(RuntimeError):
+    def __init__(self, label: str, returncode: int, log_path: Path, hint: str):
+        super().__init__(f"the {label} run stopped (exit {returncode}): {hint}\n  its log: {log_path}")
+        self.label, self.returncode, self.log_path = label, returncode, log_path
+
+
+_ERROR_LINE = re.compile(r"(Error|Exception|error:|refused|Killed)")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _last_error(log_path: Path) -> str:
+    """The last line of the log that names an error (people read this line; the log has the traceback)."""
+    if not log_path.exists():
+        return "no log written"
+    text = _ANSI.sub("", log_path.read_text(errors="replace"))  # Ray colours its workers' prefixes
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if _ERROR_LINE.search(line)]
+    return (errors or lines or ["empty log"])[-1][-300:]
+
+
+@dataclass
+class Plan:
+    out: Path
+    steps: int
+    seed: int = 1
+    resume: bool = False
+    tree: bool = False
+    noise_floor: str = "auto"  # on | off | auto
+    reuse: bool = False
+    runs: Dict[str, RunData] = field(default_factory=dict)
+
+
+class Progress:
+    """One bar over all planned steps; launch's lines above it."""
+
+    _DONE = re.compile(r"step (\d+)/(\d+) done")
+
+    def __init__(self, total_steps: int, verbose: bool):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, file=sys.stderr,
+                        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} steps [{elapsed}<{remaining}]")
+        self.verbose = verbose
+        self._seen = set()
+
+    def add(self, steps: int) -> None:
+        self.bar.total += steps
+        self.bar.refresh()
+
+    def line(self, label: str) -> Callable[[str], None]:
+        """launch's progress callback for the run `label`: step lines move the bar; other lines are shown once
+        per kind (every one with -v)."""
+        def say(text: str) -> None:
+            body = re.sub(r"^(ps|stock): ", "", text)
+            m = self._DONE.search(body)
+            if m:
+                if (label, m.group(1)) not in self._seen:
+                    self._seen.add((label, m.group(1)))
+                    self.bar.update(1)
+                self.bar.set_description_str(label)
+            kind = (label, re.sub(r"\d+", "#", body)[:40])
+            if self.verbose or (not m and kind not in self._seen):
+                self._seen.add(kind)
+                self.bar.write(f"  {label}: {body}")
+        return say
+
+    def write(self, text: str) -> None:
+        self.bar.write(text)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def build_data(out: Path, seed: int, say: Callable[[str], None]):
+    from ps_bridge.tools.grpo import data
+
+    start = time.time()
+    last = {}
+
+    def progress(what, done, total):
+        if what != last.get("what") or done == total:
+            last["what"] = what
+            say(f"data: {what} {done}/{total}")
+
+    built = data.build(out / "data", seed=seed, progress=progress)
+    say(f"data: tiny Qwen2.5 (vocab {built.vocab_size}, tokenizer {built.tokenizer_size} tokens), "
+        f"{built.fit.correct}/{built.fit.sampled} sampled answers right after the format fit "
+        f"({built.fit.formatted} formatted) [{time.time() - start:.0f} s]")
+    return built
+
+
+def launch(label: str, engine: str, model: str, data_dir: str, out: Path, steps: int, seed: int,
+           max_prompt_length: int, say: Callable[[str], None], reuse: bool = False, **spec_kwargs) -> RunData:
+    """One `main_ppo` run into out/label; with `reuse`, a finished run of the same spec is read back instead."""
+    from ps_bridge.tools.grpo.launch import RunSpec, run_main_ppo
+
+    run_dir = out / label
+    spec = RunSpec(engine=engine, model_dir=Path(model), data_dir=Path(data_dir), out_dir=run_dir, seed=seed,
+                   steps=steps, max_prompt_length=max_prompt_length, **spec_kwargs)
+    key = json.dumps({k: str(v) for k, v in asdict(spec).items() if k != "timeout_s"}, sort_keys=True)
+    done = run_dir / "done.json"
+    if reuse and done.exists() and json.loads(done.read_text()).get("spec") == key:
+        say(f"reusing the finished run in {run_dir}")
+        for k in range(1, steps + 1):
+            say(f"step {k}/{steps} done (reused)")
+        return report.load_run(label, run_dir)
+    if done.exists():
+        done.unlink()
+    result = run_main_ppo(spec, progress=say)
+    if not result.ok or len(result.steps) < steps - (spec.resume_from is not None) * RESUME_AFTER:
+        raise RunFailed(label, result.returncode, result.log_path, _last_error(result.log_path))
+    done.write_text(json.dumps({"spec": key, "seconds": result.seconds}))
+    return report.load_run(label, run_dir)
+
+
+def run_plan(plan: Plan, progress: Progress, extra_ps_overrides: Sequence[str] = ()) -> List[Check]:
+    """Build the data, run what `plan` asks for, return the verdict's checks (runs land in plan.runs)."""
+    out = plan.out
+    built = build_data(out, plan.seed, progress.write)
+    common = dict(seed=plan.seed, reuse=plan.reuse, micro_batch=MICRO_BATCH)
+    save = dict(save_freq=RESUME_AFTER) if plan.resume else {}
+    runs = plan.runs
+
+    def go(label, engine, system=False, **kw):
+        length = built.system_max_prompt_tokens if system else built.max_prompt_tokens
+        kwargs = {**common, **kw}
+        runs[label] = launch(label, engine, built.model, built.dir(system), out, plan.steps,
+                             max_prompt_length=length, say=progress.line(label), **kwargs)
+        return runs[label]
+
+    stock = go("stock", "stock", **save)
+    ps = go("ps", "ps", extra_overrides=tuple(extra_ps_overrides), **save)
+    pair_diffs = report.rollout_differences(stock, ps, stock.step_numbers())
+    flip = report.first_divergence(pair_diffs)
+    floor = None
+    if plan.noise_floor == "on" or (plan.noise_floor == "auto" and flip is not None and flip > 1):
+        if plan.noise_floor == "auto":  # not counted in planned_steps
+            progress.add(plan.steps)
+        floor = go("stock-floor", "stock", micro_batch=FLOOR_MICRO_BATCH)
+    checks = report.compare_runs(stock, ps, floor)
+    checks += report.check_logs(stock, ps)
+    if floor is not None:
+        # the floor's own agreement with stock: the size float32 rounding alone leaves
+        checks += [Check(f"noise floor: {c.name}", True, c.detail) for c in report.compare_runs(stock, floor)
+                   if "equal while rollouts are identical" in c.name]
+
+    if plan.resume:
+        resumed = go("ps-resumed", "ps", resume_from=out / "ps" / "ckpt" / f"global_step_{RESUME_AFTER}",
+                     extra_overrides=tuple(extra_ps_overrides))
+        checks += report.check_resume(ps, resumed, RESUME_AFTER)
+    if plan.tree:
+        stock_sys = go("stock-system", "stock", system=True, micro_batch=TREE_MICRO_BATCH)
+        tree = go("ps-tree", "ps", system=True, tree=True, micro_batch=TREE_MICRO_BATCH,
+                  extra_overrides=tuple(extra_ps_overrides))
+        checks += report.compare_runs(stock_sys, tree, name="system prompt, tree")
+        checks += report.check_logs(stock_sys, tree, tree=True, name="system prompt, tree")
+    return checks
+
+
+def planned_steps(plan: Plan) -> int:
+    total = 2 * plan.steps
+    if plan.resume:
+        total += plan.steps - RESUME_AFTER
+    if plan.tree:
+        total += 2 * plan.steps
+    if plan.noise_floor == "on":
+        total += plan.steps
+    return total
+
+
+def write_outputs(plan: Plan, checks: Sequence[Check], say: Callable[[str], None], png: bool = True) -> bool:
+    runs = plan.runs
+    pair = [runs[k] for k in ("stock", "ps", "stock-floor") if k in runs]
+    say("\nper step (|diff| against stock; 'rollouts differ': responses of the step that differ from stock's)")
+    say(report.metrics_table(pair))
+    say("\nseconds per phase (verl's timing_s/*)")
+    say(report.timing_table(pair))
+    if "ps-tree" in runs:
+        say("\nsystem prompt shared across prompts, PS_BRIDGE_TREE=1")
+        say(report.metrics_table([runs["stock-system"], runs["ps-tree"]]))
+    say("")
+    say(report.verdict_text(checks))
+    ok = report.passed(checks)
+    (plan.out / "verdict.json").write_text(json.dumps(
+        {"passed": ok, "checks": [asdict(c) for c in checks], "runs": sorted(runs)}, indent=1))
+    if png:
+        try:
+            groups = [("stock vs ps-bridge", [runs[k] for k in ("stock", "ps", "ps-resumed", "stock-floor") if k in runs])]
+            if "ps-tree" in runs:
+                groups.append(("system prompt, tree", [runs["stock-system"], runs["ps-tree"]]))
+            path = report.plot(groups, plan.out / "grpo.png")
+            say(f"curves: {path}")
+        except ImportError:
+            say("curves: not drawn (matplotlib is not installed: pip install 'ps-bridge[plot]')")
+    return ok
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m ps_bridge.tools.grpo",
+        description="verl's main_ppo GRPO with verl's stock engine and with ps-bridge from one seed: table, verdict, PNG.")
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (default 5; --short: 3)")
+    p.add_argument("--short", action="store_true", help="the CI form: the pair only, 3 steps")
+    p.add_argument("--out", default="outputs/grpo", help="output folder (default outputs/grpo)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
+                   help="also resume ps from its step-3 checkpoint and compare steps 4.. (default: on unless --short)")
+    p.add_argument("--tree", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run a shared system prompt with PS_BRIDGE_TREE=1 against stock (default: on unless --short)")
+    p.add_argument("--noise-floor", choices=("auto", "on", "off"), default="auto",
+                   help="stock against stock with another micro-batch split (auto: when the pair's rollouts differ)")
+    p.add_argument("--reuse", action="store_true", help="read back runs already finished with the same settings")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="every progress line, and tracebacks")
+    args = p.parse_args(argv)
+    from ps_bridge.compat.quiet import quiet_third_party
+
+    quiet_third_party(args.verbose)  # transformers' warnings and progress bars while the data is built
+    steps = args.steps or (3 if args.short else 5)
+    resume = (not args.short) if args.resume is None else args.resume
+    tree = (not args.short) if args.tree is None else args.tree
+    if resume and steps <= RESUME_AFTER:
+        p.error(f"--resume restarts from the step-{RESUME_AFTER} checkpoint: use --steps {RESUME_AFTER + 1} or more")
+    plan = Plan(out=Path(args.out), steps=steps, seed=args.seed, resume=resume, tree=tree,
+                noise_floor=args.noise_floor, reuse=args.reuse)
+    plan.out.mkdir(parents=True, exist_ok=True)
+    progress = Progress(planned_steps(plan), args.verbose)
+    try:
+        checks = run_plan(plan, progress)
+    except RunFailed as e:
+        progress.close()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        progress.close()
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # people-facing: one line; -v shows the traceback
+        progress.close()
+        if args.verbose:
+            raise
+        print(f"error: {type(e).__name__}: {e} (-v shows the traceback)", file=sys.stderr)
+        return 2
+    progress.close()
+    ok = write_outputs(plan, checks, print, png=not args.no_plot)
+    return 0 if ok else 1

@@ -1,0 +1,35 @@
+"""Synthetic runs of the grpo job (verl's per-step metrics, rollouts and logs) for the report's and the
+harness's tests."""
+
+import random
+
+from ps_bridge.tools.grpo.report import GRAD_NORM, PG_LOSS, PROBS_DIFF_MAX, PROBS_DIFF_MEAN, REWARD, RunData
+
+PS_LOG = ("(WorkerDict pid=1) [PS][prepare] PATH 6: sharing detected (groups=2, samples=8)\n"
+          "(WorkerDict pid=1) [PS][prepare][r0] packed_batch_layout: valid_lengths=[1], groups=2, depth=1, nodes=3\n")
+TREE_LOG = PS_LOG.replace("depth=1", "depth=2")
+
+
+def make_run(label, steps=5, seed=0, n_responses=8, log=""):
+    rng = random.Random(seed)
+    metrics, rollouts = {}, {}
+    for k in range(1, steps + 1):
+        metrics[k] = {
+            REWARD: rng.choice([0.125, 0.25, 0.375]),
+            PG_LOSS: rng.uniform(-0.05, 0.05),
+            GRAD_NORM: rng.uniform(0.5, 2.0),
+            PROBS_DIFF_MEAN: 2e-7,
+            PROBS_DIFF_MAX: 3e-6,
+            "timing_s/gen": 1.5, "timing_s/update_actor": 2.0, "timing_s/step": 5.0,
+        }
+        rollouts[k] = [(f"prompt {k}.{i // 4}", f"response {k}.{i} #### {i}") for i in range(n_responses)]
+    return RunData(label, metrics, rollouts, log)
+
+
+def twin(run, label, log="", rel=0.0):
+    """A copy of `run` whose pg_loss and grad_norm differ by `rel` relative."""
+    steps = {k: dict(v) for k, v in run.steps.items()}
+    for v in steps.values():
+        v[PG_LOSS] *= 1 + rel
+        v[GRAD_NORM] *= 1 + rel
+    return RunData(label, steps, {k: list(v) for k, v in run.rollouts.items()}, log)
