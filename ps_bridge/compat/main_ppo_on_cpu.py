@@ -54,6 +54,8 @@ from typing import Callable, Dict, List
 
 import torch
 
+from ps_bridge.compat.stock_attention import reference_gpt_layer_spec
+
 _INSTALLED: List[str] = []
 
 
@@ -371,12 +373,9 @@ def _stock_provider_takes_cpu_layer_spec() -> None:
     (megatron/bridge/models/gpt_provider.py, `default_layer_spec`), which has no CPU kernels; and
     megatron-core's local `DotProductAttention` refuses verl's packed (THD) batches. On a CPU the stock
     engine's model takes the local block with the reference core attention instead, as `ps-bridge
-    verl-check --smoke` does (`ps_bridge.tools.verl_check.side_by_side.reference_gpt_layer_spec`). Our own
+    verl-check --smoke` does (`ps_bridge.compat.stock_attention.reference_gpt_layer_spec`). Our own
     providers (ps_bridge.providers) set their spec themselves and are not affected."""
     from megatron.bridge.models.gpt_provider import GPTModelProvider
-
-    # the CPU run's only use of the verl-check tooling, imported here so that no GPU process loads it
-    from ps_bridge.tools.verl_check.side_by_side import reference_gpt_layer_spec
 
     stock = GPTModelProvider.provide
     if getattr(stock, "__ps_bridge_cpu__", False):

@@ -6,7 +6,7 @@ train_mini_batch`, the loss `verl/workers/utils/losses.py: ppo_loss`) is run her
 synthetic GRPO data, for two engines built by verl's own constructor from the same checkpoint:
 
 - stock: verl's `MegatronEngineWithLMHead` on Megatron-Bridge's stock provider. Without Transformer
-  Engine its core attention is a THD-capable stand-in (`side_by_side.ReferenceCoreAttention`: the
+  Engine its core attention is a THD-capable stand-in (`ps_bridge.compat.stock_attention`: the
   flash varlen kernels of our unshared path on a GPU in bf16/fp16, plain softmax attention otherwise).
   For a family whose stock model needs TE and GPU-only kernels (Qwen3.5) the stock engine is our
   engine with sharing off (one sequence per sample, verl's micro-batching): said in the output.

@@ -68,7 +68,7 @@ def stock_kind(ckpt: str, baseline: str = "stock") -> str:
 
 
 def stock_description(ckpt: str, settings: CheckSettings) -> str:
-    from ps_bridge.tools.verl_check.side_by_side import stock_attention_name
+    from ps_bridge.compat.stock_attention import stock_attention_name
 
     if stock_kind(ckpt, settings.baseline) == "verl":
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(settings.dtype, torch.float32)
