@@ -113,6 +113,36 @@ def recorded_aux_losses():
         PrefixSharedTopKRouter.attach_and_log_load_balancing_loss = original
 
 
+def rank_local_router_statistics(loaded) -> bool:
+    """Whether the model's load-balancing loss is rank-local: megatron's "aux_loss" reduces the expert
+    token counts over TP x CP only, so under data parallelism each DP rank's loss is that of its own
+    samples ("global_aux_loss" reduces over the DP ranks too)."""
+    return loaded.provider.moe_router_load_balancing_type == "aux_loss"
+
+
+def data_parallel_unshared(loaded, micro_batches, dp_size: int, tree_options=None):
+    """The unshared run at a data-parallel layout, on one process: each DP rank's part of every
+    micro-batch (`data_parallel.dp_parts`, the split the EP runs make) run unshared, the gradients
+    summed over the parts as the EP runs sum them. Returns (the aux losses keyed (micro-batch, layer),
+    summed over the ranks; HF-named gradients). The reference where router statistics are rank-local."""
+    from ps_bridge.parallel.gradients import hf_named_gradients
+    from ps_bridge.tools.data_parallel import dp_parts
+    from ps_bridge.tools.schedule import logprob_pass
+
+    weights = micro_batch_weights(micro_batches)
+    parts = [dp_parts(mb, dp_size, tree_options) for mb in micro_batches]
+    loaded.model.zero_grad(set_to_none=True)
+    aux: dict = {}
+    for rank in range(dp_size):
+        mine = [[mb[i] for i in p[rank]] for mb, p in zip(micro_batches, parts)]
+        mine_weights = [[w[i] for i in p[rank]] for w, p in zip(weights, parts)]
+        with recorded_aux_losses() as records:
+            logprob_pass(loaded, mine, share=False, loss_weights=mine_weights)
+        for key, value in aux_by_micro_batch(records).items():
+            aux[key] = aux.get(key, 0.0) + value
+    return aux, hf_named_gradients(loaded.bridge, loaded.model)
+
+
 def aux_by_micro_batch(records) -> dict:
     """`recorded_aux_losses` keyed (micro-batch, layer): each micro-batch calls every router of this
     pipeline stage once, in the schedule's micro-batch order (forward, or the recompute in backward)."""

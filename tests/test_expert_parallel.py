@@ -83,6 +83,10 @@ def test_cli_ep2_equals_hf(checkpoint, tmp_path, share, request):
     assert worst <= 2e-5, worst
 
 
+# checkpoint fixture -> its MoE layers (Qwen3 MoE's tiny checkpoint has a dense layer among four)
+MOE_LAYERS = {"moe_checkpoint": 4, "qwen3_moe_checkpoint": 3}
+
+
 EP_CASES = {
     "ep2": (2, ["--ep", "2"]),
     "ep2_tp2_sp": (4, ["--ep", "2", "--tp", "2", "--sp"]),
@@ -97,20 +101,23 @@ EP_CASES = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(EP_CASES))
-def test_ep_logprobs_and_gradients_equal_single_rank_unshared(moe_checkpoint, tmp_path, case):
+@pytest.mark.parametrize("checkpoint, case", [("moe_checkpoint", c) for c in sorted(EP_CASES)]
+                         + [("qwen3_moe_checkpoint", c) for c in ("ep2", "ep2_tp2_sp", "ep2_cp2")])
+def test_ep_logprobs_and_gradients_equal_single_rank_unshared(checkpoint, tmp_path, case, request):
     """Log-probs, every HF-named gradient and the load-balancing loss (the model trains) of the
     prefix-shared EP run, groups split across the data-parallel ranks and gradients summed over
     them (`parallel.finish_gradients`: the loss is a plain sum over samples, so
     the sum, not megatron's DDP mean, is the whole batch's gradient; expert weights are summed over
     the expert data-parallel group), equal the single-rank unshared run on the whole batch. Under
     PP=2 every stage holds two of the four layers and its EP ranks exchange tokens among themselves.
-    The aux loss: each rank's value is its share, the shares of all ranks add up to the single-rank one.
+    The aux loss: each rank's value is its share, the shares of all ranks add up to the single-rank one
+    ("global_aux_loss"); where megatron's statistic is rank-local ("aux_loss", Qwen3 MoE) the reference
+    is the unshared run of each rank's own groups, gradients summed (`data_parallel_unshared`).
     Under EP x CP the expert weights' gradients are reduced over the expert-data-parallel group, not
     the data-parallel-with-CP one (whose CP ranks hold other experts: `parallel.finish_gradients`)."""
     from parallel_cases import (
-        WORKER, aux_by_micro_batch, ep_micro_batches, max_logprob_diff, micro_batch_weights, recorded_aux_losses,
-        relative_grad_diffs,
+        WORKER, aux_by_micro_batch, data_parallel_unshared, ep_micro_batches, max_logprob_diff, micro_batch_weights,
+        rank_local_router_statistics, recorded_aux_losses, relative_grad_diffs,
     )
 
     from ps_bridge.config import PrefixSharingConfig
@@ -118,7 +125,7 @@ def test_ep_logprobs_and_gradients_equal_single_rank_unshared(moe_checkpoint, tm
     from ps_bridge.tools.runtime import load_model
     from ps_bridge.tools.schedule import logprob_pass
 
-    path, _, _ = moe_checkpoint
+    path, _, _ = request.getfixturevalue(checkpoint)
     loaded = load_model(path, PrefixSharingConfig(enabled=True))
     micro_batches = ep_micro_batches()
     loaded.model.zero_grad(set_to_none=True)
@@ -126,13 +133,15 @@ def test_ep_logprobs_and_gradients_equal_single_rank_unshared(moe_checkpoint, tm
         ref_logprobs = logprob_pass(loaded, micro_batches, share=False, loss_weights=micro_batch_weights(micro_batches))
     ref_aux = aux_by_micro_batch(records)
     ref_grads = hf_named_gradients(loaded.bridge, loaded.model)
+    if rank_local_router_statistics(loaded):  # each DP rank's aux loss is that of its own groups
+        ref_aux, ref_grads = data_parallel_unshared(loaded, micro_batches, dp_size=2)
     nproc, flags = EP_CASES[case]
     out = tmp_path / "result.pt"
     proc = torchrun(nproc, [WORKER, "--hf-path", path, "--out", str(out), *flags], timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = torch.load(out)
     logprob_diff = max_logprob_diff(got["logprobs"], ref_logprobs)
-    assert set(got["aux"]) == set(ref_aux) and len(ref_aux) == 2 * 4, (sorted(got["aux"]), sorted(ref_aux))
+    assert set(got["aux"]) == set(ref_aux) and len(ref_aux) == 2 * MOE_LAYERS[checkpoint], (sorted(got["aux"]), sorted(ref_aux))
     aux_diff = max(abs(got["aux"][k] - v) / abs(v) for k, v in ref_aux.items())
     diffs = relative_grad_diffs(got["grads"], ref_grads)
     print(f"{case}: max |logp| diff {logprob_diff:.2e}, aux loss rel {aux_diff:.2e}, grad rel {max(diffs.values()):.2e}")

@@ -27,6 +27,7 @@ LAYERS = {"qwen3": 2, "qwen3-moe": 4, "llama3": 2}
 
 # name: (checkpoint, processes, worker flags, tp, pp, cp, micro-batches, default suite)
 CASES = {
+    "qwen3_tp2": ("qwen3", 2, ["--tp", "2"], 2, 1, 1, "parallel", False),
     "qwen3_tp2_sp": ("qwen3", 2, ["--tp", "2", "--sp"], 2, 1, 1, "parallel", True),
     "qwen3_pp2": ("qwen3", 2, ["--pp", "2"], 1, 2, 1, "parallel", False),
     "qwen3_cp2": ("qwen3", 2, ["--cp", "2"], 1, 1, 2, "cp", False),

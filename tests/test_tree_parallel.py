@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from parallel_cases import (  # noqa: E402
-    MICRO_BATCHES, WORKER, aux_by_micro_batch, max_logprob_diff, micro_batch_weights, recorded_aux_losses,
-    relative_grad_diffs, torchrun,
+    MICRO_BATCHES, WORKER, aux_by_micro_batch, data_parallel_unshared, max_logprob_diff, micro_batch_weights,
+    rank_local_router_statistics, recorded_aux_losses, relative_grad_diffs, torchrun,
 )
 
 # name: (architecture, worker flags); every case runs on 2 processes
@@ -41,7 +41,10 @@ CASES = {
     "qwen3_tp2_sp": ("qwen3", ["--tp", "2", "--sp"]),
     "qwen3_cp2": ("qwen3", ["--cp", "2"]),
     "qwen3-moe_pp2": ("qwen3-moe", ["--pp", "2"]),
+    "qwen3-moe_ep2": ("qwen3-moe", ["--ep", "2"]),  # on `tree_ep` micro-batches
     "llama3_pp2": ("llama3", ["--pp", "2"]),
+    "llama3_tp2_sp": ("llama3", ["--tp", "2", "--sp"]),
+    "llama3_cp2": ("llama3", ["--cp", "2"]),
 }
 DEFAULT_SUITE = {"qwen2.5_cp2"}
 
@@ -71,8 +74,13 @@ def tree_reference(tmp_path_factory):
             with recorded_aux_losses() as records:
                 logprobs = logprob_pass(loaded, micro_batches, share=False, loss_weights=micro_batch_weights(micro_batches))
             grads = hf_named_gradients(loaded.bridge, loaded.model)
+            aux = aux_by_micro_batch(records)
+            if cases == "tree_ep" and rank_local_router_statistics(loaded):
+                # each DP rank's aux loss is that of its own subtrees (the split the worker's --tree run makes)
+                options = dict(min_shared=0, max_depth=None)
+                aux, grads = data_parallel_unshared(loaded, micro_batches, dp_size=2, tree_options=options)
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-            cache[(arch, cases)] = (path, dict(logprobs=logprobs, grads=grads, aux=aux_by_micro_batch(records)),
+            cache[(arch, cases)] = (path, dict(logprobs=logprobs, grads=grads, aux=aux),
                            [hf_logprobs(hf, mb) for mb in micro_batches])
         return cache[(arch, cases)]
 

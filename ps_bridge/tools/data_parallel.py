@@ -171,11 +171,15 @@ def dp_share(samples: Sequence[Sample], tree_options: Optional[dict] = None) -> 
     size = dist.get_world_size(group)
     if size == 1:
         return list(range(len(samples))), list(samples)
-    if tree_options is None:
-        indices = split_groups(samples, size)[rank]
-    else:
-        indices = split_subtrees(decide_tree(samples, "tree", **tree_options), size)[rank]
+    indices = dp_parts(samples, size, tree_options)[rank]
     return indices, [samples[i] for i in indices]
+
+
+def dp_parts(samples: Sequence[Sample], dp_size: int, tree_options: Optional[dict] = None) -> List[List[int]]:
+    """Every DP rank's sample indices (`dp_share`'s split, rank by rank)."""
+    if tree_options is None:
+        return split_groups(samples, dp_size)
+    return split_subtrees(decide_tree(samples, "tree", **tree_options), dp_size)
 
 
 def tree_options_of(config, share) -> Optional[dict]:
