@@ -39,21 +39,30 @@ from ps_bridge.verl.micro_batches import group_run_length  # noqa: E402
 TOL = 1e-5
 
 
-def _family_param(name, core=False):
+def _family_param(name, core=False, slow=False):
     """`core`: in the oldest stack's subset (verl's stock engine runs that family on a CPU; the
-    Qwen3.5 models on the oldest stack are the model tests' to check)."""
+    Qwen3.5 models on the oldest stack are the model tests' to check). `slow`: out of the default suite."""
     available = name in provider_names() and name in TINY_BUILDERS
     marks = [pytest.mark.skipif(not available, reason=f"the {name!r} provider or tiny builder is not registered on this branch")]
-    return pytest.param(name, marks=marks + ([pytest.mark.core] if core else []))
+    return pytest.param(name, marks=marks + ([pytest.mark.core] if core else []) + ([pytest.mark.slow] if slow else []))
 
 
+# Llama 3 runs the same standard-attention path as Qwen3 (providers/gpt.py): out of the default suite
 FAMILIES = [_family_param("qwen2.5", core=True), _family_param("qwen3.5"), _family_param("qwen3"),
-            _family_param("qwen3-moe")]
+            _family_param("qwen3-moe"), _family_param("llama3", slow=True)]
 # families whose stock Megatron-Bridge model runs on a CPU in verl's formats (with the reference core
 # attention; Qwen3: its q/k norms from the config); Qwen3.5's stock hybrid spec needs Transformer
 # Engine and fla's GPU kernels, Qwen3 MoE's stock alltoall dispatcher allocates CUDA streams
-STOCK_ENGINE_ON_CPU = {"qwen2.5", "qwen3"}
+STOCK_ENGINE_ON_CPU = {"qwen2.5", "qwen3", "llama3"}
 FORMATS = ["thd", "bshd"]
+
+
+# Megatron-Bridge's stock Llama bridge keeps megatron-core's fixed llama3 RoPE parameters
+# (rotary_pos_embedding.py `_apply_scaling`: original_max_position_embeddings 8192), so the checkpoint
+# compared with the stock engine has Llama 3's own values; ours honours any (tests/test_gpt_families.py)
+CHECKPOINT_OVERRIDES = {"llama3": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+                                                     "rope_theta": 10000.0})}
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +72,7 @@ def checkpoints(tmp_path_factory):
     def get(family):
         if family not in made:
             path = str(tmp_path_factory.mktemp(family.replace(".", "_")))
-            made[family] = (path, vt.tiny_checkpoint(path, family))
+            made[family] = (path, vt.tiny_checkpoint(path, family, **CHECKPOINT_OVERRIDES.get(family, {})))
         return made[family]
 
     return get

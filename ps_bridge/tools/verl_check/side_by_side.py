@@ -38,11 +38,12 @@ def save_tiny_tokenizer(path: str, vocab_size: int) -> None:
     fast.save_pretrained(path)
 
 
-def tiny_checkpoint(path: str, family: str = "qwen2.5", seed: int = 0):
-    """A tiny random HF checkpoint of `family` (ps_bridge.tools.tiny_checkpoints.TINY_BUILDERS) plus a tokenizer."""
+def tiny_checkpoint(path: str, family: str = "qwen2.5", seed: int = 0, **overrides):
+    """A tiny random HF checkpoint of `family` (ps_bridge.tools.tiny_checkpoints.TINY_BUILDERS, with its
+    config `overrides`) plus a tokenizer."""
     from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
 
-    hf_model = TINY_BUILDERS[family](path, seed=seed)
+    hf_model = TINY_BUILDERS[family](path, seed=seed, **overrides)
     save_tiny_tokenizer(path, hf_model.config.vocab_size)
     return hf_model
 
