@@ -59,8 +59,11 @@ def parallel_runs(tmp_path_factory):
     def checkpoint(family):
         if family not in hf:
             hf[family] = str(root / family.replace(".", "_"))
-            # Qwen2.5 with 3 layers: PP=2 splits them unevenly
-            model = TINY_BUILDERS[family](hf[family], seed=0, **({"num_hidden_layers": 3} if family == "qwen2.5" else {}))
+            # Qwen2.5 with 3 layers: PP=2 splits them unevenly. Qwen3: a vocabulary TP=2 divides, as the
+            # real one (151936) is: verl builds the model without Megatron-Bridge's vocabulary padding
+            # (should_pad_vocab), for the stock engine and ours alike
+            overrides = {"qwen2.5": {"num_hidden_layers": 3}, "qwen3": {"vocab_size": 256}, "qwen3-moe": {"vocab_size": 256}}
+            model = TINY_BUILDERS[family](hf[family], seed=0, **overrides.get(family, {}))
             save_tiny_tokenizer(hf[family], model.config.vocab_size)
         return hf[family]
 
