@@ -265,12 +265,25 @@ def system_prompt_samples(
     return samples
 
 
+def hf_image_inputs(hf_model, sample, ids) -> dict:
+    """The keyword arguments transformers' ConditionalGeneration forward takes for `sample`'s images
+    (`Sample.images`): pixel values, grids and the token types its mRoPE index reads; {} without."""
+    if not getattr(sample, "images", None):
+        return {}
+    image_token = hf_model.config.image_token_id
+    return dict(
+        pixel_values=torch.cat([span.image.pixel_values for span in sample.images]).to(hf_model.dtype),
+        image_grid_thw=torch.tensor([span.image.grid_thw for span in sample.images]),
+        mm_token_type_ids=(ids == image_token).int(),
+    )
+
+
 def hf_sample_logprobs(hf_model, samples) -> List[torch.Tensor]:
     """Hugging Face per-sequence log-probs of each response token (the unshared ground truth)."""
     out = []
     for s in samples:
         ids = torch.tensor([list(s.prompt) + list(s.response)])
-        logits = hf_model(ids).logits[0].float()
+        logits = hf_model(ids, **hf_image_inputs(hf_model, s, ids)).logits[0].float()
         lp = torch.log_softmax(logits, dim=-1)
         P = len(s.prompt)
         out.append(lp[P - 1 : -1].gather(1, ids[0, P:, None]).squeeze(1))
