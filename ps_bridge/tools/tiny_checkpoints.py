@@ -113,11 +113,25 @@ def build_tiny_qwen35(path: str, seed: int = 0, moe: bool = False, conditional: 
         config = VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
                           image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
         model = VLM(config).eval()
+        _save_tiny_image_processor(path, vision)
     else:
         model = LM(TextConfig(**text)).eval()
     _perturb_qwen35_norms(model, seed)
     model.save_pretrained(path)
     return model
+
+
+def _save_tiny_image_processor(path: str, vision: dict) -> None:
+    """The tiny vision tower's image processor (`preprocessor_config.json`, what `ps-bridge logprobs`
+    turns image files with): Qwen3.5's, at the tower's patch, temporal patch and merge sizes, for images
+    of 8x8 to 64x64 pixels."""
+    # imported here: transformers is heavy; its PIL form needs no torchvision
+    from transformers import Qwen2VLImageProcessorPil
+
+    Qwen2VLImageProcessorPil(
+        patch_size=vision["patch_size"], temporal_patch_size=vision["temporal_patch_size"],
+        merge_size=vision["spatial_merge_size"], size={"shortest_edge": 64, "longest_edge": 64 * 64},
+    ).save_pretrained(path)
 
 
 def build_tiny_qwen35_moe(path: str, seed: int = 0, **overrides):
