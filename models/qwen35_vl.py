@@ -66,7 +66,12 @@ class PrefixSharedQwen35VLModel(Qwen3VLModel):
         if images.merge != self.square_merge_size ** 0.5:
             raise ValueError(f"the batch's images were counted with spatial merge size {images.merge}, "
                              f"the model's vision tower merges {int(self.square_merge_size ** 0.5)}")
-        positions, rows, mrope = images.local(packed_seq_params.cp_shard)
+        if packed_seq_params.cp_shard is not None:
+            # megatron's THD RoPE under CP reads a rank's table rows in its load-balanced order
+            # (models/gpt_model.py, cp_rope_table); the mRoPE table is not reordered that way here
+            raise ValueError("image batches are not supported under context parallelism (context_parallel_size > 1) "
+                             "with prefix sharing; run them with CP=1 (TP, SP and PP are supported)")
+        positions, rows, mrope = images.local(None)
         # every placeholder of this rank's tokens is one the layout fills (one device->host sync)
         placeholders = torch.stack([(input_ids == self.image_token_id).sum(), (input_ids == self.video_token_id).sum()]).tolist()
         if placeholders != [positions.numel(), 0]:

@@ -21,33 +21,24 @@ vt.prepare_side_by_side()
 
 from qwen35_helpers import skip_where_vl_refused  # noqa: E402
 from ps_bridge.config import PrefixSharingConfig  # noqa: E402
-from ps_bridge.images import SampleImage, attach_images  # noqa: E402
+from image_cases import A, A2, B, C, image_tokens, with_images  # noqa: E402
 from ps_bridge.layout import Sample  # noqa: E402
 from ps_bridge.tools.tiny_checkpoints import hf_sample_logprobs  # noqa: E402
 from ps_bridge.verl.engine import PrefixSharedMegatronEngine  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
 
-IMAGE, VIDEO, START, END = 250, 251, 252, 253
-PATCH, MERGE = 96, 2
-
-
-def image(h, w, seed):
-    g = torch.Generator().manual_seed(seed)
-    return SampleImage.of(torch.randn(h * w, PATCH, generator=g), (1, h, w))
 
 
 def batch_samples(n=3):
     """Three prompts of n responses: two with equal tokens and different images, one with two images."""
-    a, a2, b, c = image(4, 6, 0), image(4, 6, 1), image(2, 4, 2), image(6, 2, 3)
-    run = lambda im: [START] + [IMAGE] * im.num_tokens(MERGE) + [END]  # noqa: E731
-    prompts = [([1, 2, 3] + run(a) + [7, 8], [a]), ([1, 2, 3] + run(a2) + [7, 8], [a2]),
-               ([1, 2, 3] + run(b) + [9] + run(c) + [10], [b, c])]
+    prompts = [([1, 2, 3] + image_tokens(A) + [7, 8], [A]), ([1, 2, 3] + image_tokens(A2) + [7, 8], [A2]),
+               ([1, 2, 3] + image_tokens(B) + [9] + image_tokens(C) + [10], [B, C])]
     samples = []
     for p, (tokens, images) in enumerate(prompts):
         for r in range(n):
             s = Sample(tokens, [20 + p, 30 + r, 40][: 1 + (r + p) % 3], uid=f"p{p}")
-            samples.append(attach_images(s, images, image_token_id=IMAGE, merge=MERGE, index=len(samples)))
+            samples.append(with_images(s, images, index=len(samples)))
     return samples
 
 

@@ -1,0 +1,55 @@
+"""Qwen3.5 ConditionalGeneration with image prompts under TP=2+SP and PP=2 on CPU (gloo, torchrun):
+the prefix-shared parallel run gives the log-probs and every HF-named gradient (the vision tower's
+included) of the single-rank unshared run, where the tower ran once per image of every sample.
+Context parallelism refuses image batches by name."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from parallel_cases import WORKER, max_logprob_diff, relative_grad_diffs, single_rank_unshared, torchrun  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+CONFIGS = {"tp2_sp": ["--tp", "2", "--sp"], "pp2": ["--pp", "2"]}
+
+
+@pytest.fixture(scope="module")
+def vl_case(tmp_path_factory):
+    from qwen35_helpers import skip_where_vl_refused
+    from ps_bridge.config import PrefixSharingConfig
+    from ps_bridge.tools.runtime import load_model
+    from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
+
+    skip_where_vl_refused()
+    path = str(tmp_path_factory.mktemp("q35vl"))
+    TINY_BUILDERS["qwen3.5-vl"](path)
+    return path, single_rank_unshared(load_model(path, PrefixSharingConfig(enabled=True)), cases="images")
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_image_batches_parallel_equal_single_rank_unshared(config, vl_case, tmp_path):
+    path, ref = vl_case
+    out = tmp_path / "result.pt"
+    proc = torchrun(2, [WORKER, "--hf-path", path, "--out", str(out), "--cases", "images", *CONFIGS[config]], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = torch.load(out)
+    grads = relative_grad_diffs(got["grads"], ref["grads"])
+    vision = {n: d for n, d in grads.items() if ".visual." in n}
+    print(f"{config}: max |logp| diff {max_logprob_diff(got['logprobs'], ref['logprobs']):.2e}, "
+          f"max relative grad diff {max(grads.values()):.2e} (vision tower {max(vision.values()):.2e})")
+    assert vision and any("merger" in n for n in vision)
+    assert max_logprob_diff(got["logprobs"], ref["logprobs"]) <= 2e-5
+    assert max_logprob_diff(got["forward_only"], ref["logprobs"]) <= 2e-5
+    assert max(grads.values()) <= 1e-5, {n: d for n, d in grads.items() if d > 1e-5}
+    assert "[PS][prepare] PATH 6: sharing detected" in proc.stderr and "images=" in proc.stderr
+
+
+def test_image_batches_refused_under_context_parallelism(vl_case, tmp_path):
+    path, _ = vl_case
+    proc = torchrun(2, [WORKER, "--hf-path", path, "--out", str(tmp_path / "r.pt"), "--cases", "images", "--cp", "2"], timeout=600)
+    assert proc.returncode != 0
+    assert "image batches are not supported under context parallelism" in proc.stderr, proc.stderr[-3000:]
