@@ -25,7 +25,7 @@ from megatron.core import tensor_parallel
 from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model import Qwen3VLModel
 from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.text_model import Qwen3VLGPTModel
 
-from ps_bridge.models.gpt_model import SelectedOutputsMixin
+from ps_bridge.models.gpt_model import SelectedOutputsMixin, cp_rope_table
 from ps_bridge.models.packed_seq import require_prefix_layout
 
 IMAGES_REFUSED = (
@@ -66,12 +66,13 @@ class PrefixSharedQwen35VLModel(Qwen3VLModel):
         if images.merge != self.square_merge_size ** 0.5:
             raise ValueError(f"the batch's images were counted with spatial merge size {images.merge}, "
                              f"the model's vision tower merges {int(self.square_merge_size ** 0.5)}")
+        # this rank's tokens (its CP shard): their image positions and the tower rows they take
+        positions, rows, _ = images.local(packed_seq_params.cp_shard)
+        # the whole pack's mRoPE positions: under CP megatron's THD RoPE reads each rank's rows of the table
+        # in its load-balanced order, so they are placed there (cp_rope_table, as PrefixSharedGPTModel does)
+        mrope = images.mrope
         if packed_seq_params.cp_shard is not None:
-            # megatron's THD RoPE under CP reads a rank's table rows in its load-balanced order
-            # (models/gpt_model.py, cp_rope_table); the mRoPE table is not reordered that way here
-            raise ValueError("image batches are not supported under context parallelism (context_parallel_size > 1) "
-                             "with prefix sharing; run them with CP=1 (TP, SP and PP are supported)")
-        positions, rows, mrope = images.local(None)
+            mrope = cp_rope_table(mrope.t(), self.config.context_parallel_size).t()
         # every placeholder of this rank's tokens is one the layout fills (one device->host sync)
         placeholders = torch.stack([(input_ids == self.image_token_id).sum(), (input_ids == self.video_token_id).sum()]).tolist()
         if placeholders != [positions.numel(), 0]:

@@ -14,7 +14,7 @@ from parallel_cases import WORKER, max_logprob_diff, relative_grad_diffs, single
 
 pytestmark = pytest.mark.slow
 
-CONFIGS = {"tp2_sp": ["--tp", "2", "--sp"], "pp2": ["--pp", "2"]}
+CONFIGS = {"tp2_sp": ["--tp", "2", "--sp"], "pp2": ["--pp", "2"], "cp2": ["--cp", "2"]}
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +47,3 @@ def test_image_batches_parallel_equal_single_rank_unshared(config, vl_case, tmp_
     assert max(grads.values()) <= 1e-5, {n: d for n, d in grads.items() if d > 1e-5}
     assert "[PS][prepare] PATH 6: sharing detected" in proc.stderr and "images=" in proc.stderr
 
-
-def test_image_batches_refused_under_context_parallelism(vl_case, tmp_path):
-    path, _ = vl_case
-    proc = torchrun(2, [WORKER, "--hf-path", path, "--out", str(tmp_path / "r.pt"), "--cases", "images", "--cp", "2"], timeout=600)
-    assert proc.returncode != 0
-    assert "image batches are not supported under context parallelism" in proc.stderr, proc.stderr[-3000:]
