@@ -79,3 +79,24 @@ def test_image_batch_logprobs_equal_hf_and_unshared(setup, batching, caplog):
         ref = hf_sample_logprobs(hf, samples)
     for got in (shared, unshared):
         assert max((got[i, : len(r)] - r).abs().max().item() for i, r in enumerate(ref)) <= 2e-5
+
+
+def test_image_batch_policy_loss_gradients_equal_unshared(setup, tmp_path_factory):
+    """A PPO loss's gradients through the engine (forward_backward_batch), vision tower included, with
+    the images shared and unshared."""
+    from test_verl_engine import grads_after_backward  # the engine tests' PPO loss and gradient read-out
+
+    hf, _ = setup
+    path = str(tmp_path_factory.mktemp("q35vl_train"))
+    vt.tiny_checkpoint(path, "qwen3.5-vl")
+    engine = vt.build_engine(PrefixSharedMegatronEngine, path, use_remove_padding=True, forward_only=False)
+    samples = batch_samples()
+    grads = {}
+    for name, config in (("shared", PrefixSharingConfig(enabled=True)), ("unshared", PrefixSharingConfig(enabled=False))):
+        engine.prefix_sharing_config = config
+        grads[name] = grads_after_backward(engine, with_multi_modal_inputs(vt.grpo_micro_batch(samples, micro_batch_size=9), samples))
+    ref = grads["unshared"]
+    vision = [n for n in ref if "vision_model" in n and ref[n].abs().max() > 0]
+    assert any("merger" in n for n in vision), sorted(ref)
+    worst = max(((grads["shared"][n] - ref[n]).abs().max() / ref[n].abs().max().clamp(min=1e-12)).item() for n in ref)
+    assert worst <= 1e-5, worst
