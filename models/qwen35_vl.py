@@ -51,8 +51,11 @@ class PrefixSharedQwen35VLModel(Qwen3VLModel):
         special = torch.tensor([self.image_token_id, self.video_token_id], device=input_ids.device)
         if torch.isin(input_ids, special).any():
             raise ValueError(IMAGES_REFUSED.format(what="image/video placeholder tokens without images"))
-        # mRoPE at equal (t, h, w) positions == RoPE at the layout's per-token positions
+        # mRoPE at equal (t, h, w) positions == RoPE at the layout's per-token positions; under CP the whole
+        # pack's, in the order megatron's CP RoPE reads each rank's rows (cp_rope_table)
         positions = layout.positions.to(input_ids.device)
+        if packed_seq_params.cp_shard is not None:
+            positions = cp_rope_table(positions, self.config.context_parallel_size)
         mrope_positions = positions.view(1, 1, -1).expand(3, 1, -1).contiguous()
         return super().forward(
             input_ids, mrope_positions, None, *args, packed_seq_params=packed_seq_params, **kwargs

@@ -1,7 +1,7 @@
-"""Qwen3.5 ConditionalGeneration with image prompts under TP=2+SP and PP=2 on CPU (gloo, torchrun):
+"""Qwen3.5 ConditionalGeneration with image prompts under TP=2+SP, PP=2 and CP=2 on CPU (gloo, torchrun):
 the prefix-shared parallel run gives the log-probs and every HF-named gradient (the vision tower's
 included) of the single-rank unshared run, where the tower ran once per image of every sample.
-Context parallelism refuses image batches by name."""
+The model's text-only path at CP=2 as well."""
 
 import os
 import sys
@@ -27,16 +27,22 @@ def vl_case(tmp_path_factory):
     skip_where_vl_refused()
     path = str(tmp_path_factory.mktemp("q35vl"))
     TINY_BUILDERS["qwen3.5-vl"](path)
-    return path, single_rank_unshared(load_model(path, PrefixSharingConfig(enabled=True)), cases="images")
+    loaded = load_model(path, PrefixSharingConfig(enabled=True))
+    return path, {cases: single_rank_unshared(loaded, cases=cases) for cases in ("images", "ep")}
+
+
+def parallel_run(path, flags, cases, tmp_path):
+    out = tmp_path / "result.pt"
+    proc = torchrun(2, [WORKER, "--hf-path", path, "--out", str(out), "--cases", cases, *flags], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc, torch.load(out)
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_image_batches_parallel_equal_single_rank_unshared(config, vl_case, tmp_path):
-    path, ref = vl_case
-    out = tmp_path / "result.pt"
-    proc = torchrun(2, [WORKER, "--hf-path", path, "--out", str(out), "--cases", "images", *CONFIGS[config]], timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = torch.load(out)
+    path, refs = vl_case
+    ref = refs["images"]
+    proc, got = parallel_run(path, CONFIGS[config], "images", tmp_path)
     grads = relative_grad_diffs(got["grads"], ref["grads"])
     vision = {n: d for n, d in grads.items() if ".visual." in n}
     print(f"{config}: max |logp| diff {max_logprob_diff(got['logprobs'], ref['logprobs']):.2e}, "
@@ -47,3 +53,12 @@ def test_image_batches_parallel_equal_single_rank_unshared(config, vl_case, tmp_
     assert max(grads.values()) <= 1e-5, {n: d for n, d in grads.items() if d > 1e-5}
     assert "[PS][prepare] PATH 6: sharing detected" in proc.stderr and "images=" in proc.stderr
 
+
+def test_text_batches_of_the_vl_model_under_context_parallelism(vl_case, tmp_path):
+    """The ConditionalGeneration model's text-only path at CP=2 (its mRoPE rows equal, in megatron's
+    CP order) equals the single-rank unshared run."""
+    path, refs = vl_case
+    _, got = parallel_run(path, ["--cp", "2"], "ep", tmp_path)
+    assert max_logprob_diff(got["logprobs"], refs["ep"]["logprobs"]) <= 2e-5
+    grads = relative_grad_diffs(got["grads"], refs["ep"]["grads"])
+    assert max(d for n, d in grads.items() if ".visual." not in n) <= 1e-5
