@@ -35,14 +35,16 @@ def samples_with_image_files(samples: Sequence, image_paths: Sequence[Optional[L
     """`samples` with the images of `image_paths` (per sample, files relative to `base`) placed at
     their image placeholders; a missing file or a placeholder count that does not match is refused
     with one line naming the sample."""
-    # imported here: Pillow comes with transformers' image processors
-    from PIL import Image
-
     image_token = hf_config.get("image_token_id")
     vision = hf_config.get("vision_config") or {}
     if image_token is None or "spatial_merge_size" not in vision:
         raise ValueError(f"the batch has images but {hf_path} is not a vision-language checkpoint (no image_token_id)")
     processor = image_processor(hf_path) if any(image_paths) else None
+    if processor is not None:
+        try:
+            from PIL import Image  # imported here: Pillow is needed only to read image files
+        except ImportError:
+            raise ValueError("the batch has image files: reading them needs Pillow (pip install pillow)") from None
     out = []
     for i, (sample, paths) in enumerate(zip(samples, image_paths)):
         images = []
