@@ -103,6 +103,7 @@ class PrefixSharedQwen35VLProviderMixin(PrefixSharingProviderBase):
         # only forward() differs and it adds no state: re-class the stock-built model; its language
         # model's output layer runs on the read positions only (adds no state either)
         model.__class__ = PrefixSharedQwen35VLModel
+        compat_megatron_bridge.exact_gelu_merger(model)
         if model.language_model is not None:
             model.language_model.__class__ = PrefixSharedQwen3VLGPTModel
         return model

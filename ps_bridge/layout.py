@@ -52,6 +52,7 @@ from typing import Hashable, List, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from ps_bridge.images import has_images, image_signature, pack_images, prompt_image_signature, sharing_keys
 from ps_bridge.packed_layout import PackedPrefixLayout, Sample, cumulative_offsets  # noqa: F401 (re-exported)
 from ps_bridge.tree.decide import PrefixTree, prompt_tree, token_trie, unshared_tree
 from ps_bridge.tree.materialize import materialize
@@ -163,11 +164,14 @@ def find_groups(samples: Sequence[Sample], classes: Optional[Sequence[Hashable]]
 
     A `uid` never decides: two samples with equal uid but different prompts are different groups
     (verl's uid marks a prompt, but after truncation or templating the tokens are what count).
+    Prompts with images are identical only where their images are too (`images.prompt_image_signature`).
     """
     by_prompt: dict = {}
     groups: List[List[int]] = []
     for i, s in enumerate(samples):
         key = tuple(s.prompt) if classes is None else (classes[i], tuple(s.prompt))
+        if s.images:
+            key = (key, prompt_image_signature(s))
         if key not in by_prompt:
             by_prompt[key] = len(groups)
             groups.append([])
@@ -202,8 +206,9 @@ def _tree_of_sequences(
         groups = find_groups(samples, share_classes)
         return prompt_tree(groups, prompt_lengths.tolist(), lengths.tolist())
     if share == "tree":
+        # image placeholders compared by their images (`images.sharing_keys`), not by their ids
         return token_trie(
-            flat, offsets, classes=share_classes, max_depth=max_depth,
+            sharing_keys(samples, flat, offsets), offsets, classes=share_classes, max_depth=max_depth,
             min_shared=DEFAULT_MIN_SHARED if min_shared is None else min_shared,
         )
     raise ValueError(f"share must be True, False, 'prompt' or 'tree', got {share!r}")
@@ -229,6 +234,7 @@ def decide_tree(
         min_shared=min_shared, max_depth=max_depth, share_classes=share_classes,
     )
     tree.sequences = (flat, offsets, prompt_lengths)  # build_layout(tree=...) packs these, not flattened again
+    tree.images = tuple(map(image_signature, samples)) if has_images(samples) else None
     return tree
 
 
@@ -305,11 +311,16 @@ def build_layout(
         flat, offsets, prompt_lengths = _given_tree_sequences(samples, tree, vocab_size)
     if order is None:
         order = pack_order(tree)
-    return materialize(
+    layout = materialize(
         flat, offsets, prompt_lengths, tree, order,
         shared=share is not False, pad_multiple=pad_multiple, total_multiple=total_multiple,
         pad_token_id=pad_token_id, prompt_values=prompt_values, vocab_size=vocab_size,
     )
+    if has_images(samples):
+        # an unshared pack runs the vision tower once per image run, as the stock model does
+        layout.images = pack_images(samples, offsets, layout.host["token_source"], layout.positions.numpy(),
+                                    dedupe=share is not False)
+    return layout
 
 
 def samples_from_padded(

@@ -27,6 +27,9 @@ class Sample:
     prompt: List[int]
     response: List[int]
     uid: Optional[str] = None
+    # the images behind the sequence's image placeholder runs (`ps_bridge.images.ImageSpan`s, in order;
+    # `images.attach_images` places them): sharing compares them, the model runs them
+    images: Optional[tuple] = None
 
 
 @dataclass
@@ -90,6 +93,9 @@ class PackedPrefixLayout:
     segment_level: Optional[torch.Tensor] = None
     segment_tin: Optional[torch.Tensor] = None
     segment_tout: Optional[torch.Tensor] = None
+    # the images of the pack (`ps_bridge.images.PackedImages`: the vision tower's inputs, where their
+    # embeddings go, every token's mRoPE position); None for text-only samples
+    images: Optional[object] = None
 
     # ---- sizes ---------------------------------------------------------------------------
     @property
@@ -165,6 +171,8 @@ class PackedPrefixLayout:
         moved = {}
         for name, value in self.__dict__.items():
             moved[name] = to_device(value, device) if isinstance(value, torch.Tensor) else value
+        if self.images is not None:
+            moved["images"] = self.images.to(device)
         return PackedPrefixLayout(**moved)
 
     def cp_shard(self, cp_rank: int, cp_size: int) -> slice:
@@ -219,4 +227,5 @@ class PackedPrefixLayout:
             f"samples={self.num_samples}, tokens_unshared={self.tokens_unshared}, "
             f"tokens_shared={self.tokens_shared}, depth={self.tree_depth}, nodes={self.num_segments}, "
             f"trie_tokens={self.tokens_shared}"
+            + ("" if self.images is None else f", {self.images.describe()}")
         )

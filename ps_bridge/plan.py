@@ -22,6 +22,7 @@ from typing import Hashable, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ps_bridge.images import has_images, image_signature
 from ps_bridge.layout import SHARE_MODES, SampleBatch, decide_tree
 from ps_bridge.tree.decide import PrefixTree
 from ps_bridge.tree.order import PackOrder, pack_order
@@ -72,6 +73,10 @@ class SharingPlan:
             return False
         if samples is self.samples:
             return True
+        # equal placeholder tokens of different images: another tree (ps_bridge.images)
+        images = tuple(map(image_signature, samples)) if has_images(samples) else None
+        if images != self.tree.images:
+            return False
         mine = self.tree.sequences
         theirs = samples.sequences() if isinstance(samples, SampleBatch) else None
         return mine is not None and theirs is not None and all(np.array_equal(a, b) for a, b in zip(mine, theirs))

@@ -85,8 +85,14 @@ def tree_ep_micro_batches() -> List[List[Sample]]:
     return tree_micro_batches() + [tree_samples(2) + other]
 
 
+def image_micro_batches() -> List[List[Sample]]:
+    from image_cases import image_micro_batches
+
+    return image_micro_batches()
+
+
 MICRO_BATCHES = {"parallel": parallel_micro_batches, "cp": cp_micro_batches, "ep": ep_micro_batches,
-                 "tree": tree_micro_batches, "tree_ep": tree_ep_micro_batches}
+                 "tree": tree_micro_batches, "tree_ep": tree_ep_micro_batches, "images": image_micro_batches}
 
 
 def micro_batch_weights(micro_batches) -> List[List[torch.Tensor]]:

@@ -68,6 +68,7 @@ def main() -> None:
     model = loaded.model
     while hasattr(model, "module"):
         model = model.module
+    model = getattr(model, "language_model", model)  # a vision-language model's output layer is its language model's
     if model.post_process:
         model.output_layer.register_forward_hook(lambda module, inputs, output: output_rows.append(int(inputs[0].shape[0])))
     loaded.model.zero_grad(set_to_none=True)

@@ -234,7 +234,7 @@ def test_verbose_flag_is_seen_before_the_command():
 
 def test_qwen35_vl_checkpoint_through_the_cli(tmp_path, capsys):
     """An official-style Qwen3.5 ConditionalGeneration checkpoint: text batches give HF's log-probs,
-    a batch with an image placeholder token is refused with a one-line error. Skipped where the VL
+    an image placeholder token without an image is refused with a one-line error naming the sample. Skipped where the VL
     model is refused (Megatron-Bridge < 0.6.0)."""
     from qwen35_helpers import skip_where_vl_refused
     from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
@@ -260,6 +260,50 @@ def test_qwen35_vl_checkpoint_through_the_cli(tmp_path, capsys):
             assert max(abs(a - b) for a, b in zip(row["logprobs"], ref.tolist())) <= 1e-5
     capsys.readouterr()
     image = tmp_path / "image.json"
-    image.write_text(json.dumps({"samples": [{"prompt": [1, image_token, 3], "response": [5]}]}))
+    image.write_text(json.dumps({"samples": [{"prompt": [1, 2], "response": [5]}, {"prompt": [1, image_token, 3], "response": [5]}]}))
     err = run_error(capsys, ["logprobs", "--hf-path", str(ckpt), "--batch", str(image), "--out", str(out)])
-    assert "text-only batches" in err
+    assert "sample 1: 1 image placeholder run(s) (token id 250) for 0 image(s)" in err and "Traceback" not in err
+
+
+def test_qwen35_vl_image_prompts_through_the_cli(tmp_path, capsys):
+    """Image files in the batch: the checkpoint's image processor gives their pixels, the CLI's
+    prefix-shared log-probs (two prompts of equal tokens and different images, two responses each)
+    equal transformers'; a sample whose placeholders do not match its images is refused naming it."""
+    import numpy as np
+    from PIL import Image
+
+    from qwen35_helpers import skip_where_vl_refused
+    from ps_bridge.images import SampleImage, attach_images
+    from ps_bridge.layout import Sample
+    from ps_bridge.tools.image_files import image_processor
+    from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS, hf_sample_logprobs
+
+    skip_where_vl_refused()
+    ckpt = tmp_path / "q35vl"
+    hf_model = TINY_BUILDERS["qwen3.5-vl"](str(ckpt))
+    cfg = hf_model.config
+    rng = np.random.default_rng(0)
+    for name in ("a.png", "b.png"):  # 16 x 24 pixels: a 4 x 6 patch grid, 6 placeholders after the 2 x 2 merge
+        Image.fromarray((rng.random((16, 24, 3)) * 255).astype("uint8")).save(tmp_path / name)
+    prompt = [1, 2, cfg.vision_start_token_id] + [cfg.image_token_id] * 6 + [cfg.vision_end_token_id, 7]
+    batch = {"samples": [{"prompt": prompt, "response": r, "images": [f]} for f in ("a.png", "b.png") for r in ([5, 6], [8])]}
+    (tmp_path / "batch.json").write_text(json.dumps(batch))
+    out = tmp_path / "out.json"
+    args = ["logprobs", "--hf-path", str(ckpt), "--batch", str(tmp_path / "batch.json"), "--out", str(out), "--sharing", "on"]
+    assert main(args) == 0
+    got = json.loads(out.read_text())
+    assert got["groups"] == 2 and got["shared_path"]  # equal tokens, different images: two groups
+    processor = image_processor(str(ckpt))
+    samples = []
+    for i, s in enumerate(batch["samples"]):
+        values = processor(images=[Image.open(tmp_path / s["images"][0]).convert("RGB")], return_tensors="pt")
+        im = SampleImage.of(values["pixel_values"], values["image_grid_thw"][0])
+        samples.append(attach_images(Sample(s["prompt"], s["response"]), [im], image_token_id=cfg.image_token_id, merge=2, index=i))
+    with torch.no_grad():
+        ref = hf_sample_logprobs(hf_model, samples)
+    assert max(max(abs(a - b) for a, b in zip(row["logprobs"], r.tolist())) for row, r in zip(got["samples"], ref)) <= 2e-5
+    capsys.readouterr()
+    batch["samples"][2]["images"] = ["a.png", "b.png"]
+    (tmp_path / "bad.json").write_text(json.dumps(batch))
+    err = run_error(capsys, ["logprobs", "--hf-path", str(ckpt), "--batch", str(tmp_path / "bad.json"), "--out", str(out)])
+    assert err.strip().splitlines()[-1].endswith("sample 2: 1 image placeholder run(s) (token id 250) for 2 image(s)"), err

@@ -54,6 +54,7 @@ IMPORTED = {
     "torch": "stack", "megatron": "stack (megatron-core, Megatron-Bridge)", "transformers": "stack",
     "tokenizers": "stack (transformers)", "fla": "stack (fla-core)", "triton": "stack (torch, CUDA)",
     "flash_attn": "optional (flash-attn)", "torch_npu": "optional (NPU)",
+    "PIL": "optional (Pillow: image files in a `ps-bridge logprobs` batch)",
     "verl": "stack (verl)", "tensordict": "stack (verl)", "omegaconf": "stack (verl, Megatron-Bridge)",
     "einops": "stack (megatron-core, verl)", "safetensors": "stack (transformers)",
     "pyarrow": "stack (verl: its datasets read parquet; the grpo job writes it)",

@@ -124,7 +124,7 @@ def test_conditional_generation_refuses_images(tiny):
     samples = [Sample([5, image_token, 7], [8, 9]), Sample([5, image_token, 7], [3])]
     layout = layout_for(loaded, samples, share=True)
     params = PrefixSharedPackedSeqParams.from_layout(layout)
-    with pytest.raises(ValueError, match="text-only batches"):
+    with pytest.raises(ValueError, match="image/video placeholder tokens without images"):
         loaded.model(input_ids=layout.tokens[None], position_ids=None, attention_mask=None, packed_seq_params=params)
     text = layout_for(loaded, samples_for(loaded, num_prompts=1, n=2), share=True)
     with pytest.raises(ValueError, match="pixel_values"):

@@ -23,6 +23,12 @@
   high_freq_factor=4, original_max_position_embeddings=8192; a checkpoint with other values gets other
   frequencies than Hugging Face's. `llama3_rope_parameters` keeps the checkpoint's, `llama3_inv_freq`
   computes the frequencies from them (the standard provider sets them on the model).
+- The Qwen3.5 vision tower's patch merger: 0.6.2's `Qwen3VLVisionPatchMerger`
+  (megatron/bridge/models/qwen_vl/modelling_qwen3_vl/utils.py:154) takes the tower's activation,
+  tanh-approximated GELU, where transformers' `Qwen3_5VisionPatchMerger`
+  (transformers/models/qwen3_5/modeling_qwen3_5.py:882, 5.10) applies exact `nn.GELU()`: image
+  embeddings 6e-5 relative off Hugging Face's, vision-tower gradients 1e-4 (float64 too).
+  `exact_gelu_merger` gives the built model's merger the exact GELU.
 """
 
 from __future__ import annotations
@@ -193,3 +199,14 @@ def experts_as_stored(registry, hf_pretrained):
             m = AutoMapping(megatron_param=m.megatron_param, hf_param=f"{hf[: -len('down_proj')]}*.down_proj.weight")
         mappings.append(m)
     return MegatronMappingRegistry(*mappings)
+
+
+def exact_gelu_merger(model) -> None:
+    """The patch merger of a built Qwen3.5 `Qwen3VLModel`'s vision tower with exact GELU, as
+    transformers' (see the module docstring); a model without a vision tower is left as it is."""
+    import torch.nn.functional as F  # torch is loaded by now; this module otherwise needs only metadata
+
+    vision = getattr(model, "vision_model", None)
+    merger = getattr(vision, "merger", None)
+    if merger is not None:
+        merger.activation_func = F.gelu

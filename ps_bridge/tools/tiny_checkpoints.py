@@ -113,11 +113,25 @@ def build_tiny_qwen35(path: str, seed: int = 0, moe: bool = False, conditional: 
         config = VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
                           image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
         model = VLM(config).eval()
+        _save_tiny_image_processor(path, vision)
     else:
         model = LM(TextConfig(**text)).eval()
     _perturb_qwen35_norms(model, seed)
     model.save_pretrained(path)
     return model
+
+
+def _save_tiny_image_processor(path: str, vision: dict) -> None:
+    """The tiny vision tower's image processor (`preprocessor_config.json`, what `ps-bridge logprobs`
+    turns image files with): Qwen3.5's, at the tower's patch, temporal patch and merge sizes, for images
+    of 8x8 to 64x64 pixels."""
+    # imported here: transformers is heavy; its PIL form needs no torchvision
+    from transformers import Qwen2VLImageProcessorPil
+
+    Qwen2VLImageProcessorPil(
+        patch_size=vision["patch_size"], temporal_patch_size=vision["temporal_patch_size"],
+        merge_size=vision["spatial_merge_size"], size={"shortest_edge": 64, "longest_edge": 64 * 64},
+    ).save_pretrained(path)
 
 
 def build_tiny_qwen35_moe(path: str, seed: int = 0, **overrides):
@@ -265,12 +279,25 @@ def system_prompt_samples(
     return samples
 
 
+def hf_image_inputs(hf_model, sample, ids) -> dict:
+    """The keyword arguments transformers' ConditionalGeneration forward takes for `sample`'s images
+    (`Sample.images`): pixel values, grids and the token types its mRoPE index reads; {} without."""
+    if not getattr(sample, "images", None):
+        return {}
+    image_token = hf_model.config.image_token_id
+    return dict(
+        pixel_values=torch.cat([span.image.pixel_values for span in sample.images]).to(hf_model.dtype),
+        image_grid_thw=torch.tensor([span.image.grid_thw for span in sample.images]),
+        mm_token_type_ids=(ids == image_token).int(),
+    )
+
+
 def hf_sample_logprobs(hf_model, samples) -> List[torch.Tensor]:
     """Hugging Face per-sequence log-probs of each response token (the unshared ground truth)."""
     out = []
     for s in samples:
         ids = torch.tensor([list(s.prompt) + list(s.response)])
-        logits = hf_model(ids).logits[0].float()
+        logits = hf_model(ids, **hf_image_inputs(hf_model, s, ids)).logits[0].float()
         lp = torch.log_softmax(logits, dim=-1)
         P = len(s.prompt)
         out.append(lp[P - 1 : -1].gather(1, ids[0, P:, None]).squeeze(1))

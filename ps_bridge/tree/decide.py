@@ -41,6 +41,8 @@ class PrefixTree:
     # the samples' flattened sequences (flat tokens, offsets [B + 1], prompt lengths [B]) when the
     # tree was decided from samples (`layout.decide_tree`): the layout packs them without flattening again
     sequences: Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default=None, repr=False, compare=False)
+    # each sample's images (`images.image_signature`) when it was decided from samples with images
+    images: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     @property
     def num_nodes(self) -> int:

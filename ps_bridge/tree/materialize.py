@@ -68,7 +68,9 @@ def materialize(
     positions = start[segment] + within
     valid = within < (end - start)[segment]
     tokens = np.full(segment.size, pad_token_id, dtype=np.int64)
-    tokens[valid] = flat[(offsets[owner] + start)[segment[valid]] + within[valid]]
+    token_source = np.full(segment.size, -1, dtype=np.int64)  # flat index of each token (-1: padding)
+    token_source[valid] = (offsets[owner] + start)[segment[valid]] + within[valid]
+    tokens[valid] = flat[token_source[valid]]
 
     # each segment's root (parents come in earlier levels)
     root = np.arange(N, dtype=np.int64)
@@ -126,6 +128,7 @@ def materialize(
         segment_level=level_list,
         level_offsets=list(order.level_offsets),
         depth=order.depth,
+        token_source=token_source,
     )
     return PackedPrefixLayout(
         tokens=as_long(tokens),

@@ -1,4 +1,4 @@
-"""verl's batch as our samples: each sample's own tokens, its uid, its sampling temperature.
+"""verl's batch as our samples: each sample's own tokens, its images, its uid, its sampling temperature.
 
 What the forward step packs and what the micro-batching counts are read from a verl TensorDict
 (no-padding format: nested `input_ids`, left-padded or nested `prompts`) by these functions only.
@@ -11,7 +11,11 @@ from typing import List, Optional
 import numpy as np
 import torch
 
+from ps_bridge.images import SampleImage, attach_images
 from ps_bridge.layout import Sample, SampleBatch
+
+# what a sample's `multi_modal_inputs` entry may carry with prefix sharing (the image processor's outputs)
+IMAGE_KEYS = ("pixel_values", "image_grid_thw")
 
 
 def uid_list(batch) -> Optional[list]:
@@ -63,3 +67,83 @@ def temperature_classes(temperature: torch.Tensor) -> Optional[List[float]]:
     samples of different temperatures never share a position)."""
     values = temperature.tolist()
     return None if len(set(values)) <= 1 else values
+
+
+# the non-tensor key under which the engine hands a batch its model's vision settings (`mark_vision`)
+VISION_KEY = "ps_bridge_vision"
+
+
+def has_multi_modal_inputs(batch) -> bool:
+    """verl's trainer hands text-only batches a `multi_modal_inputs` entry too (one empty dict per sample):
+    what counts is whether verl's own extraction finds any input in it."""
+    entries = batch.get("multi_modal_inputs", None)
+    if entries is None:
+        return False
+    from verl.utils.model import extract_multi_modal_inputs  # verl: the engine's host, imported in its workers
+
+    return bool(extract_multi_modal_inputs(entries))
+
+
+def mark_vision(data, hf_config) -> None:
+    """Hand `data` the model's image settings, so that what reads its samples without the engine (the
+    micro-batcher's plan) places the images as the forward step does (`samples_of`)."""
+    from verl.utils import tensordict_utils as tu  # verl: the engine's host, imported in its workers
+
+    if getattr(hf_config, "image_token_id", None) is not None:
+        tu.assign_non_tensor_data(data, VISION_KEY, hf_config)
+
+
+def samples_of(batch, hf_config=None) -> SampleBatch:
+    """The micro-batch's samples (`samples_from_micro_batch`) with their images where it carries any
+    (`samples_with_images`; `hf_config`: the model's, else the one `mark_vision` left on the batch)."""
+    samples = samples_from_micro_batch(batch)
+    if not has_multi_modal_inputs(batch):
+        return samples
+    from verl.utils import tensordict_utils as tu  # verl: the engine's host, imported in its workers
+
+    config = hf_config if hf_config is not None else tu.get_non_tensor_data(batch, key=VISION_KEY, default=None)
+    return samples_with_images(samples, batch.get("multi_modal_inputs"), config)
+
+
+def _entry(value) -> dict:
+    """One sample's `multi_modal_inputs` entry as a dict (verl keeps it as NonTensorData or a dict; None: text)."""
+    value = getattr(value, "data", value)
+    return {} if value is None else {k: v for k, v in dict(value).items() if v is not None}
+
+
+def samples_with_images(samples: SampleBatch, entries, hf_config) -> SampleBatch:
+    """`samples` with the images of verl's per-sample `multi_modal_inputs` entries (`pixel_values`
+    `[patches, C*T*P*P]` of the sample's images, `image_grid_thw` `[images, 3]`) placed at their image
+    placeholder runs (`images.attach_images`: a count that does not match is refused naming the
+    sample). Any other key (videos: `pixel_values_videos`, `video_grid_thw`) is refused by name."""
+    entries = [_entry(e) for e in entries]
+    if len(entries) != len(samples):
+        raise ValueError(f"multi_modal_inputs has {len(entries)} entries for {len(samples)} samples")
+    image_token = getattr(hf_config, "image_token_id", None)
+    vision = getattr(hf_config, "vision_config", None)
+    if image_token is None or vision is None:
+        raise ValueError("the batch carries multi_modal_inputs but the model has no vision tower (no image_token_id)")
+    merge = int(vision.spatial_merge_size)
+    out = []
+    for i, (sample, entry) in enumerate(zip(samples, entries)):
+        other = sorted(set(entry) - set(IMAGE_KEYS))
+        if other:
+            raise ValueError(f"sample {i}: multi_modal_inputs key(s) {other} are not supported with prefix sharing "
+                             "(images only: pixel_values, image_grid_thw)")
+        images = []
+        if entry:
+            grids = torch.as_tensor(entry["image_grid_thw"]).reshape(-1, 3)
+            pixels = torch.split(entry["pixel_values"], grids.prod(-1).tolist())
+            images = [SampleImage.of(p, g) for p, g in zip(pixels, grids)]
+        out.append(attach_images(sample, images, image_token_id=image_token, merge=merge,
+                                 video_token_id=getattr(hf_config, "video_token_id", None), index=i))
+    given = samples.sequences()
+    if given is None:
+        return SampleBatch(out, *_flat_of(out))
+    return SampleBatch(out, *given)
+
+
+def _flat_of(samples):
+    lengths = [len(s.prompt) + len(s.response) for s in samples]
+    flat = np.fromiter((t for s in samples for t in list(s.prompt) + list(s.response)), dtype=np.int64, count=sum(lengths))
+    return flat, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), np.array([len(s.prompt) for s in samples], dtype=np.int64)

@@ -49,7 +49,13 @@ from ps_bridge.plan import SharingPlan
 from ps_bridge.prepare import micro_batch_layout
 from ps_bridge.rows import PackedRows
 from ps_bridge.transfer import to_device
-from ps_bridge.verl.batch import per_sample_temperature, samples_from_micro_batch, temperature_classes
+from ps_bridge.verl.batch import (
+    has_multi_modal_inputs,
+    mark_vision,
+    per_sample_temperature,
+    samples_of,
+    temperature_classes,
+)
 from ps_bridge.verl.micro_batches import install_prefix_aware_micro_batching, keep_groups_whole, mark_plan, plan_of
 
 logger = logging.getLogger("ps_bridge")
@@ -68,14 +74,7 @@ def _refuse(what: str) -> None:
 
 
 def _has_multi_modal_inputs(batch) -> bool:
-    """verl's trainer hands text-only batches a `multi_modal_inputs` entry too (one empty dict per sample):
-    what counts is whether verl's own extraction finds any input in it."""
-    entries = batch.get("multi_modal_inputs", None)
-    if entries is None:
-        return False
-    from verl.utils.model import extract_multi_modal_inputs  # verl: the engine's host, imported in its workers
-
-    return bool(extract_multi_modal_inputs(entries))
+    return has_multi_modal_inputs(batch)
 
 
 @contextmanager
@@ -221,6 +220,7 @@ class PrefixSharingEngineMixin:
             install_prefix_aware_micro_batching()
             # the mini-batch's plan, decided once: the micro-batcher and every forward step read it
             mark_plan(data, self._sharing_plan())
+            mark_vision(data, self.model_config.hf_config)
         return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
 
     # ---- the forward step -----------------------------------------------------------------------
@@ -235,8 +235,6 @@ class PrefixSharingEngineMixin:
                 _refuse(what)
         if tu.get_non_tensor_data(batch, key="use_fused_kernels", default=False):
             _refuse("per-batch use_fused_kernels=True")
-        if _has_multi_modal_inputs(batch):
-            _refuse("multi-modal inputs")
         calculate_entropy = tu.get_non_tensor_data(batch, key="calculate_entropy", default=False)
         calculate_sum_pi_squared = tu.get_non_tensor_data(batch, key="calculate_sum_pi_squared", default=False)
 
@@ -246,7 +244,7 @@ class PrefixSharingEngineMixin:
         # queued work (the previous micro-batch's backward), so host work done before it runs while the
         # GPU computes, and host work done after it (or reads of device tensors) leaves the GPU idle.
         cfg = self._prefix_sharing()
-        samples = samples_from_micro_batch(batch)
+        samples = samples_of(batch, self.model_config.hf_config)  # images: each sample carries its own
         temperature = per_sample_temperature(batch, len(samples), "cpu")
         # the micro-batch's plan (the micro-batcher's; with its tree where the micro-batch is the whole
         # mini-batch); a micro-batch verl formed without our micro-batcher gets the config's

@@ -52,7 +52,7 @@ from ps_bridge.tree.split import (  # noqa: F401 (re-exported)
     PackedCosts, Unit, bin_tokens, budget_micro_batches, first_fit_decreasing, packed_costs, split_to_count,
     subtree_units, warn_once,
 )
-from ps_bridge.verl.batch import per_sample_temperature, samples_from_micro_batch, temperature_classes, uid_list
+from ps_bridge.verl.batch import per_sample_temperature, samples_of, temperature_classes, uid_list
 
 logger = logging.getLogger("ps_bridge")
 
@@ -124,7 +124,7 @@ def plan_of(data) -> Optional[SharingPlan]:
 def batch_plan(data) -> SharingPlan:
     """The plan of the whole marked batch decided for its samples: its tree and pack order, as the
     forward step would pack them in one micro-batch."""
-    samples = samples_from_micro_batch(data)
+    samples = samples_of(data)  # with their images: prompts of other images are other prompts
     classes = None
     if "temperature" in data.keys():
         classes = temperature_classes(per_sample_temperature(data, len(samples), "cpu"))

@@ -15,7 +15,8 @@ def add_parser(sub) -> None:
 
     lp = sub.add_parser("logprobs", help="log-probs of each response token of a batch, from an HF checkpoint")
     lp.add_argument("--hf-path", required=True, help="Hugging Face checkpoint directory")
-    lp.add_argument("--batch", required=True, help='JSON {"samples": [{"prompt": [ids], "response": [ids]}, ...]}')
+    lp.add_argument("--batch", required=True, help='JSON {"samples": [{"prompt": [ids], "response": [ids]}, ...]}; '
+                    'a sample of a vision-language checkpoint may add "images": [image files, relative to the batch file]')
     lp.add_argument("--out", required=True, help="output JSON path")
     lp.add_argument("--no-prefix-sharing", action="store_true", help="run every sample unshared")
     lp.add_argument("--sharing", default="auto", choices=["auto", "on", "off"],
@@ -47,7 +48,7 @@ def read_batch(path: str):
         raise UsageError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(data, dict) or not isinstance(data.get("samples"), list):
         raise UsageError(f'{path}: expected an object {{"samples": [{{"prompt": [...], "response": [...]}}, ...]}}')
-    samples = []
+    samples, image_paths = [], []
     for i, s in enumerate(data["samples"]):
         if not isinstance(s, dict) or "prompt" not in s or "response" not in s:
             raise UsageError(f'{path}: sample {i} must be an object with "prompt" and "response" lists')
@@ -55,10 +56,14 @@ def read_batch(path: str):
             ids = s[key]
             if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise UsageError(f"{path}: sample {i}: {key} must be a list of integer token ids")
+        images = s.get("images")
+        if images is not None and (not isinstance(images, list) or not all(isinstance(f, str) for f in images)):
+            raise UsageError(f"{path}: sample {i}: images must be a list of image file paths")
         samples.append(Sample(list(s["prompt"]), list(s["response"]), s.get("uid")))
+        image_paths.append(images)
     if not samples:
         raise UsageError(f"{path}: no samples")
-    return samples
+    return samples, image_paths
 
 
 def _hf_vocab_size(hf_config: dict, hf_path: str) -> int:
@@ -82,12 +87,17 @@ def run_logprobs(args) -> int:
     from ps_bridge.providers.registry import resolve_provider
     from ps_bridge.tools.runtime import DTYPES, load_model, read_hf_config
 
-    samples = read_batch(args.batch)
+    samples, image_paths = read_batch(args.batch)
     try:
         parallel = settings_from_args(args)
         hf_config = read_hf_config(args.hf_path)
         parallel.check(hf_config=hf_config)  # before any process group exists: every rank fails alike, nothing hangs
         archs = list(hf_config.get("architectures") or [])
+        if any(image_paths) or hf_config.get("image_token_id") is not None:
+            # images placed at their placeholders, counts checked (a vision-language checkpoint's batch, or images given)
+            from ps_bridge.tools.image_files import samples_with_image_files  # imported here: Pillow, transformers
+
+            samples = samples_with_image_files(samples, image_paths, args.hf_path, hf_config, Path(args.batch).parent)
         config = PrefixSharingConfig(
             enabled=not args.no_prefix_sharing, backend=args.backend, provider=args.provider, sharing=args.sharing,
             tree=args.tree, tree_min_shared=args.tree_min_shared, tree_max_depth=args.tree_max_depth,

@@ -44,7 +44,7 @@ def tiny_checkpoint(path: str, family: str = "qwen2.5", seed: int = 0, **overrid
     from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
 
     hf_model = TINY_BUILDERS[family](path, seed=seed, **overrides)
-    save_tiny_tokenizer(path, hf_model.config.vocab_size)
+    save_tiny_tokenizer(path, hf_model.config.get_text_config().vocab_size)
     return hf_model
 
 
