@@ -86,6 +86,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated prefix-tree rows by name (" + "; ".join(
                             f"{k}: {v.description}" for k, v in TREE_SHAPES.items())
                         + "), shared as a token trie; tiny sizes with --smoke. Without --grid only these rows run")
+    parser.add_argument("--no-tree", dest="tree", action="store_false", default=None,
+                        help="pack the shared runs one level (identical prompts only); default: every common "
+                             "prefix as a prefix tree (a grid row's group is a tree of depth one)")
     parser.add_argument("--groups", type=int, default=1, help="prompts (groups of n responses) per micro-batch")
     parser.add_argument("--backends", type=_parse_list, default=["auto"],
                         help="comma-separated attention backends to time prefix-shared (default auto); "
@@ -182,12 +185,11 @@ def world_layout(args) -> dict:
 
 
 def row_batch(P: int, R: int, n: int, tree: Optional[str], args, vocab: int):
-    """A row's micro-batch and how it is shared: `groups` prompts of P tokens with n responses of R
-    (one level), or the named tree shape (`catalog.TREE_SHAPES`, tiny under --smoke) shared as a
-    token trie at the default threshold."""
+    """A row's micro-batch: `groups` prompts of P tokens with n responses of R, or the named tree shape
+    (`catalog.TREE_SHAPES`, tiny under --smoke)."""
     if tree is None:
-        return make_samples(P, R, n, args.groups, vocab, args.seed), True
-    return TREE_SHAPES[tree].samples(vocab, args.seed, smoke=args.smoke), "tree"
+        return make_samples(P, R, n, args.groups, vocab, args.seed)
+    return TREE_SHAPES[tree].samples(vocab, args.seed, smoke=args.smoke)
 
 
 def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, reference=None,
@@ -196,7 +198,8 @@ def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, refer
     from ps_bridge.forward import cp_total_multiple
     from ps_bridge.layout import build_layout
 
-    batch, share = row_batch(P, R, n, tree, args, loaded.vocab_size)
+    batch = row_batch(P, R, n, tree, args, loaded.vocab_size)
+    share = loaded.config.layout_share(True)  # a token trie at the default threshold, or one level (--no-tree)
     samples = _data_parallel_share(batch)  # under EP this rank's whole groups; the row counts the whole batch
     pack = partial(build_layout, share=share, vocab_size=loaded.vocab_size, total_multiple=cp_total_multiple(),
                    prompt_values=loaded.config.layout_prompt_values)
@@ -250,6 +253,7 @@ def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, refer
                 tree_depth=whole.tree_depth,
                 nodes=whole.num_segments,
                 flop_ratio=flops,
+                share="tree" if share == "tree" else "prompt",
                 **fp32,
             )
         )
@@ -300,6 +304,11 @@ def _min_shared_row(loaded, name, layers, P, R, n, k, args, progress, say) -> Li
             torch.cuda.empty_cache()
     say("\n".join(format_min_shared_table(rows).splitlines()[2:]))
     return rows
+
+
+def _tree_option(args) -> dict:
+    """`PrefixSharingConfig`'s tree setting from --no-tree; unset: the config's default."""
+    return {} if args.tree is None else {"tree": args.tree}
 
 
 def _error(message: str) -> int:
@@ -413,7 +422,9 @@ def run_bench(args: argparse.Namespace) -> int:
     dp = launched_world_size() // args.cp
     out(f"ps-bridge bench on {env['device']} (torch {env['torch']}, triton {env['triton']}, "
           f"megatron-core {env['megatron_core']}, megatron-bridge {env['megatron_bridge']}), {str(dtype)[6:]}, "
-          f"warm-up {warmup}, median of {repeats}" + (f", context parallel {args.cp} GPUs" if args.cp > 1 else "")
+          f"warm-up {warmup}, median of {repeats}, shared "
+          + ("as prefix trees" if PrefixSharingConfig(**_tree_option(args)).tree else "one level (--no-tree)")
+          + (f", context parallel {args.cp} GPUs" if args.cp > 1 else "")
         + (f", expert parallel {args.ep} (data parallel {dp}: each rank {args.groups // dp} of the "
            f"{args.groups} groups, gradients reduced every step)" if args.ep > 1 else ""),
         flush=True)
@@ -448,7 +459,7 @@ def run_bench(args: argparse.Namespace) -> int:
         shape = MODEL_SHAPES[name]
         layers = args.layers or shape.bench_layers
         hf_config = FAMILIES[shape.family](shape.dims, layers)
-        config = PrefixSharingConfig(enabled=True, backend=args.backends[0], pad_multiple=1)
+        config = PrefixSharingConfig(enabled=True, backend=args.backends[0], pad_multiple=1, **_tree_option(args))
         loaded = load_model_from_hf_config(hf_config, config, dtype=dtype, cp=args.cp, ep=args.ep)
         reference = Fp32Reference(hf_config, loaded, args.logprob_chunk) if args.fp32_reference else None
         head_dim = int(loaded.provider.kv_channels)  # Qwen3.5 sets head_dim apart from hidden/heads

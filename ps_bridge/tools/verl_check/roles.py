@@ -107,10 +107,10 @@ def build_role_engines(kind: str, ckpt: str, settings: CheckSettings, actor_cfg,
             rollout["micro_batch_size"] if not forward_only else cfg.ppo_micro_batch_size_per_gpu)
         kw = dict(engine_config=engine_cfg, optimizer_config=cfg.optim, forward_only=forward_only,
                   dtype=settings.dtype, use_remove_padding=True)
-        if kind == "shared":  # with a system prompt: every common prefix once (the prefix tree)
+        if kind == "shared":  # every common prefix once (the prefix tree) unless settings.tree is False
             engine = build_engine(PrefixSharedMegatronEngine, ckpt, **kw)
             engine.prefix_sharing_config = PrefixSharingConfig.from_env(
-                enabled=True, backend=shared_backend(settings), tree=True if settings.system_prompt_len else None)
+                enabled=True, backend=shared_backend(settings), tree=settings.tree)
         elif stock_kind(ckpt, settings.baseline) == "verl":
             engine = build_stock_engine(ckpt, **kw)
         else:
@@ -121,6 +121,13 @@ def build_role_engines(kind: str, ckpt: str, settings: CheckSettings, actor_cfg,
     actor = one(actor_cfg, False, rollout["max_token_len"])
     ref = one(ref_cfg, True, ref_cfg.ppo_max_token_len_per_gpu)
     return actor, ref
+
+
+def shared_tree(settings: CheckSettings) -> bool:
+    """Whether the prefix-shared engine packs prefix trees (`PrefixSharingConfig.tree`)."""
+    from ps_bridge.config import PrefixSharingConfig
+
+    return PrefixSharingConfig.from_env(enabled=True, tree=settings.tree).tree
 
 
 def shared_backend(settings: CheckSettings) -> str:

@@ -16,7 +16,7 @@ from ps_bridge.tools.verl_check.config import CheckSettings, role_configs, scale
 from ps_bridge.tools.verl_check.data import ideal_ratio, synthetic_batch
 from ps_bridge.tools.verl_check.flops import PhaseFlops, checkpoint_flop_shape, flop_ratios
 from ps_bridge.tools.verl_check.model import checkpoint_for, checkpoint_text_config, free_memory, stock_description
-from ps_bridge.tools.verl_check.roles import Role, build_role_engines, shared_backend
+from ps_bridge.tools.verl_check.roles import Role, build_role_engines, shared_backend, shared_tree
 
 
 def _sync():
@@ -206,7 +206,7 @@ def run_check(settings: CheckSettings, progress: Optional[Callable[[str], None]]
     config = {
         "model": settings.model, "checkpoint": ckpt, "layers": settings.layers, "prompts": settings.prompts,
         "n": settings.n, "prompt_len": settings.prompt_len, "system_prompt_len": settings.system_prompt_len,
-        "tree": bool(settings.system_prompt_len), "response_len_mean": settings.response_len,
+        "tree": shared_tree(settings), "response_len_mean": settings.response_len,
         "engine_order": list(order) + (["interleaved"] if settings.interleave else []), "baseline": settings.baseline,
         "steps": settings.steps, "dtype": settings.dtype, "seed": settings.seed,
         "overrides": list(settings.overrides), "ideal_speedup_S": ideal_ratio(settings, lengths),
