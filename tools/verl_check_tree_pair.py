@@ -31,15 +31,12 @@ def main() -> int:
         print("give verl-check's --model and settings, without --no-tree (both packings run)", file=sys.stderr)
         return 2
     _prepare_process()  # before verl's engine is imported
-    # imported here: verl is optional (requirements-verl.txt); omegaconf comes with verl
-    from omegaconf import OmegaConf
-
     from ps_bridge.tools import verl_check as check
     from ps_bridge.tools.verl_check.compare import compare, speedups
-    from ps_bridge.tools.verl_check.data import ideal_ratio, synthetic_batch
+    from ps_bridge.tools.verl_check.data import ideal_ratio
     from ps_bridge.tools.verl_check.flops import flop_ratios
-    from ps_bridge.tools.verl_check.model import checkpoint_for, checkpoint_text_config
-    from ps_bridge.tools.verl_check.run import kind_steps
+    from ps_bridge.tools.verl_check.model import checkpoint_for
+    from ps_bridge.tools.verl_check.run import kind_steps, synthetic_batches
 
     settings = check.CheckSettings(
         model=check_args.model, layers=check_args.layers, prompts=check_args.prompts, n=check_args.n,
@@ -48,13 +45,7 @@ def main() -> int:
         overrides=list(check_args.overrides), workdir=check_args.workdir or "/tmp/verl-check", interleave=True)
     cfg = check.trainer_config(settings)
     ckpt = checkpoint_for(settings, settings.workdir)
-    vocab = checkpoint_text_config(ckpt).vocab_size
-    algo = OmegaConf.to_container(cfg.algorithm, resolve=True)
-    batches, lengths = [], []
-    for t in range(settings.steps):
-        b, ls = synthetic_batch(settings, vocab, t, algo)
-        batches.append(b)
-        lengths.extend(ls)
+    batches, lengths = synthetic_batches(settings, cfg, ckpt)
     names = ("no_tree", "tree")
     kinds = {"tree": dataclasses.replace(settings, tree=True), "no_tree": dataclasses.replace(settings, tree=False)}
     say = (lambda message: None) if check_args.no_progress else (lambda message: print(message, flush=True))

@@ -168,14 +168,26 @@ def _kl(old, ref, mask, kind: str) -> float:
     return float(kl_penalty(old, ref, kl_penalty=kind)[mask].mean())
 
 
+def synthetic_batches(settings: CheckSettings, cfg, ckpt: str):
+    """Every step's synthetic GRPO batch for the checkpoint's vocabulary, and all response lengths."""
+    # imported here: omegaconf comes with verl (optional)
+    from omegaconf import OmegaConf
+
+    vocab = checkpoint_text_config(ckpt).vocab_size
+    algo = OmegaConf.to_container(cfg.algorithm, resolve=True)
+    batches, lengths = [], []
+    for t in range(settings.steps):
+        b, ls = synthetic_batch(settings, vocab, t, algo)
+        batches.append(b)
+        lengths.extend(ls)
+    return batches, lengths
+
+
 def run_check(settings: CheckSettings, progress: Optional[Callable[[str], None]] = None,
               on_result: Optional[Callable[[dict], None]] = None) -> dict:
     """Build both engines in turn, run the steps, compare: the `--json` document. `on_result` gets the
     document as soon as stock and shared are compared, and again with the noise floor (so a run cut
     short during the noise floor still leaves the comparison)."""
-    # imported here: omegaconf comes with verl (optional)
-    from omegaconf import OmegaConf
-
     progress = progress or (lambda msg: None)
     if settings.dtype not in ("bfloat16", "float32", "float16"):
         raise ValueError(f"--dtype {settings.dtype!r}: use bfloat16, float16 or float32")
@@ -183,17 +195,11 @@ def run_check(settings: CheckSettings, progress: Optional[Callable[[str], None]]
     cfg = trainer_config(settings)
     ckpt = checkpoint_for(settings, workdir)
     progress("checkpoint ready")
-    vocab = checkpoint_text_config(ckpt).vocab_size
-    algo = OmegaConf.to_container(cfg.algorithm, resolve=True)
     mini = int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
     if settings.prompts % mini:
         raise ValueError(f"--prompts {settings.prompts} is not a multiple of actor_rollout_ref.actor."
                          f"ppo_mini_batch_size={mini} (prompts per mini-batch)")
-    batches, lengths = [], []
-    for t in range(settings.steps):
-        b, ls = synthetic_batch(settings, vocab, t, algo)
-        batches.append(b)
-        lengths.extend(ls)
+    batches, lengths = synthetic_batches(settings, cfg, ckpt)
     names = ("stock", "shared")
     # the engines run one after the other (`shared_first` swaps their order), or step by step in turns
     order = ("shared", "stock") if settings.shared_first else ("stock", "shared")
