@@ -15,6 +15,9 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from ps_bridge.launch_rule import MODES
+from ps_bridge.providers.registry import provider_names
+
 ENV_ENABLE = "ENABLE_PREFIX_SHARING"
 ENV_BACKEND = "PS_BRIDGE_BACKEND"
 ENV_PROVIDER = "PS_BRIDGE_PROVIDER"
@@ -115,8 +118,6 @@ class PrefixSharingConfig:
                 f"valid backends: {', '.join(sorted(BACKENDS))}"
             )
         if self.provider is not None:
-            from ps_bridge.providers.registry import provider_names
-
             if self.provider not in provider_names():
                 raise ValueError(
                     f"unknown ps-bridge provider {self.provider!r}; "
@@ -130,7 +131,6 @@ class PrefixSharingConfig:
                 f"unknown Gated DeltaNet backend {self.gdn_backend!r}; "
                 f"valid backends: {', '.join(sorted(GDN_BACKENDS))}"
             )
-        from ps_bridge.launch_rule import MODES
 
         if self.sharing not in MODES:
             raise ValueError(

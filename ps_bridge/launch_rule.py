@@ -234,6 +234,7 @@ def sharing_for(samples: Sequence, config, model: Optional[ModelCost], device_ty
     gradients are enabled (verl's log-prob passes and `ps-bridge logprobs` run under `no_grad`).
     `trie`: with `config.tree`, the prefix tree already decided for `samples` (`layout.decide_tree`),
     whose token count the rule reads; the same tree then goes to `build_layout(tree=...)`."""
+    # imported here: torch is heavy (the rule's integer arithmetic imports without it)
     import torch
 
     backward = torch.is_grad_enabled() if backward is None else backward

@@ -13,6 +13,12 @@ from typing import List, Optional, Tuple
 import torch
 from tqdm import tqdm
 
+from ps_bridge.config import PrefixSharingConfig
+from ps_bridge.forward import cp_total_multiple
+from ps_bridge.kernels.attention import BACKENDS
+from ps_bridge.layout import build_layout
+from ps_bridge.parallel.groups import init_parallel, is_output_rank, launched_world_size, max_over_ranks
+from ps_bridge.parallel.settings import ParallelSettings
 from ps_bridge.tools.bench.catalog import (
     DEFAULT_GRID,
     DEFAULT_MODELS,
@@ -39,6 +45,8 @@ from ps_bridge.tools.bench.report import (
     write_plot,
 )
 from ps_bridge.tools.bench.timing import UNSHARED_SPLITS, ModeResult, run_mode, run_pair, run_shared, run_unshared
+from ps_bridge.tools.data_parallel import data_parallel_size, dp_share
+from ps_bridge.tools.runtime import default_device, load_model_from_hf_config
 
 # ---- arguments --------------------------------------------------------------------------------
 
@@ -139,15 +147,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _data_parallel_share(samples: list) -> list:
     """This data-parallel rank's whole groups of the row's batch (all of it without EP)."""
-    from ps_bridge.tools.data_parallel import dp_share
-
     return dp_share(samples)[1]
 
 
 def _whole_batch_rows(rows):
     """Every data-parallel rank's response rows, in rank order, on every rank (as given without EP)."""
-    from ps_bridge.tools.data_parallel import data_parallel_size
-
     if rows is None or data_parallel_size() == 1:
         return rows
     # imported here: megatron-core is heavy
@@ -162,9 +166,6 @@ def _whole_batch_rows(rows):
 def _slowest_rank(mode: ModeResult) -> ModeResult:
     """Under EP the step is the slowest data-parallel rank's (they wait for each other in the expert
     exchange and the gradient reduction): the largest median time and peak over the ranks."""
-    from ps_bridge.parallel.groups import max_over_ranks
-    from ps_bridge.tools.data_parallel import data_parallel_size
-
     if data_parallel_size() == 1:
         return mode
     peak = lambda mib: None if mib is None else max_over_ranks(mib)  # noqa: E731
@@ -176,9 +177,6 @@ def _slowest_rank(mode: ModeResult) -> ModeResult:
 
 def world_layout(args) -> dict:
     """How the processes of this run are laid out (stated with every row)."""
-    from ps_bridge.parallel.groups import launched_world_size
-    from ps_bridge.tools.data_parallel import data_parallel_size
-
     dp = data_parallel_size()
     return dict(world_size=launched_world_size(), cp=args.cp, ep=args.ep, data_parallel=dp,
                 groups_per_rank=args.groups // dp)
@@ -195,9 +193,6 @@ def row_batch(P: int, R: int, n: int, tree: Optional[str], args, vocab: int):
 def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, reference=None,
             tree: Optional[str] = None) -> List[RowResult]:
     """One row: a grid row (P, R, n) or, with `tree`, a named tree shape (P = R = n = 0)."""
-    from ps_bridge.forward import cp_total_multiple
-    from ps_bridge.layout import build_layout
-
     batch = row_batch(P, R, n, tree, args, loaded.vocab_size)
     share = loaded.config.layout_share(True)  # a token trie at the default threshold, or one level (--no-tree)
     samples = _data_parallel_share(batch)  # under EP this rank's whole groups; the row counts the whole batch
@@ -264,9 +259,6 @@ def run_min_shared_row(loaded, model_name, layers, backends, P, R, n, run, args,
     """One `--min-shared-sweep` row: the template micro-batch (`catalog.template_samples`: --groups
     prompts of P sharing their first `run` tokens) packed as a token trie at `min_shared=0` and at
     `min_shared=run + 1`, timed against each other (`timing.run_pair`) with each backend."""
-    from ps_bridge.forward import cp_total_multiple
-    from ps_bridge.layout import build_layout
-
     samples = template_samples(loaded.vocab_size, args.seed, args.groups, P, run, n, R)
     pack = partial(build_layout, samples, share="tree", vocab_size=loaded.vocab_size,
                    total_multiple=cp_total_multiple(), prompt_values=loaded.config.layout_prompt_values)
@@ -353,9 +345,6 @@ def _min_shared_sweep_problem(args, grid) -> Optional[str]:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from ps_bridge.config import PrefixSharingConfig
-    from ps_bridge.kernels.attention import BACKENDS
-
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
         return _error(
@@ -394,8 +383,6 @@ def run_bench(args: argparse.Namespace) -> int:
         return _error("--groups and --repeats must be >= 1, --warmup >= 0")
     if (args.cp > 1 or args.ep > 1) and not cuda and not args.smoke:
         return _error("--cp and --ep need GPUs (or --smoke on a CPU)")
-    from ps_bridge.parallel.groups import init_parallel, is_output_rank, launched_world_size
-    from ps_bridge.parallel.settings import ParallelSettings
 
     try:
         # torchrun's world must be --cp (--ep) processes or a multiple
@@ -413,8 +400,6 @@ def run_bench(args: argparse.Namespace) -> int:
     warmup, repeats = (min(args.warmup, 1), min(args.repeats, 2)) if args.smoke else (args.warmup, args.repeats)
     args.warmup, args.repeats = warmup, repeats
     dtype = torch.bfloat16 if cuda else torch.float32
-
-    from ps_bridge.tools.runtime import default_device, load_model_from_hf_config
 
     device = default_device()
     env = environment(device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ps_bridge.config import PrefixSharingConfig
 from ps_bridge.tools.verl_check.config import CheckSettings
 from ps_bridge.tools.verl_check.model import stock_kind
 
@@ -125,14 +126,10 @@ def build_role_engines(kind: str, ckpt: str, settings: CheckSettings, actor_cfg,
 
 def shared_tree(settings: CheckSettings) -> bool:
     """Whether the prefix-shared engine packs prefix trees (`PrefixSharingConfig.tree`)."""
-    from ps_bridge.config import PrefixSharingConfig
-
     return PrefixSharingConfig.from_env(enabled=True, tree=settings.tree).tree
 
 
 def shared_backend(settings: CheckSettings) -> str:
-    from ps_bridge.config import PrefixSharingConfig
-
     env = PrefixSharingConfig.from_env(enabled=True).backend
     if env != "torch_ref" or not torch.cuda.is_available() or settings.dtype == "float32":
         return env
