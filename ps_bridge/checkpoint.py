@@ -60,6 +60,7 @@ DAMAGED_FIX = "the checkpoint is incomplete (an interrupted save or copy): save 
 
 def _dist_ckpt_files(ckpt_dir: str) -> Dict[str, int]:
     """{file: bytes it must hold at least} of a torch_dist `dist_checkpointing` directory."""
+    # imported here: torch is heavy (the checkpoint file checks import without it)
     import torch.distributed.checkpoint as dcp
 
     try:
@@ -180,6 +181,7 @@ class InexactLoadError(ValueError):
 
 
 def dist_checkpoint_keys(ckpt_dir: str) -> List[str]:
+    # imported here: torch is heavy (the checkpoint file checks import without it)
     import torch.distributed.checkpoint as dcp
 
     return sorted(dcp.FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata)
@@ -254,6 +256,7 @@ def buffer_order(model_chunks) -> str:
 def write_layout_record(local_path: str, model_chunks) -> None:
     """After a save: the parallel layout and every model-parallel position's buffer order, to
     `layout_record_path` (rank 0 writes; every rank must call)."""
+    # imported here: torch is heavy (the checkpoint file checks import without it)
     import torch.distributed as dist
 
     mine = (_domain(), buffer_order(model_chunks))

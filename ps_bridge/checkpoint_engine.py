@@ -25,6 +25,10 @@ import importlib.util
 import sys
 import types
 
+from ps_bridge.checkpoint import (
+    check_checkpoint_files, optimizer_sharding_type, refuse_distributed_optimizer_load_without_fused_adam,
+    refuse_dp_reshardable_change, refuse_mtp_mismatch, verl_checkpoint_trees, write_layout_record,
+)
 from ps_bridge.compat import verl as verl_compat
 
 
@@ -88,8 +92,6 @@ def _record_layout_on_save(manager) -> None:
     def save_checkpoint(local_path, *args, **kwargs):
         result = save(local_path, *args, **kwargs)
         if getattr(manager, "use_distributed_optimizer", False) and getattr(manager, "should_save_optimizer", True):
-            from ps_bridge.checkpoint import write_layout_record
-
             write_layout_record(local_path, manager.model)
         return result
 
@@ -112,10 +114,6 @@ class CheckpointEngineMixin:
         return result
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
-        from ps_bridge.checkpoint import (check_checkpoint_files, optimizer_sharding_type,
-                                         refuse_distributed_optimizer_load_without_fused_adam,
-                                         refuse_dp_reshardable_change, refuse_mtp_mismatch, verl_checkpoint_trees)
-
         manager = self.checkpoint_mananager
         if local_path is not None:
             trees = []

@@ -15,6 +15,9 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from ps_bridge.launch_rule import MODES
+from ps_bridge.providers.registry import provider_names
+
 ENV_ENABLE = "ENABLE_PREFIX_SHARING"
 ENV_BACKEND = "PS_BRIDGE_BACKEND"
 ENV_PROVIDER = "PS_BRIDGE_PROVIDER"
@@ -30,8 +33,11 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
-def _env_flag(name: str) -> bool:
+def _env_flag(name: str, default: bool = False) -> bool:
+    """A boolean from the environment; `default` when unset or empty."""
     raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
     if raw in _TRUE:
         return True
     if raw in _FALSE:
@@ -76,13 +82,17 @@ class PrefixSharingConfig:
                   slower), `on` every micro-batch that has a prompt with two or more responses, `off`
                   none (the unshared computation, with sharing's micro-batching). Under verl
                   `PS_BRIDGE_SHARING=auto|on|off`.
-    tree:         with sharing on, share every common prefix (the token radix tree: a system prompt
-                  shared across prompts, a sample that is a prefix of another's, ...) instead of
-                  identical prompts only. Runs under TP, SP, PP, CP and EP with every attention
-                  backend but `flash_atten_gpu_expand` / `flash_atten_npu` (see docs/how-it-works.md). Under
-                  verl `PS_BRIDGE_TREE=1` (docs/verl.md).
-    tree_min_shared: the shortest common run a tree shares (None: `layout.DEFAULT_MIN_SHARED`);
-                  `PS_BRIDGE_TREE_MIN_SHARED`.
+    tree:         with sharing on, share every common prefix (default: the token radix tree, whose
+                  depth-one case is a GRPO group: each prompt once for its responses; deeper where a
+                  system prompt is shared across prompts, a sample is a prefix of another's, ...).
+                  False: identical prompts only (one level). A depth-one tree packs exactly as one
+                  level. Trees run under TP, SP, PP, CP and EP with every attention backend;
+                  `flash_atten_gpu_expand` / `flash_atten_npu` take depth one only and refuse a deeper
+                  micro-batch (docs/how-it-works.md). Under verl `PS_BRIDGE_TREE=0` turns it off
+                  (docs/verl.md).
+    tree_min_shared: the shortest common run a tree shares (None: `layout.DEFAULT_MIN_SHARED`), but
+                  a whole prompt shared by all its responses is shared whatever its length (as one
+                  level shares it); `PS_BRIDGE_TREE_MIN_SHARED`.
     tree_max_depth:  the tree's depth limit (None: none; 1 is one level of sharing);
                   `PS_BRIDGE_TREE_MAX_DEPTH`.
     """
@@ -94,7 +104,7 @@ class PrefixSharingConfig:
     gdn_backend: str = "auto"
     prompt_values: bool = False
     sharing: str = "auto"
-    tree: bool = False
+    tree: bool = True
     tree_min_shared: Optional[int] = None
     tree_max_depth: Optional[int] = None
 
@@ -108,8 +118,6 @@ class PrefixSharingConfig:
                 f"valid backends: {', '.join(sorted(BACKENDS))}"
             )
         if self.provider is not None:
-            from ps_bridge.providers.registry import provider_names
-
             if self.provider not in provider_names():
                 raise ValueError(
                     f"unknown ps-bridge provider {self.provider!r}; "
@@ -123,7 +131,6 @@ class PrefixSharingConfig:
                 f"unknown Gated DeltaNet backend {self.gdn_backend!r}; "
                 f"valid backends: {', '.join(sorted(GDN_BACKENDS))}"
             )
-        from ps_bridge.launch_rule import MODES
 
         if self.sharing not in MODES:
             raise ValueError(
@@ -156,7 +163,7 @@ class PrefixSharingConfig:
             provider=os.environ.get(ENV_PROVIDER) or None,
             gdn_backend=os.environ.get(ENV_GDN_BACKEND) or "auto",
             sharing=(os.environ.get(ENV_SHARING) or "auto").strip().lower(),
-            tree=_env_flag(ENV_TREE),
+            tree=_env_flag(ENV_TREE, default=True),
             tree_min_shared=_env_count(ENV_TREE_MIN_SHARED),
             tree_max_depth=_env_count(ENV_TREE_MAX_DEPTH),
         )

@@ -17,12 +17,11 @@ import torch
 
 from ps_bridge.config import PrefixSharingConfig
 from ps_bridge.layout import PackedPrefixLayout
+from ps_bridge.models.context_parallel import cp_rank_size
 
 
 def local_shard(layout: PackedPrefixLayout) -> Optional[slice]:
     """The packed positions this process runs: its context-parallel shard, or None (all) without CP."""
-    from ps_bridge.models.context_parallel import cp_rank_size
-
     cp_rank, cp_size = cp_rank_size()
     return layout.cp_shard(cp_rank, cp_size) if cp_size > 1 else None
 
@@ -31,8 +30,6 @@ def cp_total_multiple() -> int:
     """What the whole pack is padded to a multiple of: under context parallelism 2 x TP x CP (equal
     contiguous CP shards, each split evenly by sequence parallelism and in two halves by megatron's
     THD RoPE under CP, `models/gpt_model.py`); 1 without CP."""
-    from ps_bridge.models.context_parallel import cp_rank_size
-
     _, cp_size = cp_rank_size()
     if cp_size == 1:
         return 1

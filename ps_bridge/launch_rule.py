@@ -165,7 +165,7 @@ def tree_tokens(samples: Sequence, min_shared: Optional[int], max_depth: Optiona
     offsets = sequence_offsets([len(x) for x in sequences])
     flat = np.fromiter((t for x in sequences for t in x), dtype=np.int64, count=int(offsets[-1]))
     trie = token_trie(flat, offsets, min_shared=DEFAULT_MIN_SHARED if min_shared is None else min_shared,
-                      max_depth=max_depth)
+                      max_depth=max_depth, prompt_lengths=np.array([len(s.prompt) for s in samples], dtype=np.int64))
     return trie.trie_tokens
 
 
@@ -234,6 +234,7 @@ def sharing_for(samples: Sequence, config, model: Optional[ModelCost], device_ty
     gradients are enabled (verl's log-prob passes and `ps-bridge logprobs` run under `no_grad`).
     `trie`: with `config.tree`, the prefix tree already decided for `samples` (`layout.decide_tree`),
     whose token count the rule reads; the same tree then goes to `build_layout(tree=...)`."""
+    # imported here: torch is heavy (the rule's integer arithmetic imports without it)
     import torch
 
     backward = torch.is_grad_enabled() if backward is None else backward

@@ -65,7 +65,9 @@ PAD_SEGMENT = -1
 # the shortest common run a "tree" layout shares by default (shorter runs are computed per sample):
 # measured with `ps-bridge bench --min-shared-sweep` on an H200 (docs/how-it-works.md, "Choosing the threshold"):
 # sharing a run of K <= 64 tokens among 8 prompts was slower than computing it in every prompt on every
-# measured shape (x 0.80-0.95), so the default is the largest such run
+# measured shape (x 0.80-0.95), so the default is the largest such run. A whole prompt shared by all
+# its responses is shared whatever its length (`tree.decide.token_trie(prompt_lengths=...)`), as one
+# level shares it: a tree never shares less than one level
 DEFAULT_MIN_SHARED = 64
 
 
@@ -209,7 +211,7 @@ def _tree_of_sequences(
         # image placeholders compared by their images (`images.sharing_keys`), not by their ids
         return token_trie(
             sharing_keys(samples, flat, offsets), offsets, classes=share_classes, max_depth=max_depth,
-            min_shared=DEFAULT_MIN_SHARED if min_shared is None else min_shared,
+            min_shared=DEFAULT_MIN_SHARED if min_shared is None else min_shared, prompt_lengths=prompt_lengths,
         )
     raise ValueError(f"share must be True, False, 'prompt' or 'tree', got {share!r}")
 

@@ -31,13 +31,14 @@ from ps_bridge.tree.order import PackOrder, pack_order
 @dataclass(frozen=True)
 class SharingPlan:
     """See the module docstring. `share`: what sharing shares when the sharing rule lets a micro-batch
-    share ("prompt": identical prompts, one level; "tree": every common prefix). `min_shared` /
+    share ("prompt": identical prompts, one level; "tree": every common prefix; `from_config` takes
+    it from `PrefixSharingConfig.tree`, which owns the default). `min_shared` /
     `max_depth`: the tree's limits (None: `layout.DEFAULT_MIN_SHARED` / no limit). `pad_multiple`: each
     segment's padding multiple (the TP size under verl). `tree`, `order`, `classes`: the prefix tree of
     the samples the plan was decided for, its pack order, the share classes it was decided with and
     those samples."""
 
-    share: str = "prompt"
+    share: str
     min_shared: Optional[int] = None
     max_depth: Optional[int] = None
     pad_multiple: int = 1

@@ -212,9 +212,12 @@ def test_trie_shapes():
     assert layout.sample_segment.tolist() == [3, 4, 2, 1, 2]
     assert layout.group_size.tolist() == [5]
     check_tree_layout(layout, samples)
-    # a one-token shared run (the 1 after the system prompt is not shared here: min_shared=2)
-    shallow = build_layout([Sample([5], [1, 2, 3]), Sample([5], [4, 6])], share="tree", min_shared=2)
+    # a one-token shared run that is part of two prompts is not shared at min_shared=2
+    shallow = build_layout([Sample([5, 7], [1, 2, 3]), Sample([5, 8], [4, 6])], share="tree", min_shared=2)
     assert shallow.tree_depth == 0 and shallow.tokens_shared == shallow.tokens_unshared
+    # but a whole prompt shared by all its responses is, whatever its length (as one level shares it)
+    short = build_layout([Sample([5], [1, 2, 3]), Sample([5], [4, 6])], share="tree", min_shared=2)
+    assert short.tree_depth == 1 and short.host["valid_lengths"] == [1, 3, 2]
 
 
 def test_one_level_layout_is_the_depth_one_tree():
@@ -323,7 +326,8 @@ def test_one_level_backends_refuse_deeper_trees(backend):
 
     tree = build_layout(tree_samples(0), share="tree", min_shared=0)
     q = torch.zeros(tree.num_tokens, 2, 8, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=f"backend '{backend}' runs prefix trees of depth <= 1"):
+    with pytest.raises(ValueError, match=f"backend '{backend}' runs prefix trees of depth <= 1.*--no-tree "
+                                         r"\(under verl PS_BRIDGE_TREE=0"):
         get_attention_backend(backend)(q, q, q, tree, 1.0)
     assert resolve_attention_backend("auto", q, tree.tree_depth).name == "torch_ref"
     assert resolve_attention_backend("auto", q.cuda() if torch.cuda.is_available() else q, tree.tree_depth).name in ("flash_atten_gpu", "torch_ref")

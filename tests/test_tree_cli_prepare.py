@@ -44,7 +44,7 @@ def test_logprobs_cli_runs_what_prepare_decides(tmp_path, qwen2_checkpoint, monk
     batch = tmp_path / "b.json"
     batch.write_text(json.dumps({"samples": [{"prompt": s.prompt, "response": s.response} for s in samples]}))
     out = tmp_path / "out.json"
-    flags = ["--tree", "--tree-min-shared", "0"] if tree else []
+    flags = ["--tree", "--tree-min-shared", "0"] if tree else ["--no-tree"]
     assert main(["logprobs", "--hf-path", hf_path, "--batch", str(batch), "--out", str(out), *flags]) == 0
     got = json.loads(out.read_text())
     assert real_shares == [True]  # the real rule shares this batch (so the opposite is a different decision)

@@ -190,3 +190,14 @@ def test_counting_compiles_sees_triton_hooks_and_restores_them():
              for t in (1, 2)]
     lines = compile_lines(steps, ("stock", "shared"))
     assert lines[0].startswith("Triton compiles") and len(lines) == 2 and "step 2 shared update: 2" in lines[1]
+
+
+def test_verl_check_settings_carry_the_tree_option(monkeypatch):
+    from ps_bridge.tools.verl_check.config import CheckSettings
+    from ps_bridge.tools.verl_check.roles import shared_tree
+
+    monkeypatch.delenv("PS_BRIDGE_TREE", raising=False)
+    assert shared_tree(CheckSettings(model="m")) is True
+    assert shared_tree(CheckSettings(model="m", tree=False)) is False
+    monkeypatch.setenv("PS_BRIDGE_TREE", "0")
+    assert shared_tree(CheckSettings(model="m")) is False

@@ -107,11 +107,12 @@ def engines(checkpoints):
     return get
 
 
-# our engine's settings beside the default (`ours`): prefix trees sharing every common token, and at
-# the default threshold (PS_BRIDGE_TREE=1)
+# our engine's settings beside the default (`ours`: prefix trees at the default threshold): prefix
+# trees sharing every common token, the default spelled out, and one level (PS_BRIDGE_TREE=0)
 OUR_CONFIGS = {
     "ours_tree": PrefixSharingConfig(enabled=True, tree=True, tree_min_shared=0),
     "ours_tree_default": PrefixSharingConfig(enabled=True, tree=True),
+    "ours_one_level": PrefixSharingConfig(enabled=True, tree=False),
 }
 
 
@@ -229,7 +230,11 @@ def test_no_sharing_falls_back_to_unshared_packing(engines, checkpoints, caplog)
     assert diff < TOL
 
 
-def test_different_temperatures_in_a_group_are_not_shared(engines, checkpoints, caplog):
+@pytest.mark.parametrize("kind, reason", [("ours", "nothing to share"),
+                                          ("ours_one_level", "carry different temperatures: not shared")])
+def test_different_temperatures_in_a_group_are_not_shared(engines, checkpoints, caplog, kind, reason):
+    """The tree's share classes keep every sample apart (nothing to share); one level finds the group,
+    then packs it unshared."""
     _, hf = checkpoints("qwen2.5")
     samples = grouped_samples(hf.config.vocab_size, num_prompts=2, n=4, seed=6)
     tds = [vt.grpo_micro_batch(samples, micro_batch_size=8) for _ in range(2)]
@@ -238,8 +243,8 @@ def test_different_temperatures_in_a_group_are_not_shared(engines, checkpoints, 
     stock = infer(engines("qwen2.5", "thd", "stock"), tds[0])
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="ps_bridge"):
-        ours = infer(engines("qwen2.5", "thd", "ours"), tds[1])
-    assert "carry different temperatures: not shared" in caplog.text and "PATH 5" in caplog.text
+        ours = infer(engines("qwen2.5", "thd", kind), tds[1])
+    assert reason in caplog.text and "PATH 5" in caplog.text
     assert max(max_row_diff(ours[k], stock[k]) for k in ("log_probs", "entropy")) < TOL
 
 
@@ -501,7 +506,7 @@ def test_tree_batch_rows_match_stock_engine_with_fewer_micro_batches(engines, ch
     stock = infer(engines("qwen2.5", "thd", "stock"), vt.grpo_micro_batch(samples, **td_args))
     tries = count_trie_builds(monkeypatch)
     counts = {}
-    for kind in ("ours", "ours_tree"):
+    for kind in ("ours_one_level", "ours_tree"):
         caplog.clear()
         del tries[:]
         with caplog.at_level(logging.INFO, logger="ps_bridge"):
@@ -514,7 +519,7 @@ def test_tree_batch_rows_match_stock_engine_with_fewer_micro_batches(engines, ch
         print(f"{kind}: {counts[kind]} micro-batches, depth {depth}; log_probs {lp:.2e}, entropy {ent:.2e}")
         assert lp < TOL and ent < TOL
     assert depth >= 2  # the tree: system prompt, prompt, response (and the chain below it)
-    assert 1 < counts["ours_tree"] < counts["ours"], counts
+    assert 1 < counts["ours_tree"] < counts["ours_one_level"], counts
 
 
 def count_tree_builds(monkeypatch) -> list:
@@ -536,7 +541,7 @@ def count_tree_builds(monkeypatch) -> list:
 
 
 @pytest.mark.core
-@pytest.mark.parametrize("kind,decider", [("ours_tree", "token_trie"), ("ours", "prompt_tree")])
+@pytest.mark.parametrize("kind,decider", [("ours_tree", "token_trie"), ("ours_one_level", "prompt_tree")])
 def test_one_tree_build_per_micro_batch_in_an_update(engines, checkpoints, monkeypatch, kind, decider):
     """One update (verl's `ppo_loss` through `forward_backward_batch`) builds each tree once: a mini-batch
     that fits one micro-batch is decided once (the micro-batcher's costs, the sharing rule and the

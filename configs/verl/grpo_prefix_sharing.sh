@@ -46,9 +46,9 @@ export PS_BRIDGE_PROVIDER=$PS_PROVIDER
 # attention backend: the flash cascade on NVIDIA GPUs (auto), the expand design on Ascend (unverified)
 if [ "${DEVICE:-cuda}" = npu ]; then DEFAULT_BACKEND=flash_atten_npu; else DEFAULT_BACKEND=auto; fi
 export PS_BRIDGE_BACKEND=${PS_BRIDGE_BACKEND:-$DEFAULT_BACKEND}
-# prefix trees: 1 shares every common prefix (a system prompt across prompts, multi-turn chains), not only
-# identical prompts; one model-parallel rank so far (docs/verl.md, "Prefix trees")
-export PS_BRIDGE_TREE=${PS_BRIDGE_TREE:-0}
+# prefix trees (every common prefix once: a system prompt across prompts, multi-turn chains) are the
+# default; the NPU backend (the expand design) takes one level only: PS_BRIDGE_TREE=0 there
+if [ "${DEVICE:-cuda}" = npu ]; then export PS_BRIDGE_TREE=${PS_BRIDGE_TREE:-0}; fi
 
 python3 -m verl.trainer.main_ppo --config-path=config --config-name=ppo_megatron_trainer.yaml \
     algorithm.adv_estimator=grpo \

@@ -62,6 +62,7 @@ class _TorchAllocatingOnCpu:
 def _route_schedule_allocations_to_cpu() -> None:
     # The schedules allocate `torch.zeros([], device="cuda")` directly, not through
     # current_device(), so only their module's view of torch is redirected.
+    # imported here: megatron-core is heavy; only a CPU run patches its schedules
     from megatron.core.pipeline_parallel import schedules
 
     schedules.torch = _TorchAllocatingOnCpu()

@@ -14,6 +14,10 @@ import math
 
 import torch
 
+from ps_bridge.kernels.attention.varlen import (
+    PlannedAttention, VarlenCall, flash_supports, flash_takes, kernel_for,
+)
+
 def _causal_attention(q, k, v, key_valid, scale):
     """q [H, S, D], k/v [Hkv, S, D], key_valid [S] -> [H, S, D] (float32 math)."""
     rep = q.shape[0] // k.shape[0]
@@ -30,15 +34,11 @@ def _causal_attention(q, k, v, key_valid, scale):
 def stock_uses_flash(query: torch.Tensor) -> bool:
     """The stock THD model attends with the flash varlen kernels our unshared path runs (CUDA,
     fp16/bf16, head dim the kernels take); elsewhere with the plain reference."""
-    from ps_bridge.kernels.attention.varlen import flash_supports
-
     return query.dim() == 3 and flash_supports(query)
 
 
 def stock_attention_name(dtype: torch.dtype) -> str:
     """What `ReferenceCoreAttention` runs for THD inputs of `dtype` on this machine (for the output)."""
-    from ps_bridge.kernels.attention.varlen import flash_takes, kernel_for
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if flash_takes(device, dtype, 128):
         return f"flash varlen ({kernel_for(device).name}), as the unshared path"
@@ -49,8 +49,6 @@ class _CausalPlan:
     """One causal varlen call over verl's padded THD segments (the plan interface PlannedAttention runs)."""
 
     def __init__(self, bounds):
-        from ps_bridge.kernels.attention.varlen import VarlenCall
-
         self.call = VarlenCall(cu_q=list(bounds), cu_k=list(bounds), causal=True)
 
     def forward(self, q, k, v, scale, kernel):
@@ -61,8 +59,6 @@ class _CausalPlan:
 
 
 def _flash_causal(q, k, v, bounds, scale):
-    from ps_bridge.kernels.attention.varlen import PlannedAttention, kernel_for
-
     return PlannedAttention.apply(q, k, v, _CausalPlan(bounds), float(scale), kernel_for(q.device))
 
 

@@ -78,7 +78,7 @@ def import_megatron_bridge():
 
         return megatron.bridge
 
-    # megatron-core must cache HAVE_TE=False before the placeholder appears.
+    # imported here: this function's purpose (megatron-core caches HAVE_TE=False before the placeholder)
     import megatron.core  # noqa: F401
     import megatron.core.extensions.transformer_engine  # noqa: F401  (its own TE probe)
     import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401

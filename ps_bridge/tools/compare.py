@@ -14,9 +14,11 @@ from typing import Dict, List, Optional
 import torch
 
 from ps_bridge.layout import Sample, build_layout
+from ps_bridge.parallel.gradients import hf_named_gradients
 from ps_bridge.parallel.groups import max_over_ranks
 from ps_bridge.tools.runtime import LoadedModel
 from ps_bridge.tools.schedule import logprob_pass
+from ps_bridge.tools.tiny_checkpoints import hf_sample_logprobs
 
 
 def loss_weights(samples: List[Sample], seed: int = 0) -> List[torch.Tensor]:
@@ -85,8 +87,6 @@ def max_relative_grad_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor
 
 
 def hf_logprobs(hf_model, samples: List[Sample]) -> List[torch.Tensor]:
-    from ps_bridge.tools.tiny_checkpoints import hf_sample_logprobs
-
     with torch.no_grad():
         return hf_sample_logprobs(hf_model, samples)
 
@@ -117,9 +117,6 @@ def hf_gradient_difference(loaded: LoadedModel, hf_model: torch.nn.Module, sampl
     GDN projections split back). Returns the relative difference (norm of the difference over the
     norm of HF's gradient) per parameter HF gives a non-zero gradient, their maximum, and the max
     absolute gradient among the rest (parameters the loss does not reach, e.g. a vision tower)."""
-    from ps_bridge.parallel.gradients import hf_named_gradients
-    from ps_bridge.tools.tiny_checkpoints import hf_sample_logprobs
-
     shared = run_logprob_loss(loaded, samples, share=True, seed=seed)
     for name, p in loaded.model.named_parameters():
         grad = shared.grads.get(name)

@@ -14,12 +14,18 @@ from typing import Optional
 
 import torch
 
+from ps_bridge.compat.quiet import third_party_prints
+from ps_bridge.compat.te_placeholder import import_megatron_bridge
 from ps_bridge.config import PrefixSharingConfig
 from ps_bridge.forward import local_shard, run_packed
 from ps_bridge.launch_rule import ModelCost
 from ps_bridge.layout import PackedPrefixLayout
+from ps_bridge.parallel.gradients import broadcast_replicas
+from ps_bridge.parallel.groups import init_parallel
+from ps_bridge.parallel.settings import ParallelSettings, configure_provider, padded_vocab_size
 from ps_bridge.plan import SharingPlan
 from ps_bridge.prepare import micro_batch_layout
+from ps_bridge.providers.registry import register_all, resolve_provider
 from ps_bridge.rows import PackedRows
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -119,8 +125,6 @@ def load_model_from_hf_config(
 
 
 def _settings(tp: int, pp: int, sequence_parallel: bool, cp: int, ep: int = 1):
-    from ps_bridge.parallel.settings import ParallelSettings
-
     return ParallelSettings(tp=tp, pp=pp, cp=cp, sequence_parallel=sequence_parallel, ep=ep)
 
 
@@ -128,10 +132,6 @@ def _prepare_bridge(config: PrefixSharingConfig, hf_config: dict, settings):
     """Check the parallel settings (against the checkpoint's config.json dict too), pick our
     provider for its architectures, import Megatron-Bridge with our bridges registered, and set up
     the parallel groups; returns the provider entry."""
-    from ps_bridge.compat.te_placeholder import import_megatron_bridge
-    from ps_bridge.parallel.groups import init_parallel
-    from ps_bridge.providers.registry import register_all, resolve_provider
-
     # before any process group: every rank refuses alike
     settings.check(hf_config=hf_config)
     entry = resolve_provider(config.provider, list(hf_config.get("architectures") or []))
@@ -142,8 +142,6 @@ def _prepare_bridge(config: PrefixSharingConfig, hf_config: dict, settings):
 
 
 def _provide_model(bridge, provider_name, config, dtype, settings, load_weights) -> LoadedModel:
-    from ps_bridge.parallel.settings import configure_provider, padded_vocab_size
-
     tp, pp = settings.tp, settings.pp
     provider = bridge.to_megatron_provider(load_weights=load_weights)
     # TP / PP / SP / CP / EP, plus the vocabulary padding and uneven pipeline stages the shapes may need
@@ -164,7 +162,6 @@ def _provide_model(bridge, provider_name, config, dtype, settings, load_weights)
         # activations. Set after finalize(): its validation rejects the flag for MoE's allgather
         # dispatcher even in dense models, and only the pipeline schedule reads it.
         provider.variable_seq_lengths = True
-    from ps_bridge.compat.quiet import third_party_prints
 
     with third_party_prints():  # megatron's parameter count, the bridge's loading progress
         models = provider.provide_distributed_model(
@@ -178,7 +175,6 @@ def _provide_model(bridge, provider_name, config, dtype, settings, load_weights)
     device = default_device()
     model.to(device=device, dtype=dtype)
     if not load_weights:  # random weights: the CP / data-parallel replicas must be one model
-        from ps_bridge.parallel.gradients import broadcast_replicas
 
         broadcast_replicas(model)
     return LoadedModel(

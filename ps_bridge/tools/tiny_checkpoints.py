@@ -159,6 +159,7 @@ def _perturb_norms(model, seed: int) -> None:
 def build_tiny_qwen3(path: str, seed: int = 0, **overrides):
     """Tiny Qwen3 dense: head_dim 24 with hidden 64 and 4 query heads (not hidden / heads), 2 KV heads,
     q/k norms per head, no q/k/v bias, an odd vocabulary, untied embeddings."""
+    # imported here: transformers is heavy
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
@@ -175,6 +176,7 @@ def build_tiny_qwen3(path: str, seed: int = 0, **overrides):
 def build_tiny_qwen3_moe(path: str, seed: int = 0, **overrides):
     """Tiny Qwen3 MoE: 4 layers, layer 1 dense (`mlp_only_layers`), 4 routed experts top-2 with
     `norm_topk_prob`, no shared expert; head_dim 24 (not hidden / heads), an odd vocabulary."""
+    # imported here: transformers is heavy
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
@@ -194,6 +196,7 @@ def build_tiny_llama3(path: str, seed: int = 0, **overrides):
     original_max_position_embeddings 64: wavelengths above 64 positions are scaled, those between 16
     and 64 interpolated, so positions past 64 see scaled frequencies (megatron-core's fixed 8192 would
     not scale them the same)."""
+    # imported here: transformers is heavy
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)

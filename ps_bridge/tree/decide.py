@@ -115,6 +115,7 @@ def token_trie(
     classes: Optional[Sequence[Hashable]] = None,
     min_shared: int = 0,
     max_depth: Optional[int] = None,
+    prompt_lengths: Optional[np.ndarray] = None,
 ) -> PrefixTree:
     """The radix tree of the sequences `flat[offsets[i]:offsets[i + 1]]`.
 
@@ -124,6 +125,11 @@ def token_trie(
       where no sample ends) is pushed down into its children, top down (so a one-token root such as
       a BOS token shared by different prompts is dropped, and each child starts at position 0).
       0 shares every common token.
+    prompt_lengths: each sample's prompt length. Given, a short node in which the prompts of two or
+      more samples with the same prompt end is kept: a whole prompt (or its rest below a shared
+      system prompt) shared by its responses, which one level of sharing shares whatever its
+      length, so the tree never shares less than one level does (a GRPO group of a short prompt is
+      one node with its responses below).
     max_depth: nodes at this depth (roots: 0) have no children: their subtree is replaced by one
       leaf per sample passing through it (0: only samples that are prefixes of one another share,
       identical ones included, each path being one node; 1: one level).
@@ -198,7 +204,7 @@ def token_trie(
             n = tree.node_parent[n]
         tree.sample_node[i] = n
     if min_shared > 0:
-        tree = _drop_short_runs(tree, min_shared)
+        tree = _drop_short_runs(tree, min_shared, prompt_lengths)
     if max_depth is not None:
         tree = _limit_depth(tree, max_depth, lengths)
     return tree
@@ -234,16 +240,38 @@ def _keep(tree: PrefixTree, keep: np.ndarray) -> PrefixTree:
     return PrefixTree(tree.node_sample[keep], tree.node_start[keep], tree.node_end[keep], parent, new_id[tree.sample_node])
 
 
-def _drop_short_runs(tree: PrefixTree, min_shared: int) -> PrefixTree:
+def _holds_a_group_prompt_end(tree: PrefixTree, prompt_lengths: np.ndarray) -> np.ndarray:
+    """Per node, whether the last prompt token of two or more samples with the same prompt length lies
+    in it: samples that pass through one node and end their prompts at the same position there have
+    the same prompt, a group that one level of sharing shares."""
+    prompts = np.asarray(prompt_lengths, dtype=np.int64).tolist()
+    start, parent = tree.node_start.tolist(), tree.node_parent.tolist()
+    seen: set = set()
+    holds = np.zeros(tree.num_nodes, dtype=bool)
+    for n, P in zip(tree.sample_node.tolist(), prompts):
+        while start[n] >= P:  # up the sample's path to the node holding position P - 1
+            n = parent[n]
+        if (n, P) in seen:
+            holds[n] = True
+        seen.add((n, P))
+    return holds
+
+
+def _drop_short_runs(tree: PrefixTree, min_shared: int, prompt_lengths: Optional[np.ndarray] = None) -> PrefixTree:
     tree = PrefixTree(*(x.copy() for x in (tree.node_sample, tree.node_start, tree.node_end, tree.node_parent, tree.sample_node)))
     children = node_children(tree)
-    ends_here = np.zeros(tree.num_nodes, dtype=bool)
-    ends_here[tree.sample_node] = True
+    # kept whatever their length: where a sample ends, and where a group's whole prompt (or its rest
+    # below a shared prefix) ends (a dropped node holds no group's prompt end, so moving its run into
+    # its children gives them none: this is decided once, here)
+    any_length = np.zeros(tree.num_nodes, dtype=bool)
+    any_length[tree.sample_node] = True
+    if prompt_lengths is not None:
+        any_length |= _holds_a_group_prompt_end(tree, prompt_lengths)
     keep = np.ones(tree.num_nodes, dtype=bool)
     todo = [n for n in range(tree.num_nodes) if tree.node_parent[n] < 0]
     while todo:
         n = todo.pop()
-        if children[n] and not ends_here[n] and tree.node_end[n] - tree.node_start[n] < min_shared:
+        if children[n] and not any_length[n] and tree.node_end[n] - tree.node_start[n] < min_shared:
             keep[n] = False
             for c in children[n]:  # each child holds the run itself
                 tree.node_start[c] = tree.node_start[n]

@@ -9,8 +9,8 @@ With `ENABLE_PREFIX_SHARING=1` the import
   (verl 0.8.0: in place of the stock engines under "cuda" and "npu").
 With it unset or 0 the import registers nothing and verl runs unchanged.
 
-Backend, provider and prefix trees come from `PS_BRIDGE_BACKEND`, `PS_BRIDGE_PROVIDER` and
-`PS_BRIDGE_TREE` (`ps_bridge.config`): verl 0.9.1's configs are
+Backend, provider and prefix trees (on by default; `PS_BRIDGE_TREE=0`: one level) come from
+`PS_BRIDGE_BACKEND`, `PS_BRIDGE_PROVIDER` and `PS_BRIDGE_TREE` (`ps_bridge.config`): verl 0.9.1's configs are
 structured dataclasses that reject unknown keys such as `actor.prefix_sharing_config.backend`, and the
 engine is not handed the actor config anyway (see docs/verl.md).
 """

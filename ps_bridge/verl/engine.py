@@ -9,8 +9,9 @@ tokens, samples that share a prefix kept together). Per micro-batch the forward 
    (`ps_bridge.verl.batch`),
 2. packs them with `prepare.micro_batch_layout` and the micro-batch's `plan.SharingPlan` (decided
    once per mini-batch in `forward_backward_batch` and carried by each micro-batch: the sharing rule,
-   then `build_layout`: one prompt per group, or with `PrefixSharingConfig.tree` the token prefix tree:
-   every common prefix once, built once per micro-batch and read by the sharing rule too; samples of
+   then `build_layout`: with `PrefixSharingConfig.tree` (the default) the token prefix tree, every
+   common prefix once (a GRPO group: its prompt once), built once per micro-batch and read by the
+   sharing rule too; `PS_BRIDGE_TREE=0`: one prompt per group; samples of
    different temperatures share nothing; `pad_multiple` = TP size),
 3. runs the prefix-aware model on the packed THD sequence (`ps_bridge.forward.run_packed`), whatever
    verl's data format (`use_remove_padding` only changes how the *stock* engine pads; our model
@@ -169,7 +170,7 @@ class PrefixSharingEngineMixin:
 
     def _check_parallel_layout(self) -> None:
         """`ParallelSettings.check_supported` (the one owner of what parallel settings are refused) for
-        verl's engine config. Prefix trees of any depth (`PS_BRIDGE_TREE=1`) run under every layout it
+        verl's engine config. Prefix trees of any depth (the default, `PS_BRIDGE_TREE`) run under every layout it
         accepts (tests/test_verl_plugin.py: the engine on trees at TP=2, CP=2, PP=2, EP=2)."""
         ParallelSettings.from_config(self.engine_config).check_supported()
 

@@ -41,6 +41,7 @@ def bucket_length(n: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _compiled_flex():
+    # imported here: FlexAttention loads torch's compiler stack; only this backend needs it
     from torch.nn.attention.flex_attention import flex_attention
 
     with compile_allowed():
@@ -51,6 +52,7 @@ def _flex_for(device: torch.device):
     """Compiled on CUDA (the eager version is a slow reference); eager elsewhere."""
     if device.type == "cuda":
         return _compiled_flex()
+    # imported here: FlexAttention loads torch's compiler stack; only this backend needs it
     from torch.nn.attention.flex_attention import flex_attention
 
     return flex_attention
@@ -81,6 +83,7 @@ def flex_plan(layout: PackedPrefixLayout, device) -> FlexPlan:
 
 
 def _build_flex_plan(layout: PackedPrefixLayout, device: torch.device) -> FlexPlan:
+    # imported here: FlexAttention loads torch's compiler stack; only this backend needs it
     from torch.nn.attention.flex_attention import create_block_mask
 
     length = bucket_length(layout.num_tokens)

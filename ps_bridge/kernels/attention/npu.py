@@ -34,7 +34,7 @@ def _causal_mask(device) -> torch.Tensor:
 
 def _fusion_attention():
     try:
-        import torch_npu  # noqa: F401
+        import torch_npu  # noqa: F401  (imported here: torch_npu exists on Ascend machines only)
     except ImportError:
         raise RuntimeError(
             "backend 'flash_atten_npu' needs torch_npu (Ascend NPU); on NVIDIA GPUs use 'flash_atten_gpu', "

@@ -39,9 +39,10 @@ class AttentionBackend(Backend):
         if self.max_tree_depth is not None and depth > self.max_tree_depth:
             raise ValueError(
                 f"the {OP} backend {self.name!r} runs prefix trees of depth <= {self.max_tree_depth} "
-                f"(prompts and their responses); this micro-batch's tree has depth {depth}: use backend "
-                "'flash_atten_gpu' (the cascade, any depth), 'flex' or 'torch_ref' (or 'auto'), or build "
-                "the layout with share=True (one level) or a max_depth of 1"
+                f"(prompts and their responses); this micro-batch's tree has depth {depth}: share one level "
+                "with --no-tree (under verl PS_BRIDGE_TREE=0; a layout: share=True), or limit the tree's "
+                "depth to 1 (--tree-max-depth 1, PS_BRIDGE_TREE_MAX_DEPTH=1), or use backend "
+                "'flash_atten_gpu' (the cascade, any depth), 'flex' or 'torch_ref' (or 'auto')"
             )
 
 

@@ -12,6 +12,8 @@ from typing import Callable, Dict, Tuple
 
 import torch
 
+from ps_bridge.layout import Sample
+
 
 def qwen2_hf_config(dims: dict, num_layers: int):
     # imported here: transformers is heavy
@@ -213,8 +215,6 @@ def ideal_speedup(P: int, R: int, n: int) -> float:
 
 
 def make_samples(P: int, R: int, n: int, groups: int, vocab: int, seed: int):
-    from ps_bridge.layout import Sample
-
     g = torch.Generator().manual_seed(seed)
     samples = []
     for _ in range(groups):
@@ -245,8 +245,6 @@ def _tokens(g: torch.Generator, vocab: int, n: int) -> list:
 def system_samples(vocab: int, seed: int, system: int, prompts: int, prompt: int, n: int, response: int):
     """A system prompt of `system` tokens shared by `prompts` prompts of `prompt` tokens after it,
     each with `n` responses of `response` tokens (a tree of depth 2)."""
-    from ps_bridge.layout import Sample
-
     g = torch.Generator().manual_seed(seed)
     head = _tokens(g, vocab, system)
     samples = []
@@ -261,8 +259,6 @@ def chain_samples(vocab: int, seed: int, prompt: int, trajectories: int, turns: 
     `trajectories` trajectories of `turns` turns (an observation, then a response); each turn is a
     sample whose prompt is the whole trajectory so far and whose response is the turn's response
     (the samples of one trajectory are one path of the tree: depth 1)."""
-    from ps_bridge.layout import Sample
-
     g = torch.Generator().manual_seed(seed)
     head = _tokens(g, vocab, prompt)
     samples = []
@@ -280,8 +276,6 @@ def search_samples(vocab: int, seed: int, prompt: int, depth: int, branching: in
     """A search tree: a prompt of `prompt` tokens, then `depth` levels of `branching` children of
     `node` tokens each; one sample per node, its prompt the path above the node and its response the
     node's tokens (a tree of depth `depth`)."""
-    from ps_bridge.layout import Sample
-
     g = torch.Generator().manual_seed(seed)
     samples = []
     frontier = [_tokens(g, vocab, prompt)]
@@ -302,8 +296,6 @@ def template_samples(vocab: int, seed: int, prompts: int, prompt: int, template:
     the first tokens of a prompt's responses, so the only run shared across prompts is the template
     (a token trie of depth 2 when it is shared, `--min-shared-sweep`: 1 template node, `prompts`
     prompt nodes, `prompts * n` response leaves; depth 1 without it)."""
-    from ps_bridge.layout import Sample
-
     if not 1 <= template < prompt:
         raise ValueError(f"the template ({template} tokens) must be shorter than the prompt ({prompt}) and non-empty")
     if max(prompts, n) > vocab:

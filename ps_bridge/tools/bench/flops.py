@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from ps_bridge.layout import PackedPrefixLayout, Sample, build_layout
+from ps_bridge.tools.bench.catalog import FAMILIES
 
 MATMUL_FWD_BWD = 3.0  # forward + backward of a linear layer, in forwards
 ATTENTION_FWD_BWD = 3.5  # flash-attention's count: backward = 2.5 x forward
@@ -85,8 +86,6 @@ def flop_shape(model, num_layers: Optional[int] = None) -> FlopShape:
     """The `FlopShape` of a bench `ModelShape` (`ps_bridge.tools.bench.catalog.MODEL_SHAPES`) with
     `num_layers` layers (default: its bench layer count), read off the transformers config the bench
     builds for it (defaults included; Qwen3.5's hybrid pattern cut to the layers)."""
-    from ps_bridge.tools.bench.catalog import FAMILIES
-
     layers = model.bench_layers if num_layers is None else num_layers
     return flop_shape_of_config(FAMILIES[model.family](model.dims, layers), model.family)
 

@@ -7,6 +7,7 @@ from typing import Tuple
 import torch
 
 from ps_bridge.tools.bench.catalog import response_row_mask
+from ps_bridge.tools.runtime import float32_reference_model, row_logprobs, tf32_disabled
 
 
 class Fp32Reference:
@@ -16,15 +17,11 @@ class Fp32Reference:
     distance to each other. Slow for Qwen3.5 (torch_ref's GDN recurrence runs token by token)."""
 
     def __init__(self, hf_config, loaded, chunk: int):
-        from ps_bridge.tools.runtime import float32_reference_model
-
         self.loaded = float32_reference_model(loaded, hf_config)
         self.chunk = chunk
 
     def response_logprobs(self, unshared_layouts) -> torch.Tensor:
         """Response-token log-probs over the unshared micro-batches, in sample order."""
-        from ps_bridge.tools.runtime import row_logprobs, tf32_disabled
-
         out = []
         with tf32_disabled(), torch.no_grad():
             for layout in unshared_layouts:

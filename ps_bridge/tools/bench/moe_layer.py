@@ -24,14 +24,15 @@ import warnings
 
 import torch
 
+from ps_bridge.config import PrefixSharingConfig
+from ps_bridge.models.qwen35_specs import prefix_shared_qwen35_block_spec
 from ps_bridge.models.token_permutation import use_gather_sum_permutation, use_megatron_permutation
 from ps_bridge.tools.bench.catalog import FAMILIES, MODEL_SHAPES
+from ps_bridge.tools.runtime import load_model_from_hf_config
 
 
 def _sequential_twin(loaded, grouped):
     """megatron's SequentialMLP MoE layer with `grouped`'s weights (the provider's spec, grouped GEMM off)."""
-    from ps_bridge.models.qwen35_specs import prefix_shared_qwen35_block_spec
-
     provider = loaded.provider
     provider.moe_grouped_gemm = False
     try:
@@ -121,6 +122,7 @@ def host_waits(layer, x, grad) -> bool:
 def profile_table(layer, x, grad, path: str, rows: int = 40) -> None:
     """torch.profiler's operator table of one forward + backward of `layer` (after the timed runs),
     sorted by GPU kernel time, written to `path`: where the grouped layer's time goes."""
+    # imported here: only --profile runs the profiler
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if x.is_cuda else [])
@@ -138,9 +140,6 @@ def _rel(a, b):
 
 
 def run(model: str, P: int, R: int, n: int, groups: int, warmup: int, repeats: int, seed: int, profile: str = None) -> dict:
-    from ps_bridge.config import PrefixSharingConfig
-    from ps_bridge.tools.runtime import load_model_from_hf_config
-
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16  # grouped_mm's dtype (also on the CPU)
     shape = MODEL_SHAPES[model]

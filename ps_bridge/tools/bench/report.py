@@ -55,6 +55,8 @@ class RowResult(RowCoordinates):
     nodes: Optional[int] = None
     # F: model FLOPs of the unshared computation over those of the shared one (bench/flops.py)
     flop_ratio: Optional[float] = None
+    # how the shared run packed: "tree" (every common prefix, the default) or "prompt" (one level, --no-tree)
+    share: Optional[str] = None
 
     @classmethod
     def failed(cls, model: str, layers: int, backend: str, P: int, R: int, n: int, groups: int, error: str,

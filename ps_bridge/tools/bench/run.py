@@ -13,6 +13,12 @@ from typing import List, Optional, Tuple
 import torch
 from tqdm import tqdm
 
+from ps_bridge.config import PrefixSharingConfig
+from ps_bridge.forward import cp_total_multiple
+from ps_bridge.kernels.attention import BACKENDS
+from ps_bridge.layout import build_layout
+from ps_bridge.parallel.groups import init_parallel, is_output_rank, launched_world_size, max_over_ranks
+from ps_bridge.parallel.settings import ParallelSettings
 from ps_bridge.tools.bench.catalog import (
     DEFAULT_GRID,
     DEFAULT_MODELS,
@@ -39,6 +45,8 @@ from ps_bridge.tools.bench.report import (
     write_plot,
 )
 from ps_bridge.tools.bench.timing import UNSHARED_SPLITS, ModeResult, run_mode, run_pair, run_shared, run_unshared
+from ps_bridge.tools.data_parallel import data_parallel_size, dp_share
+from ps_bridge.tools.runtime import default_device, load_model_from_hf_config
 
 # ---- arguments --------------------------------------------------------------------------------
 
@@ -86,6 +94,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated prefix-tree rows by name (" + "; ".join(
                             f"{k}: {v.description}" for k, v in TREE_SHAPES.items())
                         + "), shared as a token trie; tiny sizes with --smoke. Without --grid only these rows run")
+    parser.add_argument("--no-tree", dest="tree", action="store_false", default=None,
+                        help="pack the shared runs one level (identical prompts only); default: every common "
+                             "prefix as a prefix tree (a grid row's group is a tree of depth one)")
     parser.add_argument("--groups", type=int, default=1, help="prompts (groups of n responses) per micro-batch")
     parser.add_argument("--backends", type=_parse_list, default=["auto"],
                         help="comma-separated attention backends to time prefix-shared (default auto); "
@@ -136,15 +147,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _data_parallel_share(samples: list) -> list:
     """This data-parallel rank's whole groups of the row's batch (all of it without EP)."""
-    from ps_bridge.tools.data_parallel import dp_share
-
     return dp_share(samples)[1]
 
 
 def _whole_batch_rows(rows):
     """Every data-parallel rank's response rows, in rank order, on every rank (as given without EP)."""
-    from ps_bridge.tools.data_parallel import data_parallel_size
-
     if rows is None or data_parallel_size() == 1:
         return rows
     # imported here: megatron-core is heavy
@@ -159,9 +166,6 @@ def _whole_batch_rows(rows):
 def _slowest_rank(mode: ModeResult) -> ModeResult:
     """Under EP the step is the slowest data-parallel rank's (they wait for each other in the expert
     exchange and the gradient reduction): the largest median time and peak over the ranks."""
-    from ps_bridge.parallel.groups import max_over_ranks
-    from ps_bridge.tools.data_parallel import data_parallel_size
-
     if data_parallel_size() == 1:
         return mode
     peak = lambda mib: None if mib is None else max_over_ranks(mib)  # noqa: E731
@@ -173,30 +177,24 @@ def _slowest_rank(mode: ModeResult) -> ModeResult:
 
 def world_layout(args) -> dict:
     """How the processes of this run are laid out (stated with every row)."""
-    from ps_bridge.parallel.groups import launched_world_size
-    from ps_bridge.tools.data_parallel import data_parallel_size
-
     dp = data_parallel_size()
     return dict(world_size=launched_world_size(), cp=args.cp, ep=args.ep, data_parallel=dp,
                 groups_per_rank=args.groups // dp)
 
 
 def row_batch(P: int, R: int, n: int, tree: Optional[str], args, vocab: int):
-    """A row's micro-batch and how it is shared: `groups` prompts of P tokens with n responses of R
-    (one level), or the named tree shape (`catalog.TREE_SHAPES`, tiny under --smoke) shared as a
-    token trie at the default threshold."""
+    """A row's micro-batch: `groups` prompts of P tokens with n responses of R, or the named tree shape
+    (`catalog.TREE_SHAPES`, tiny under --smoke)."""
     if tree is None:
-        return make_samples(P, R, n, args.groups, vocab, args.seed), True
-    return TREE_SHAPES[tree].samples(vocab, args.seed, smoke=args.smoke), "tree"
+        return make_samples(P, R, n, args.groups, vocab, args.seed)
+    return TREE_SHAPES[tree].samples(vocab, args.seed, smoke=args.smoke)
 
 
 def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, reference=None,
             tree: Optional[str] = None) -> List[RowResult]:
     """One row: a grid row (P, R, n) or, with `tree`, a named tree shape (P = R = n = 0)."""
-    from ps_bridge.forward import cp_total_multiple
-    from ps_bridge.layout import build_layout
-
-    batch, share = row_batch(P, R, n, tree, args, loaded.vocab_size)
+    batch = row_batch(P, R, n, tree, args, loaded.vocab_size)
+    share = loaded.config.layout_share(True)  # a token trie at the default threshold, or one level (--no-tree)
     samples = _data_parallel_share(batch)  # under EP this rank's whole groups; the row counts the whole batch
     pack = partial(build_layout, share=share, vocab_size=loaded.vocab_size, total_multiple=cp_total_multiple(),
                    prompt_values=loaded.config.layout_prompt_values)
@@ -250,6 +248,7 @@ def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, refer
                 tree_depth=whole.tree_depth,
                 nodes=whole.num_segments,
                 flop_ratio=flops,
+                share="tree" if share == "tree" else "prompt",
                 **fp32,
             )
         )
@@ -260,9 +259,6 @@ def run_min_shared_row(loaded, model_name, layers, backends, P, R, n, run, args,
     """One `--min-shared-sweep` row: the template micro-batch (`catalog.template_samples`: --groups
     prompts of P sharing their first `run` tokens) packed as a token trie at `min_shared=0` and at
     `min_shared=run + 1`, timed against each other (`timing.run_pair`) with each backend."""
-    from ps_bridge.forward import cp_total_multiple
-    from ps_bridge.layout import build_layout
-
     samples = template_samples(loaded.vocab_size, args.seed, args.groups, P, run, n, R)
     pack = partial(build_layout, samples, share="tree", vocab_size=loaded.vocab_size,
                    total_multiple=cp_total_multiple(), prompt_values=loaded.config.layout_prompt_values)
@@ -300,6 +296,11 @@ def _min_shared_row(loaded, name, layers, P, R, n, k, args, progress, say) -> Li
             torch.cuda.empty_cache()
     say("\n".join(format_min_shared_table(rows).splitlines()[2:]))
     return rows
+
+
+def _tree_option(args) -> dict:
+    """`PrefixSharingConfig`'s tree setting from --no-tree; unset: the config's default."""
+    return {} if args.tree is None else {"tree": args.tree}
 
 
 def _error(message: str) -> int:
@@ -344,9 +345,6 @@ def _min_shared_sweep_problem(args, grid) -> Optional[str]:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from ps_bridge.config import PrefixSharingConfig
-    from ps_bridge.kernels.attention import BACKENDS
-
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
         return _error(
@@ -385,8 +383,6 @@ def run_bench(args: argparse.Namespace) -> int:
         return _error("--groups and --repeats must be >= 1, --warmup >= 0")
     if (args.cp > 1 or args.ep > 1) and not cuda and not args.smoke:
         return _error("--cp and --ep need GPUs (or --smoke on a CPU)")
-    from ps_bridge.parallel.groups import init_parallel, is_output_rank, launched_world_size
-    from ps_bridge.parallel.settings import ParallelSettings
 
     try:
         # torchrun's world must be --cp (--ep) processes or a multiple
@@ -405,15 +401,15 @@ def run_bench(args: argparse.Namespace) -> int:
     args.warmup, args.repeats = warmup, repeats
     dtype = torch.bfloat16 if cuda else torch.float32
 
-    from ps_bridge.tools.runtime import default_device, load_model_from_hf_config
-
     device = default_device()
     env = environment(device)
     out = print if report else (lambda *a, **k: None)
     dp = launched_world_size() // args.cp
     out(f"ps-bridge bench on {env['device']} (torch {env['torch']}, triton {env['triton']}, "
           f"megatron-core {env['megatron_core']}, megatron-bridge {env['megatron_bridge']}), {str(dtype)[6:]}, "
-          f"warm-up {warmup}, median of {repeats}" + (f", context parallel {args.cp} GPUs" if args.cp > 1 else "")
+          f"warm-up {warmup}, median of {repeats}, shared "
+          + ("as prefix trees" if PrefixSharingConfig(**_tree_option(args)).tree else "one level (--no-tree)")
+          + (f", context parallel {args.cp} GPUs" if args.cp > 1 else "")
         + (f", expert parallel {args.ep} (data parallel {dp}: each rank {args.groups // dp} of the "
            f"{args.groups} groups, gradients reduced every step)" if args.ep > 1 else ""),
         flush=True)
@@ -448,7 +444,7 @@ def run_bench(args: argparse.Namespace) -> int:
         shape = MODEL_SHAPES[name]
         layers = args.layers or shape.bench_layers
         hf_config = FAMILIES[shape.family](shape.dims, layers)
-        config = PrefixSharingConfig(enabled=True, backend=args.backends[0], pad_multiple=1)
+        config = PrefixSharingConfig(enabled=True, backend=args.backends[0], pad_multiple=1, **_tree_option(args))
         loaded = load_model_from_hf_config(hf_config, config, dtype=dtype, cp=args.cp, ep=args.ep)
         reference = Fp32Reference(hf_config, loaded, args.logprob_chunk) if args.fp32_reference else None
         head_dim = int(loaded.provider.kv_channels)  # Qwen3.5 sets head_dim apart from hidden/heads

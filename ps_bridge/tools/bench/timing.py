@@ -13,7 +13,12 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from ps_bridge.forward import cp_total_multiple
+from ps_bridge.layout import build_layout
+from ps_bridge.parallel.gradients import finish_gradients
 from ps_bridge.tools.bench.catalog import response_row_mask
+from ps_bridge.tools.runtime import row_logprobs
+from ps_bridge.tree.split import budget_micro_batches
 
 
 @dataclass
@@ -64,9 +69,6 @@ def run_actor_step(loaded, layouts, masks, count: float, chunk: int) -> None:
     Under expert parallelism each data-parallel rank runs its own groups and the step ends with the
     data-parallel reduction (expert weights over the expert data-parallel group), averaged as
     megatron's DDP averages the ranks' per-rank mean losses (`finish_gradients`)."""
-    from ps_bridge.parallel.gradients import finish_gradients
-    from ps_bridge.tools.runtime import row_logprobs
-
     for layout, mask in zip(layouts, masks):
         rows = row_logprobs(loaded, layout, chunk_rows=chunk)  # gradient to this CP rank's own rows
         (-(rows * mask).sum() / count * loaded.cp).backward()
@@ -87,8 +89,6 @@ class _Packing:
         self.rows = None
 
     def logprob_pass(self):
-        from ps_bridge.tools.runtime import row_logprobs
-
         with torch.no_grad():
             self.rows = [row_logprobs(self.loaded, layout, chunk_rows=self.chunk) for layout in self.layouts]
 
@@ -221,9 +221,6 @@ def run_unshared(loaded, samples: list, backend: str, **timing) -> Tuple[Optiona
     """Time the unshared packing of `samples`, split into more and more micro-batches (`UNSHARED_SPLITS`)
     while one does not fit in GPU memory. Returns its timings and response log-probs, both None when
     it does not fit even split, and the layouts of the last attempt."""
-    from ps_bridge.forward import cp_total_multiple
-    from ps_bridge.layout import build_layout
-
     # At a 248k vocabulary, 16 x 4352 tokens of bf16 logits alone are 32 GiB: an unshared batch
     # that does not fit runs as `parts` micro-batches with gradient accumulation, as a trainer would.
     candidates = ([build_layout(part, share=False, vocab_size=loaded.vocab_size, total_multiple=cp_total_multiple())
@@ -244,8 +241,6 @@ def run_shared(loaded, samples: list, layout, pack, backend: str, **timing) -> T
     prefix in as few micro-batches as fit, computed once in each, as the verl engine's micro-batching
     splits a subtree over its budget; `pack` packs one), with gradient accumulation. Returns its
     timings, its response log-probs in the samples' order, and the layouts it ran."""
-    from ps_bridge.tree.split import budget_micro_batches
-
     splits: List[List[List[int]]] = []  # per candidate, each micro-batch's sample indices
 
     def candidates():

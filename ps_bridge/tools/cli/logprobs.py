@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -22,12 +23,14 @@ def add_parser(sub) -> None:
     lp.add_argument("--sharing", default="auto", choices=["auto", "on", "off"],
                     help="auto (default): share where the rule of ps_bridge.launch_rule finds it pays "
                          "(docs/how-it-works.md); on: always share; off: never")
-    lp.add_argument("--tree", action="store_true",
-                    help="share every common prefix (a prefix tree: system prompts across prompts, samples that "
-                         "are prefixes of others), not only identical prompts")
+    lp.add_argument("--tree", action=argparse.BooleanOptionalAction, default=None,
+                    help="share every common prefix as a prefix tree (the default: system prompts across prompts, "
+                         "samples that are prefixes of others; a GRPO group is a tree of depth one); --no-tree: "
+                         "identical prompts only (one level)")
     lp.add_argument("--tree-min-shared", type=int, default=None,
-                    help="with --tree: the shortest common run shared (default: ps_bridge.layout.DEFAULT_MIN_SHARED)")
-    lp.add_argument("--tree-max-depth", type=int, default=None, help="with --tree: the tree's depth limit (default: none)")
+                    help="the tree's shortest shared run (default: ps_bridge.layout.DEFAULT_MIN_SHARED; a whole "
+                         "prompt shared by its responses is shared whatever its length)")
+    lp.add_argument("--tree-max-depth", type=int, default=None, help="the tree's depth limit (default: none)")
     lp.add_argument("--backend", default="torch_ref", help=f"attention backend ({', '.join(sorted(BACKENDS))})")
     lp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     lp.add_argument("--provider", default=None, help="provider name (default: detected from the checkpoint)")
@@ -100,7 +103,8 @@ def run_logprobs(args) -> int:
             samples = samples_with_image_files(samples, image_paths, args.hf_path, hf_config, Path(args.batch).parent)
         config = PrefixSharingConfig(
             enabled=not args.no_prefix_sharing, backend=args.backend, provider=args.provider, sharing=args.sharing,
-            tree=args.tree, tree_min_shared=args.tree_min_shared, tree_max_depth=args.tree_max_depth,
+            tree_min_shared=args.tree_min_shared, tree_max_depth=args.tree_max_depth,
+            **({} if args.tree is None else {"tree": args.tree}),  # unset: the config's default
         )
         resolve_provider(config.provider, archs)
         # the whole batch goes through `prepare` (its one owner of deciding what is shared): the tree

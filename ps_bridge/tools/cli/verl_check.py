@@ -36,8 +36,11 @@ def add_parser(sub) -> None:
     p.add_argument("--n", "--responses", dest="n", type=int, default=8, help="responses per prompt")
     p.add_argument("--prompt-len", type=int, default=2048, help="P (each prompt's own tokens, after the system prompt)")
     p.add_argument("--system-prompt-len", type=int, default=0, metavar="N",
-                   help="every prompt begins with the same N tokens; the prefix-shared engine then runs on "
-                        "prefix trees (PS_BRIDGE_TREE=1: the system prompt once per micro-batch)")
+                   help="every prompt begins with the same N tokens (a prefix tree shares them once per "
+                        "micro-batch)")
+    p.add_argument("--no-tree", dest="tree", action="store_false", default=None,
+                   help="the prefix-shared engine shares identical prompts only (one level, PS_BRIDGE_TREE=0); "
+                        "default: every common prefix (a prefix tree)")
     p.add_argument("--response-len", type=int, default=512, help="mean R; lengths drawn from [R/2, 3R/2]")
     p.add_argument("--steps", type=int, default=5, help="trainer steps T")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -71,7 +74,7 @@ def run_verl_check(args) -> int:
     if args.system_prompt_len < 0:
         raise UsageError(f"--system-prompt-len {args.system_prompt_len}: give 0 (no system prompt) or more tokens")
     if args.smoke:
-        settings = check.CheckSettings(**SMOKE, seed=args.seed, system_prompt_len=args.system_prompt_len, overrides=SMOKE_OVERRIDES + list(args.overrides),
+        settings = check.CheckSettings(**SMOKE, seed=args.seed, system_prompt_len=args.system_prompt_len, tree=args.tree, overrides=SMOKE_OVERRIDES + list(args.overrides),
                                        workdir=args.workdir, noise_floor=args.noise_floor,
                                        baseline=args.baseline, interleave=args.interleave)
     else:
@@ -79,7 +82,7 @@ def run_verl_check(args) -> int:
             raise UsageError("--model is required (an HF checkpoint directory or a catalogue shape), or --smoke")
         settings = check.CheckSettings(
             model=args.model, layers=args.layers, prompts=args.prompts, n=args.n, prompt_len=args.prompt_len,
-            system_prompt_len=args.system_prompt_len,
+            system_prompt_len=args.system_prompt_len, tree=args.tree,
             response_len=args.response_len, steps=args.steps, dtype=args.dtype, seed=args.seed,
             overrides=list(args.overrides), noise_floor=args.noise_floor, workdir=args.workdir,
             baseline=args.baseline, interleave=args.interleave)

@@ -45,7 +45,8 @@ class CheckSettings:
     prompts: int = 32
     n: int = 8
     prompt_len: int = 2048  # P: each prompt's own tokens, after the system prompt
-    system_prompt_len: int = 0  # N: tokens every prompt begins with (the same ones); N > 0 runs the shared engine on prefix trees
+    system_prompt_len: int = 0  # N: tokens every prompt begins with (the same ones), shared once by a prefix tree
+    tree: Optional[bool] = None  # the shared engine's PrefixSharingConfig.tree (None: its default, PS_BRIDGE_TREE)
     response_len: int = 512  # mean; each response's length is drawn from [R/2, 3R/2]
     steps: int = 5
     dtype: str = "bfloat16"

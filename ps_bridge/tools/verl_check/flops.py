@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ps_bridge.tools.bench.flops import FlopShape, flop_shape_of_config, model_flops
 from ps_bridge.layout import build_layout
+from ps_bridge.tools.bench.flops import FlopShape, flop_shape_of_config, model_flops
+from ps_bridge.tools.verl_check.model import checkpoint_text_config
 
 
 class PhaseFlops:
@@ -35,8 +36,6 @@ class PhaseFlops:
 
 
 def checkpoint_flop_shape(ckpt: str) -> FlopShape:
-    from ps_bridge.tools.verl_check.model import checkpoint_text_config
-
     return flop_shape_of_config(checkpoint_text_config(ckpt))
 
 

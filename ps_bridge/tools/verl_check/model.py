@@ -10,14 +10,14 @@ import os
 
 import torch
 
+from ps_bridge.compat.stock_attention import stock_attention_name
+from ps_bridge.tools.bench.catalog import FAMILIES, MODEL_SHAPES
 from ps_bridge.tools.verl_check.config import CheckSettings
 
 
 def checkpoint_for(settings: CheckSettings, workdir: str) -> str:
     """`settings.model` as an HF checkpoint directory with a tokenizer: as given, or a random one of
     a catalogue shape (written once into `workdir`)."""
-    from ps_bridge.tools.bench.catalog import FAMILIES, MODEL_SHAPES
-
     if os.path.isdir(settings.model):
         return settings.model
     if settings.model not in MODEL_SHAPES:
@@ -68,8 +68,6 @@ def stock_kind(ckpt: str, baseline: str = "stock") -> str:
 
 
 def stock_description(ckpt: str, settings: CheckSettings) -> str:
-    from ps_bridge.compat.stock_attention import stock_attention_name
-
     if stock_kind(ckpt, settings.baseline) == "verl":
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(settings.dtype, torch.float32)
         return f"verl MegatronEngineWithLMHead, Megatron-Bridge stock provider, core attention: {stock_attention_name(dtype)}"

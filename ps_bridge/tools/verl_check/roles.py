@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ps_bridge.config import PrefixSharingConfig
 from ps_bridge.tools.verl_check.config import CheckSettings
 from ps_bridge.tools.verl_check.model import stock_kind
 
@@ -107,10 +108,10 @@ def build_role_engines(kind: str, ckpt: str, settings: CheckSettings, actor_cfg,
             rollout["micro_batch_size"] if not forward_only else cfg.ppo_micro_batch_size_per_gpu)
         kw = dict(engine_config=engine_cfg, optimizer_config=cfg.optim, forward_only=forward_only,
                   dtype=settings.dtype, use_remove_padding=True)
-        if kind == "shared":  # with a system prompt: every common prefix once (the prefix tree)
+        if kind == "shared":  # every common prefix once (the prefix tree) unless settings.tree is False
             engine = build_engine(PrefixSharedMegatronEngine, ckpt, **kw)
             engine.prefix_sharing_config = PrefixSharingConfig.from_env(
-                enabled=True, backend=shared_backend(settings), tree=True if settings.system_prompt_len else None)
+                enabled=True, backend=shared_backend(settings), tree=settings.tree)
         elif stock_kind(ckpt, settings.baseline) == "verl":
             engine = build_stock_engine(ckpt, **kw)
         else:
@@ -123,9 +124,12 @@ def build_role_engines(kind: str, ckpt: str, settings: CheckSettings, actor_cfg,
     return actor, ref
 
 
-def shared_backend(settings: CheckSettings) -> str:
-    from ps_bridge.config import PrefixSharingConfig
+def shared_tree(settings: CheckSettings) -> bool:
+    """Whether the prefix-shared engine packs prefix trees (`PrefixSharingConfig.tree`)."""
+    return PrefixSharingConfig.from_env(enabled=True, tree=settings.tree).tree
 
+
+def shared_backend(settings: CheckSettings) -> str:
     env = PrefixSharingConfig.from_env(enabled=True).backend
     if env != "torch_ref" or not torch.cuda.is_available() or settings.dtype == "float32":
         return env

@@ -16,7 +16,7 @@ from ps_bridge.tools.verl_check.config import CheckSettings, role_configs, scale
 from ps_bridge.tools.verl_check.data import ideal_ratio, synthetic_batch
 from ps_bridge.tools.verl_check.flops import PhaseFlops, checkpoint_flop_shape, flop_ratios
 from ps_bridge.tools.verl_check.model import checkpoint_for, checkpoint_text_config, free_memory, stock_description
-from ps_bridge.tools.verl_check.roles import Role, build_role_engines, shared_backend
+from ps_bridge.tools.verl_check.roles import Role, build_role_engines, shared_backend, shared_tree
 
 
 def _sync():
@@ -168,14 +168,26 @@ def _kl(old, ref, mask, kind: str) -> float:
     return float(kl_penalty(old, ref, kl_penalty=kind)[mask].mean())
 
 
+def synthetic_batches(settings: CheckSettings, cfg, ckpt: str):
+    """Every step's synthetic GRPO batch for the checkpoint's vocabulary, and all response lengths."""
+    # imported here: omegaconf comes with verl (optional)
+    from omegaconf import OmegaConf
+
+    vocab = checkpoint_text_config(ckpt).vocab_size
+    algo = OmegaConf.to_container(cfg.algorithm, resolve=True)
+    batches, lengths = [], []
+    for t in range(settings.steps):
+        b, ls = synthetic_batch(settings, vocab, t, algo)
+        batches.append(b)
+        lengths.extend(ls)
+    return batches, lengths
+
+
 def run_check(settings: CheckSettings, progress: Optional[Callable[[str], None]] = None,
               on_result: Optional[Callable[[dict], None]] = None) -> dict:
     """Build both engines in turn, run the steps, compare: the `--json` document. `on_result` gets the
     document as soon as stock and shared are compared, and again with the noise floor (so a run cut
     short during the noise floor still leaves the comparison)."""
-    # imported here: omegaconf comes with verl (optional)
-    from omegaconf import OmegaConf
-
     progress = progress or (lambda msg: None)
     if settings.dtype not in ("bfloat16", "float32", "float16"):
         raise ValueError(f"--dtype {settings.dtype!r}: use bfloat16, float16 or float32")
@@ -183,17 +195,11 @@ def run_check(settings: CheckSettings, progress: Optional[Callable[[str], None]]
     cfg = trainer_config(settings)
     ckpt = checkpoint_for(settings, workdir)
     progress("checkpoint ready")
-    vocab = checkpoint_text_config(ckpt).vocab_size
-    algo = OmegaConf.to_container(cfg.algorithm, resolve=True)
     mini = int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
     if settings.prompts % mini:
         raise ValueError(f"--prompts {settings.prompts} is not a multiple of actor_rollout_ref.actor."
                          f"ppo_mini_batch_size={mini} (prompts per mini-batch)")
-    batches, lengths = [], []
-    for t in range(settings.steps):
-        b, ls = synthetic_batch(settings, vocab, t, algo)
-        batches.append(b)
-        lengths.extend(ls)
+    batches, lengths = synthetic_batches(settings, cfg, ckpt)
     names = ("stock", "shared")
     # the engines run one after the other (`shared_first` swaps their order), or step by step in turns
     order = ("shared", "stock") if settings.shared_first else ("stock", "shared")
@@ -206,7 +212,7 @@ def run_check(settings: CheckSettings, progress: Optional[Callable[[str], None]]
     config = {
         "model": settings.model, "checkpoint": ckpt, "layers": settings.layers, "prompts": settings.prompts,
         "n": settings.n, "prompt_len": settings.prompt_len, "system_prompt_len": settings.system_prompt_len,
-        "tree": bool(settings.system_prompt_len), "response_len_mean": settings.response_len,
+        "tree": shared_tree(settings), "response_len_mean": settings.response_len,
         "engine_order": list(order) + (["interleaved"] if settings.interleave else []), "baseline": settings.baseline,
         "steps": settings.steps, "dtype": settings.dtype, "seed": settings.seed,
         "overrides": list(settings.overrides), "ideal_speedup_S": ideal_ratio(settings, lengths),

@@ -21,6 +21,8 @@ import torch
 
 from ps_bridge.compat.stock_attention import reference_gpt_layer_spec
 from ps_bridge.compat.verl_on_cpu import engine_call_on_cpu, prepare_cpu_process
+from ps_bridge.config import PrefixSharingConfig
+from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
 
 # ---- model, tokenizer, engine --------------------------------------------------------------
 
@@ -41,8 +43,6 @@ def save_tiny_tokenizer(path: str, vocab_size: int) -> None:
 def tiny_checkpoint(path: str, family: str = "qwen2.5", seed: int = 0, **overrides):
     """A tiny random HF checkpoint of `family` (ps_bridge.tools.tiny_checkpoints.TINY_BUILDERS, with its
     config `overrides`) plus a tokenizer."""
-    from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
-
     hf_model = TINY_BUILDERS[family](path, seed=seed, **overrides)
     save_tiny_tokenizer(path, hf_model.config.get_text_config().vocab_size)
     return hf_model
@@ -203,8 +203,8 @@ def prepare_side_by_side() -> None:
     """CPU preparation, the stock bridges remembered, then the plugin activated (sharing on)."""
     prepare_cpu_process()
     remember_stock_bridges()
+    # imported here: after the stock bridges are remembered (the plugin's import registers ours where sharing is on)
     import ps_bridge.verl as plugin
-    from ps_bridge.config import PrefixSharingConfig
 
     plugin.activate(PrefixSharingConfig(enabled=True))
 
