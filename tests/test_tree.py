@@ -188,11 +188,25 @@ def test_threshold_and_depth_limit(seed, min_shared, max_depth):
     assert full.tokens_shared <= layout.tokens_shared <= layout.tokens_unshared
     if max_depth is not None:
         assert layout.tree_depth <= max_depth
-    # a run shared by several samples (an inner node) where no sample ends is at least min_shared long
-    parents = set(layout.segment_parent.tolist()) - {-1}
+    # a run shared by several samples (an inner node) where no sample ends is at least min_shared long,
+    # unless the prompt that two or more of its samples share ends in it (a group's whole prompt is shared)
+    parent, lengths = layout.segment_parent.tolist(), layout.host["valid_lengths"]
+    parents = set(parent) - {-1}
     ends_here = set(layout.sample_segment.tolist())
     for s in parents - ends_here:
-        assert layout.host["valid_lengths"][s] >= min_shared
+        if lengths[s] >= min_shared:
+            continue
+        prompt_ends = []  # (prompt, where it ends relative to the node's start) of the samples through s
+        for i, sample in enumerate(samples):
+            chain, seg = [], layout.sample_segment[i].item()
+            while seg != -1:
+                chain.append(seg)
+                seg = parent[seg]
+            if s in chain:
+                start = sum(lengths[c] for c in chain[chain.index(s) + 1:])
+                prompt_ends.append((tuple(sample.prompt), len(sample.prompt) - start))
+        inside = [p for p, end in prompt_ends if 0 < end <= lengths[s]]
+        assert any(inside.count(p) >= 2 for p in inside), (s, lengths[s], min_shared)
 
 
 def test_trie_shapes():

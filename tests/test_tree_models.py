@@ -200,8 +200,11 @@ def test_qwen35_tree_gradients_equal_unshared(qwen35):
         if moe:
             provider.moe_aux_loss_coeff, provider.moe_z_loss_coeff = saved
     assert g_tree.keys() == g_flat.keys() and any("A_log" in n for n in g_tree)
-    worst = max(((g_tree[n] - g_flat[n]).norm() / g_flat[n].norm().clamp(min=1e-12)).item() for n in g_tree)
-    assert worst <= 1e-5, (name, worst)
+    diffs = {n: ((g_tree[n] - g_flat[n]).norm() / g_flat[n].norm().clamp(min=1e-12)).item() for n in g_tree}
+    worst = max(diffs, key=diffs.get)
+    # 2e-5: the GDN gate's dt_bias gradient is a sum over every token with cancellation (norm ~1e-3),
+    # whose float32 rounding follows the pack's summation order (a wrong tree is off by far more)
+    assert diffs[worst] <= 2e-5, (name, worst, diffs[worst], g_flat[worst].norm().item())
 
 
 def test_qwen35_moe_tree_expert_bias_counts_equal_unshared(moe_with_expert_bias):
