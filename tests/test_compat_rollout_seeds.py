@@ -12,9 +12,10 @@ from ps_bridge.compat.rollout_seeds import request_seed
 
 def test_request_seed_is_stable_and_differs_per_sample_and_prompt():
     prompt = [11, 12, 13]
-    seeds = [request_seed(1, 0, priority, prompt) for priority in range(8)]
-    assert seeds == [request_seed(1, 0, priority, prompt) for priority in range(8)]  # another run: the same
+    seeds = [request_seed(1, 0, 0, prompt, k) for k in range(8)]
+    assert seeds == [request_seed(1, 0, 0, prompt, k) for k in range(8)]  # another run: the same
     assert len(set(seeds)) == 8  # the n samples of a prompt are sampled differently
+    assert request_seed(1, 0, 0, prompt) != request_seed(1, 0, 1, prompt)
     assert request_seed(1, 0, 0, prompt) != request_seed(1, 0, 0, [11, 12, 14])
     assert request_seed(1, 0, 0, prompt) != request_seed(2, 0, 0, prompt)
     assert request_seed(1, 0, 0, prompt) != request_seed(1, 1, 0, prompt)
@@ -45,10 +46,14 @@ def test_the_server_gives_each_request_its_seed():
     rollout_seeds._seed_each_request(module)  # a second install changes nothing
     server = module.vLLMHttpServer()
     run = lambda **kw: asyncio.run(server.generate(**kw))  # noqa: E731
-    a = run(prompt_ids=[1, 2, 3], sampling_params={"temperature": 1.0}, request_id="x", priority=3)
-    assert a == request_seed(7, 0, 3, [1, 2, 3])
-    b = run(prompt_ids=[1, 2, 3], sampling_params={}, request_id="y")  # verl passes no priority for 0
-    assert b == request_seed(7, 0, 0, [1, 2, 3]) and b != a
+    # verl's trainer sends a prompt's n samples as identical requests (no priority, random request ids)
+    group = [run(prompt_ids=[1, 2, 3], sampling_params={"temperature": 1.0}, request_id=f"r{i}") for i in range(4)]
+    assert group == [request_seed(7, 0, 0, [1, 2, 3], k) for k in range(4)]
+    assert len(set(group)) == 4
+    other = run(prompt_ids=[1, 2, 4], sampling_params={}, request_id="y")
+    assert other == request_seed(7, 0, 0, [1, 2, 4], 0)  # another prompt counts from 0
+    a = run(prompt_ids=[1, 2, 3], sampling_params={}, request_id="x", priority=3)
+    assert a == request_seed(7, 0, 3, [1, 2, 3], 0)
     params = {"seed": 5}
     assert run(prompt_ids=[1], sampling_params=params, request_id="z", priority=1) == 5  # its own seed is kept
     assert params == {"seed": 5}
