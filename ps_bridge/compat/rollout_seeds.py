@@ -15,7 +15,7 @@ Here each request gets `sampling_params["seed"]` (vLLM then samples it from its 
 vllm/v1/worker/gpu_model_runner.py:1211, which the CPU runner inherits): a hash of verl's rollout seed, the
 replica, the request's `priority`, the prompt's token ids and k, the number of earlier requests of the same
 prompt on this server. verl's trainer sends a prompt's n samples as n requests that differ in nothing the
-server sees (verl/trainer/ppo/v1/agent_loop_tq.py:122-127: `session_id=i` stays in the agent loop; the
+server sees (verl/trainer/ppo/v1/agent_loop_tq.py:122-127: the sample index `i` stays in the agent loop; the
 request ids are random), so k is what tells them apart: they get seeds k = 0..n-1, in whatever order they
 arrive, and the n responses of a prompt are the same multiset in any run, resumed or not, whatever vLLM
 batches together (a prompt seen again, in a later epoch, continues its count). A request that already
