@@ -161,7 +161,12 @@ def _overrides(spec: RunSpec, on_cpu: bool) -> List[str]:
         "actor_rollout_ref.rollout.calculate_log_probs=True",
         "actor_rollout_ref.rollout.agent.num_workers=1",
         f"actor_rollout_ref.rollout.max_model_len={spec.max_prompt_length + spec.max_response_length}",
-        f"actor_rollout_ref.rollout.max_num_batched_tokens={max(512, spec.max_prompt_length + spec.max_response_length)}",
+        # a step's prompts fit vLLM's token budget at once, so no prefill is cut into chunks: vLLM rewinds a
+        # seeded request's generator after a chunk (vllm/v1/worker/gpu_model_runner.py:3640, `set_offset`),
+        # which a CPU generator refuses ("CPU Generator does not use offset"), and where the chunks fall would
+        # depend on vLLM's batching
+        f"actor_rollout_ref.rollout.max_num_batched_tokens="
+        f"{max(512, spec.prompts_per_step * spec.n * (spec.max_prompt_length + spec.max_response_length))}",
         "reward.num_workers=1",
         "trainer.critic_warmup=0",
         "trainer.logger=[console,file]",
