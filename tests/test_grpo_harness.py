@@ -49,7 +49,7 @@ def test_full_plan_passes_and_writes_outputs(fake, tmp_path, capsys):
     calls = {c["label"]: c for c in fake["calls"]}
     assert list(calls) == ["stock", "ps", "ps-resumed", "stock-system", "ps-tree"]
     assert {c["seed"] for c in calls.values()} == {1}
-    assert calls["stock"]["save_freq"] == calls["ps"]["save_freq"] == harness.RESUME_AFTER
+    assert calls["ps"]["save_freq"] == harness.RESUME_AFTER and "save_freq" not in calls["stock"]  # only ps resumes
     assert str(calls["ps-resumed"]["resume_from"]).endswith(f"ps/ckpt/global_step_{harness.RESUME_AFTER}")
     assert calls["ps-tree"]["tree"] and calls["ps-tree"]["data_dir"] == "DS" and calls["stock-system"]["data_dir"] == "DS"
     assert calls["ps-tree"]["max_prompt_length"] == 120 and calls["ps"]["max_prompt_length"] == 40

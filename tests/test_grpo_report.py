@@ -159,13 +159,9 @@ def test_resume():
     resumed = twin(full, "ps-resumed")
     resumed.rollouts[5][0] = ("x", "y")
     assert "resume from step 3: rollouts identical" in failing(report.check_resume(full, resumed, 3))
-    # other samples from step 4 on (vLLM's generator restarted): not shown, neither a pass nor a failure
+    # other samples from step 4 on: the resumed weights (or data order) are not the saved ones
     resumed.rollouts[4][0] = ("x", "y")
-    checks = report.check_resume(full, resumed, 3)
-    assert [c.ok for c in checks] == [None] and "not shown" in checks[0].detail
-    assert report.passed(checks + [report.Check("other", True, "")])
-    assert not report.passed(checks)  # nothing shown at all is not a pass
-    assert "[NOT SHOWN]" in report.verdict_text(checks)
+    assert "resume from step 3: rollouts identical" in failing(report.check_resume(full, resumed, 3))
     del resumed.rollouts[4]
     assert failing(report.check_resume(full, resumed, 3))  # no dump: fails
     del resumed.steps[4]

@@ -161,7 +161,9 @@ def run_plan(plan: Plan, progress: Progress, extra_ps_overrides: Sequence[str] =
                              max_prompt_length=length, say=progress.line(label), **kwargs)
         return runs[label]
 
-    stock = go("stock", "stock", **save)
+    # only ps saves: the resume check restarts ps-bridge's run (verl's HF export of the stock engine also needs
+    # NVIDIA modelopt, which ps-bridge's engine does without: ps_bridge/checkpoint_engine.py)
+    stock = go("stock", "stock")
     ps = go("ps", "ps", extra_overrides=tuple(extra_ps_overrides), **save)
     pair_diffs = report.rollout_differences(stock, ps, stock.step_numbers())
     flip = report.first_divergence(pair_diffs)

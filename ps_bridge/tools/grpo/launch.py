@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 ENGINES = ("ps", "stock")
+ROLLOUT_SEEDS = "ps_bridge.compat.rollout_seeds"
 
 #: What the CPU run sets beyond a GPU run, and why (docs/verl.md lists the same).
 CPU_SETTINGS: Dict[str, str] = {
@@ -45,6 +46,9 @@ CPU_SETTINGS: Dict[str, str] = {
         "no CUDA graphs on a CPU; also skips torch.compile's start-up",
     "actor_rollout_ref.actor.megatron.dtype=float32 (and ref, rollout)":
         "a CPU gains nothing from bf16, and the two engines are compared within float32 noise",
+    "actor_rollout_ref.actor.megatron.use_distributed_optimizer=False":
+        "megatron-core loads the distributed optimizer's state only on TE's or Apex's Adam, so a run could save but "
+        "not resume; the plain optimizer is the same Adam on one rank",
     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=64":
         "weights reach vLLM through a shared-memory bucket of this size (2 GB by default) in /dev/shm",
     "VLLM_CPU_KVCACHE_SPACE=1":
@@ -157,7 +161,12 @@ def _overrides(spec: RunSpec, on_cpu: bool) -> List[str]:
         "actor_rollout_ref.rollout.calculate_log_probs=True",
         "actor_rollout_ref.rollout.agent.num_workers=1",
         f"actor_rollout_ref.rollout.max_model_len={spec.max_prompt_length + spec.max_response_length}",
-        f"actor_rollout_ref.rollout.max_num_batched_tokens={max(512, spec.max_prompt_length + spec.max_response_length)}",
+        # a step's prompts fit vLLM's token budget at once, so no prefill is cut into chunks: vLLM rewinds a
+        # seeded request's generator after a chunk (vllm/v1/worker/gpu_model_runner.py:3640, `set_offset`),
+        # which a CPU generator refuses ("CPU Generator does not use offset"), and where the chunks fall would
+        # depend on vLLM's batching
+        f"actor_rollout_ref.rollout.max_num_batched_tokens="
+        f"{max(512, spec.prompts_per_step * spec.n * (spec.max_prompt_length + spec.max_response_length))}",
         "reward.num_workers=1",
         "trainer.critic_warmup=0",
         "trainer.logger=[console,file]",
@@ -193,6 +202,7 @@ def _overrides(spec: RunSpec, on_cpu: bool) -> List[str]:
             "actor_rollout_ref.rollout.dtype=float32",
             "actor_rollout_ref.actor.megatron.dtype=float32",
             "actor_rollout_ref.ref.megatron.dtype=float32",
+            "actor_rollout_ref.actor.megatron.use_distributed_optimizer=False",
             "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=64",
         ]
     return o + list(spec.extra_overrides)
@@ -213,6 +223,10 @@ def build_command(spec: RunSpec, on_cpu: Optional[bool] = None) -> Tuple[List[st
         # every worker's lines reach the log (Ray folds repeated lines of different workers into one)
         "RAY_DEDUP_LOGS": "0",
     })
+    # on GPUs too: vLLM samples each request with its own seed, so that two runs (and a resumed one) from
+    # the same weights sample the same responses (ps_bridge/compat/rollout_seeds.py says why verl's
+    # rollout.full_determinism does not do it)
+    env["VERL_USE_EXTERNAL_MODULES"] = ROLLOUT_SEEDS
     env.pop("ENABLE_PREFIX_SHARING", None)
     env.pop("PS_BRIDGE_TREE", None)
     if spec.engine == "ps":
@@ -221,7 +235,7 @@ def build_command(spec: RunSpec, on_cpu: Optional[bool] = None) -> Tuple[List[st
             env["PS_BRIDGE_TREE"] = "1"
     if on_cpu:
         env.update({
-            "VERL_USE_EXTERNAL_MODULES": "ps_bridge.compat.main_ppo_on_cpu",
+            "VERL_USE_EXTERNAL_MODULES": f"ps_bridge.compat.main_ppo_on_cpu,{ROLLOUT_SEEDS}",
             "VERL_ENGINE_DEVICE": "cuda",
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "TORCHDYNAMO_DISABLE": "1",
