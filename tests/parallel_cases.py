@@ -160,20 +160,21 @@ def aux_by_micro_batch(records) -> dict:
 def moe_recompute_on_build():
     """Models built inside the block have megatron's MoE activation recompute switched on in their
     config (`recompute_granularity="selective"`, `recompute_modules=["moe"]`)."""
-    import ps_bridge.parallel.settings as parallel
+    # patched where the runtime looks it up (ps_bridge.tools.runtime imports it by name)
+    import ps_bridge.tools.runtime as runtime
 
-    real = parallel.configure_provider
+    real = runtime.configure_provider
 
     def with_moe_recompute(provider, settings):
         real(provider, settings)
         provider.recompute_granularity = "selective"
         provider.recompute_modules = ["moe"]
 
-    parallel.configure_provider = with_moe_recompute
+    runtime.configure_provider = with_moe_recompute
     try:
         yield
     finally:
-        parallel.configure_provider = real
+        runtime.configure_provider = real
 
 
 # `torchrun` itself, found through this interpreter (no console script needed on PATH)

@@ -122,16 +122,17 @@ def padded_vocab(monkeypatch, divisor=PADDED_DIVISOR):
     """Our runtime pads the vocabulary only where TP does not divide it: here always, as a provider with
     `should_pad_vocab` and `make_vocab_size_divisible_by` set does (megatron's embedding and output layer get
     `padded_vocab_size` rows; Megatron-Bridge loads the HF rows and zeros after them)."""
-    import ps_bridge.parallel.settings as parallel
+    # patched where the runtime looks it up (ps_bridge.tools.runtime imports it by name)
+    import ps_bridge.tools.runtime as runtime
 
-    orig = parallel.configure_provider
+    orig = runtime.configure_provider
 
     def configure_provider(provider, settings):
         orig(provider, settings)
         provider.should_pad_vocab = True
         provider.make_vocab_size_divisible_by = divisor
 
-    monkeypatch.setattr(parallel, "configure_provider", configure_provider)
+    monkeypatch.setattr(runtime, "configure_provider", configure_provider)
 
 
 def stock_local_spec_model(provider):
