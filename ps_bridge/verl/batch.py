@@ -93,7 +93,7 @@ def mark_vision(data, hf_config) -> None:
         tu.assign_non_tensor_data(data, VISION_KEY, hf_config)
 
 
-def samples_of(batch, hf_config=None) -> SampleBatch:
+def samples_of(batch, hf_config=None) -> List[Sample]:
     """The micro-batch's samples (`samples_from_micro_batch`) with their images where it carries any
     (`samples_with_images`; `hf_config`: the model's, else the one `mark_vision` left on the batch)."""
     samples = samples_from_micro_batch(batch)
@@ -111,7 +111,7 @@ def _entry(value) -> dict:
     return {} if value is None else {k: v for k, v in dict(value).items() if v is not None}
 
 
-def samples_with_images(samples: SampleBatch, entries, hf_config) -> SampleBatch:
+def samples_with_images(samples: SampleBatch, entries, hf_config) -> List[Sample]:
     """`samples` with the images of verl's per-sample `multi_modal_inputs` entries (`pixel_values`
     `[patches, C*T*P*P]` of the sample's images, `image_grid_thw` `[images, 3]`) placed at their image
     placeholder runs (`images.attach_images`: a count that does not match is refused naming the
@@ -138,12 +138,5 @@ def samples_with_images(samples: SampleBatch, entries, hf_config) -> SampleBatch
         out.append(attach_images(sample, images, image_token_id=image_token, merge=merge,
                                  video_token_id=getattr(hf_config, "video_token_id", None), index=i))
     given = samples.sequences()
-    if given is None:
-        return SampleBatch(out, *_flat_of(out))
-    return SampleBatch(out, *given)
-
-
-def _flat_of(samples):
-    lengths = [len(s.prompt) + len(s.response) for s in samples]
-    flat = np.fromiter((t for s in samples for t in list(s.prompt) + list(s.response)), dtype=np.int64, count=sum(lengths))
-    return flat, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), np.array([len(s.prompt) for s in samples], dtype=np.int64)
+    # the same tokens: the layout keeps reading them from the batch's array (a plain list is flattened there)
+    return out if given is None else SampleBatch(out, *given)

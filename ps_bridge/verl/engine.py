@@ -51,7 +51,6 @@ from ps_bridge.prepare import micro_batch_layout
 from ps_bridge.rows import PackedRows
 from ps_bridge.transfer import to_device
 from ps_bridge.verl.batch import (
-    has_multi_modal_inputs,
     mark_vision,
     per_sample_temperature,
     samples_of,
@@ -72,10 +71,6 @@ def _refuse(what: str) -> None:
         f"prefix sharing (ps_bridge.verl) does not support {what}; turn it off for this run "
         "(ENABLE_PREFIX_SHARING=0) or disable that feature"
     )
-
-
-def _has_multi_modal_inputs(batch) -> bool:
-    return has_multi_modal_inputs(batch)
 
 
 @contextmanager
