@@ -30,9 +30,12 @@ from functools import partial
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.moe.experts import TEGroupedMLP
+from megatron.core.transformer.moe.experts import HAVE_TE, GroupedMLPSubmodules, TEGroupedMLP
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
 from ps_bridge.compat import megatron_core as compat_megatron_core
 from ps_bridge.compat.torch import grouped_mm
@@ -255,10 +258,6 @@ def _drop_extra_states(state_dict, prefix, *args, **kwargs):
 def grouped_expert_sharded_state_dict(weights, partition_dim, groups, prefix, sharded_offsets, metadata):
     """The sharded state dict of one grouped expert linear (see `_GroupedMMLinear.sharded_state_dict`).
     `groups`: (expert TP, EP, expert DP) process groups, or None for megatron's global ones."""
-    from megatron.core import parallel_state
-    from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
-    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
-
     metadata = ensure_metadata_has_dp_cp_group(metadata)
     if groups is None:
         groups = (parallel_state.get_expert_tensor_parallel_group(), parallel_state.get_expert_model_parallel_group(),
@@ -335,9 +334,8 @@ class GroupedMMExperts(TEGroupedMLP):
 
 def grouped_experts_spec():
     """megatron's `TEGroupedMLP` with TE's grouped linears where TE is installed, else ours."""
-    from megatron.core.transformer.moe.experts import HAVE_TE, GroupedMLPSubmodules
-
     if HAVE_TE:  # megatron-core found real TE (not our import placeholder); not run here: no TE on our machines
+        # imported here: Transformer Engine's grouped linears, real classes only where TE is installed (else None)
         from megatron.core.extensions.transformer_engine import (
             TEColumnParallelGroupedLinear,
             TERowParallelGroupedLinear,

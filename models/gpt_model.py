@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 
 def rope_table_for_positions(rotary_pos_emb, positions: torch.Tensor) -> torch.Tensor:
@@ -75,8 +76,6 @@ class SelectedOutputsMixin:
                 "output processors are not supported with it; build the layout with prompt_values=True "
                 "(PrefixSharingConfig(prompt_values=True)) to compute every position"
             )
-        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-
         layer = self.output_layer
         sequence_parallel = layer.sequence_parallel
         if sequence_parallel:

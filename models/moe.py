@@ -40,10 +40,16 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias, reset_model_temporary_tensors
+from megatron.core.extensions.transformer_engine import te_checkpoint
 from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, switch_load_balancing_loss_func
+from megatron.core.transformer.moe.moe_utils import (
+    MoEAuxLossAutoScaler,
+    get_moe_metrics_tracker,
+    switch_load_balancing_loss_func,
+)
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -140,8 +146,6 @@ class PrefixSharedTopKRouter(TopKRouter):
             logits = MoEAuxLossAutoScaler.apply(logits, z_loss * total)
         else:
             logits = MoEAuxLossAutoScaler.apply(logits, z_loss)
-        from megatron.core.transformer.moe.moe_utils import get_moe_metrics_tracker
-
         size = dist.get_world_size(self.tp_cp_group) if dist.is_initialized() else 1
         # the tracker averages over TP x DP x CP: a rank's share times the TP/CP size averages to the total
         get_moe_metrics_tracker().record(
@@ -172,12 +176,6 @@ def finish_router_statistics(model: torch.nn.Module, config) -> None:
     """What megatron's `finalize_model_grads` does for the routers at the end of a step, for runs
     without megatron's DDP wrapper: the expert-bias update from the step's token counts (summed over
     TP x DP x CP), then the counts and the global aux-loss trackers reset."""
-    from megatron.core import parallel_state
-    from megatron.core.distributed.finalize_model_grads import (
-        _update_router_expert_bias,
-        reset_model_temporary_tensors,
-    )
-
     if getattr(config, "moe_router_enable_expert_bias", False):
         group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
         _update_router_expert_bias([model], config, tp_dp_cp_group=group)
@@ -237,8 +235,6 @@ class PrefixSharedMoELayer(MoELayer):
 
         if self.recompute_with_token_weights and self.training:
             if self.config.fp8 or self.config.fp4:
-                from megatron.core.extensions.transformer_engine import te_checkpoint
-
                 result = te_checkpoint(
                     routed, False, tensor_parallel.random.get_cuda_rng_tracker, self.tp_group,
                     hidden_states, intermediate_tensors, padding_mask,

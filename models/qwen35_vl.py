@@ -22,11 +22,17 @@ import contextlib
 
 import torch
 from megatron.core import tensor_parallel
+from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model import Qwen3VLModel
 from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.text_model import Qwen3VLGPTModel
+import megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model as vl_model
 
+from ps_bridge.compat.te_placeholder import transformer_engine_installed
 from ps_bridge.models.gpt_model import SelectedOutputsMixin, cp_rope_table
 from ps_bridge.models.packed_seq import require_prefix_layout
+from ps_bridge.models.vision_attention import VisionCoreAttention
 
 IMAGES_REFUSED = (
     "ps-bridge takes the images of a Qwen3.5 ConditionalGeneration batch through its samples "
@@ -109,10 +115,6 @@ class PrefixSharedQwen3VLGPTModel(SelectedOutputsMixin, Qwen3VLGPTModel):
 
 def _local_vit_spec():
     """megatron-core's local ViT layer spec with a core attention that takes the tower's packed frames."""
-    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
-
-    from ps_bridge.models.vision_attention import VisionCoreAttention
-
     spec = get_vit_layer_with_local_spec()
     spec.submodules.self_attention.submodules.core_attention = VisionCoreAttention
     return spec
@@ -121,16 +123,9 @@ def _local_vit_spec():
 @contextlib.contextmanager
 def local_vision_tower():
     """While building a Qwen3VLModel without TE, give its vision tower megatron's local modules."""
-    from ps_bridge.compat.te_placeholder import transformer_engine_installed
-
     if transformer_engine_installed():
         yield
         return
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    import megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model as vl_model
-
     saved = {
         name: getattr(vl_model, name)
         for name in ("get_vit_layer_with_transformer_engine_spec", "TENorm", "TEColumnParallelLinear", "TERowParallelLinear")

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+from megatron.core.transformer.enums import AttnBackend
 
+from ps_bridge.compat.megatron_bridge import dispatch_sources
 from ps_bridge.models.gpt_model import PrefixSharedGPTModel
 from ps_bridge.parallel.settings import ParallelSettings
 
@@ -34,8 +36,6 @@ def prepare_for_prefix_sharing(provider) -> None:
     ParallelSettings.from_config(provider).check_supported()
     for name, value in FUSIONS_OFF.items():
         setattr(provider, name, value)
-    from megatron.core.transformer.enums import AttnBackend
-
     if getattr(provider, "attention_backend", None) == AttnBackend.local:
         provider.attention_backend = AttnBackend.auto
 
@@ -91,9 +91,8 @@ class Registration:
 def register_table(rows: Sequence[Registration]) -> None:
     """Register a family's bridges with Megatron-Bridge; its dispatch takes the last registration,
     so ours replace the stock bridges of the same architectures."""
+    # imported here: Megatron-Bridge is heavy, and without TE it imports only after import_megatron_bridge()
     from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
-
-    from ps_bridge.compat.megatron_bridge import dispatch_sources
 
     for row in rows:
         for source in dispatch_sources(row.source):

@@ -24,9 +24,11 @@ from dataclasses import dataclass
 from typing import Callable, Union
 
 import torch
+from megatron.bridge.models.conversion.param_mapping import AutoMapping
 from megatron.bridge.models.gpt_provider import GPTModelProvider
 from megatron.bridge.models.qwen.qwen35_bridge import Qwen35Bridge, Qwen35MoEBridge
 from megatron.bridge.models.qwen_vl.qwen35_vl_bridge import Qwen35VLBridge, Qwen35VLMoEBridge
+from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model import Qwen3VLModel
 from megatron.bridge.models.qwen_vl.qwen35_vl_provider import Qwen35VLModelProvider, Qwen35VLMoEModelProvider
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -155,8 +157,6 @@ class PrefixSharedQwen35VLMoEBridge(PrefixSharedQwen35BridgeMixin, Qwen35VLMoEBr
 
 
 def _registrations():
-    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model import Qwen3VLModel
-
     # the only list of this family's HF architectures: registry name, HF architecture, Megatron
     # model, our provider, HF model_type, our bridge
     return (
@@ -172,8 +172,6 @@ REGISTRATIONS = _registrations()
 
 def register(gdn_backend: str = "auto") -> None:
     """Register this family's bridges; the providers they build use `gdn_backend`."""
-    from megatron.bridge.models.conversion.param_mapping import AutoMapping
-
     # Megatron-Bridge picks the TP split of an AutoMapping from the owning module's class name;
     # ours get the kinds of the classes they stand in for (megatron's norms, GatedDeltaNet)
     AutoMapping.register_module_type("ZeroCenteredRMSNorm", "replicated")

@@ -18,6 +18,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ps_bridge.compat.te_placeholder import import_megatron_bridge
+
 
 @dataclass(frozen=True)
 class ProviderEntry:
@@ -26,8 +28,6 @@ class ProviderEntry:
     description: str
 
     def load(self):
-        from ps_bridge.compat.te_placeholder import import_megatron_bridge
-
         import_megatron_bridge()
         return importlib.import_module(self.module)
 
@@ -112,8 +112,6 @@ def register_all(config=None) -> None:
     `PrefixSharingConfig`) gives the bridges what they set on the providers they build: the Gated
     DeltaNet backend (`auto` when no config is given)."""
     gdn_backend = getattr(config, "gdn_backend", None) or "auto"
-    from ps_bridge.compat.te_placeholder import import_megatron_bridge
-
     import_megatron_bridge()
     for module in sorted({e.module for e in _ENTRIES.values()}):
         importlib.import_module(module).register(gdn_backend=gdn_backend)

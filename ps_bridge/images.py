@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from ps_bridge.packed_layout import Sample
 from ps_bridge.transfer import to_device
 
 # sharing keys of image placeholders: above every vocabulary, one per distinct image of the micro-batch
@@ -92,8 +93,6 @@ def attach_images(sample, images: Sequence[SampleImage], *, image_token_id: int,
     """`sample` (a `Sample`) with `images` placed at its image placeholder runs, in order. Refused with
     one line naming sample `index`: a run count or run length that does not match the images, video
     placeholders (videos are not supported)."""
-    from ps_bridge.packed_layout import Sample
-
     sequence = list(sample.prompt) + list(sample.response)
     if video_token_id is not None and video_token_id in sequence:
         raise ValueError(f"sample {index}: video placeholder tokens (id {video_token_id}): videos are not supported "

@@ -53,8 +53,12 @@ import sys
 from typing import Callable, Dict, List
 
 import torch
+import torch.distributed as dist
 
+from ps_bridge.compat import cuda_on_cpu, verl_on_cpu
 from ps_bridge.compat.stock_attention import reference_gpt_layer_spec
+from ps_bridge.compat.te_placeholder import import_megatron_bridge
+from ps_bridge.compat.verl_on_cpu import _cpu_tensors_typed_as_cuda
 
 _INSTALLED: List[str] = []
 
@@ -154,6 +158,7 @@ class _CPUDeviceModule:
 
 
 def _cpu_platform_class():
+    # imported here: verl is optional (requirements-verl.txt)
     from verl.plugin.platform.platform_cuda import PlatformCUDA
 
     class CPUPlatform(PlatformCUDA):
@@ -220,6 +225,7 @@ def _cpu_platform_class():
 
 
 def _use_cpu_platform() -> None:
+    # imported here: verl is optional (requirements-verl.txt)
     from verl.plugin.platform import PlatformRegistry, set_platform
 
     cls = _cpu_platform_class()
@@ -232,8 +238,6 @@ def _use_cpu_platform() -> None:
 
 
 def _process_group_backend_for_cpu() -> None:
-    import torch.distributed as dist
-
     stock = dist.init_process_group
     if getattr(stock, "__ps_bridge_cpu__", False):
         return
@@ -259,6 +263,7 @@ def _megatron_engine_config_takes_float32() -> None:
     `assert self.dtype in ["bfloat16", "float16"]`); its engine itself runs float32 (`PrecisionType`,
     verl/workers/engine/megatron/transformer_impl.py:292), as the CPU tests do. A CPU gains nothing from
     bf16, and the engines are compared within float32 noise: "float32" passes the check here."""
+    # imported here: verl is optional (requirements-verl.txt)
     from verl.workers.config.engine import McoreEngineConfig
 
     stock = McoreEngineConfig.__post_init__
@@ -332,9 +337,8 @@ def _grad_clipping_on_cpu() -> None:
     (megatron/core/optimizer/clip_grads.py:174, `param.grad.type() == 'torch.cuda.FloatTensor'`); on the
     CPU the same gradients pass under their CUDA type names (`verl_on_cpu._cpu_tensors_typed_as_cuda`), as
     the distributed optimizer's parameters do. optimizer.py imports the function by name: both are replaced."""
+    # imported here: megatron-core is heavy; only the processes that build a Megatron model load it
     from megatron.core.optimizer import clip_grads, optimizer
-
-    from ps_bridge.compat.verl_on_cpu import _cpu_tensors_typed_as_cuda
 
     stock = clip_grads.clip_grad_by_total_norm_fp32
     if getattr(stock, "__ps_bridge_cpu__", False):
@@ -351,9 +355,6 @@ def _grad_clipping_on_cpu() -> None:
 
 
 def _megatron_on_cpu(megatron_core=None) -> None:
-    from ps_bridge.compat import cuda_on_cpu, verl_on_cpu
-    from ps_bridge.compat.te_placeholder import import_megatron_bridge
-
     # Megatron-Bridge's training config, which verl builds its DDP config with, imports its data loaders,
     # which import megatron-energon (megatron/bridge/data/builders/energon.py:25): never run here
     verl_on_cpu.install_absent_module_placeholders(("megatron.energon",))
@@ -375,6 +376,7 @@ def _stock_provider_takes_cpu_layer_spec() -> None:
     engine's model takes the local block with the reference core attention instead, as `ps-bridge
     verl-check --smoke` does (`ps_bridge.compat.stock_attention.reference_gpt_layer_spec`). Our own
     providers (ps_bridge.providers) set their spec themselves and are not affected."""
+    # imported here: Megatron-Bridge is heavy
     from megatron.bridge.models.gpt_provider import GPTModelProvider
 
     stock = GPTModelProvider.provide

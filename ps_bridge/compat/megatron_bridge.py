@@ -170,7 +170,7 @@ def experts_as_stored(registry, hf_pretrained):
     0.5.x maps the decoder's experts as fused only, so where the checkpoint is per-expert the fused
     mappings are replaced by per-expert ones (Megatron-Bridge's own `GatedMLPMapping` / `AutoMapping`,
     as its 0.5 bridge maps per-expert MTP layers)."""
-    # imported here: megatron-core is heavy
+    # imported here: Megatron-Bridge is heavy
     from megatron.bridge.models.conversion import utils as mb_utils
 
     if hasattr(mb_utils, "moe_experts_stored_packed"):  # 0.6+: the stock bridge follows the checkpoint
@@ -178,7 +178,7 @@ def experts_as_stored(registry, hf_pretrained):
     keys = _checkpoint_keys(hf_pretrained)
     if not keys or not any(_PER_EXPERT.search(k) for k in keys):
         return registry
-    # imported here: megatron-core is heavy
+    # imported here: Megatron-Bridge is heavy
     from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
     from megatron.bridge.models.conversion.param_mapping import (
         AutoMapping,
@@ -204,7 +204,8 @@ def experts_as_stored(registry, hf_pretrained):
 def exact_gelu_merger(model) -> None:
     """The patch merger of a built Qwen3.5 `Qwen3VLModel`'s vision tower with exact GELU, as
     transformers' (see the module docstring); a model without a vision tower is left as it is."""
-    import torch.nn.functional as F  # torch is loaded by now; this module otherwise needs only metadata
+    # imported here: torch is heavy; this module otherwise needs only package metadata
+    import torch.nn.functional as F
 
     vision = getattr(model, "vision_model", None)
     merger = getattr(vision, "merger", None)

@@ -205,6 +205,7 @@ def _index_first_axis(tensor, indices):
 def _unpad_input(hidden_states, attention_mask, unused_mask=None):
     """[b, s, ...] and a [b, s] mask -> (valid rows [n, ...], their flat indices, cu_seqlens,
     longest row, row lengths), the contract verl's `unpad_input` callers read."""
+    # imported here: torch is heavy
     import torch
 
     mask = attention_mask if unused_mask is None else attention_mask + unused_mask

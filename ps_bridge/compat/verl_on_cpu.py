@@ -25,6 +25,10 @@ from typing import List, Sequence
 
 import torch
 
+from ps_bridge.compat import cuda_on_cpu
+from ps_bridge.compat import verl as verl_compat
+from ps_bridge.compat.te_placeholder import import_megatron_bridge
+
 # verl imports these on the engine's import path without using them there.
 VERL_IMPORT_ONLY_MODULES = ("ray", "peft", "accelerate", "datasets", "pandas", "PIL", "dill", "wandb", "torchdata",
                             # Megatron-Bridge's training config (verl builds its DDP config with it)
@@ -101,14 +105,9 @@ def install_absent_module_placeholders(names: Sequence[str] = VERL_IMPORT_ONLY_M
 def prepare_cpu_process() -> None:
     """Imports in the order that works without TE and without an accelerator, then verl."""
     install_absent_module_placeholders()
-    from ps_bridge.compat import cuda_on_cpu
-    from ps_bridge.compat.te_placeholder import import_megatron_bridge
-
     cuda_on_cpu.enable()
     import_megatron_bridge()
     use_cpu_platform()
-    from ps_bridge.compat import verl as verl_compat
-
     verl_compat.padding_helpers_without_flash_attn()
     _megatron_rng_tracker_on_cpu()
     _cuda_streams_on_cpu()
@@ -214,8 +213,6 @@ def use_cpu_platform() -> None:
     """verl's device "cpu" where there is no accelerator, and its engine lookup taking the GPU
     engine's key from `VERL_ENGINE_DEVICE` (`ps_bridge.compat.verl`: verl 0.8.0 reads torch's device
     itself, "cpu" already; verl 0.9.1 asks its platform plugin, made to answer "cpu" here)."""
-    from ps_bridge.compat import verl as verl_compat
-
     if torch.cuda.is_available():
         return
     verl_compat.engine_lookup_honours_device_override()
@@ -267,6 +264,7 @@ def engine_call_on_cpu():
     """Around every engine call in the tests: megatron's `device="cuda"` factory calls land on the
     CPU, and verl's `torch.compile`d entropy runs eagerly (compiling takes 10-14 s and a C++
     compiler; scoped here rather than TORCHDYNAMO_DISABLE so other tests keep torch.compile)."""
+    # imported here: torch._dynamo is heavy (torch's compiler stack); only engine calls need it
     import torch._dynamo
 
     with torch._dynamo.config.patch(disable=True):

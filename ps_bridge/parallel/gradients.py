@@ -35,7 +35,8 @@ def finish_gradients(model: torch.nn.Module, config, data_parallel_mean: bool = 
       parameters, the tied word-embedding sum between the first and last pipeline stage;
     - for MoE the routers' end of step (expert-bias update, token counts reset).
     """
-    from megatron.core import parallel_state  # imported here: heavy, loaded by the runs that reduce gradients, not on import
+    # imported here: heavy, loaded by the runs that reduce gradients, not on import
+    from megatron.core import parallel_state
 
     dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     if dist.get_world_size(dp_cp_group) > 1:
@@ -67,7 +68,8 @@ def finish_gradients(model: torch.nn.Module, config, data_parallel_mean: bool = 
             for param in model.parameters():
                 if getattr(param, "shared_embedding", False) and param.grad is not None:
                     dist.all_reduce(param.grad, group=embedding_group)
-    from ps_bridge.models.moe import finish_router_statistics  # imported here: heavy (megatron's MoE layers): the routers' part of finalize_model_grads
+    # imported here: heavy (megatron's MoE layers): the routers' part of finalize_model_grads
+    from ps_bridge.models.moe import finish_router_statistics
 
     finish_router_statistics(model, config)
 
@@ -79,7 +81,8 @@ def broadcast_replicas(model: torch.nn.Module) -> None:
     data-parallel ranks), expert weights (`allreduce=False`) over the expert data-parallel group
     (the ranks that hold the same experts); without expert parallelism the buffers too. Weights
     loaded from a checkpoint are identical already."""
-    from megatron.core import parallel_state  # imported here: heavy, loaded by the runs that reduce gradients, not on import
+    # imported here: heavy, loaded by the runs that reduce gradients, not on import
+    from megatron.core import parallel_state
 
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     if dist.get_world_size(group) == 1:

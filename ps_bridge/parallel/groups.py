@@ -43,7 +43,8 @@ def init_parallel(
             dist.init_process_group(backend, **timeout)
         else:  # a single process: a private store on a free port, the environment left alone
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, **timeout)
-    from megatron.core import parallel_state, tensor_parallel  # imported here: heavy, only a run that builds groups loads megatron-core
+    # imported here: heavy, only a run that builds groups loads megatron-core
+    from megatron.core import parallel_state, tensor_parallel
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(

@@ -238,7 +238,8 @@ def padded_vocab_size(provider) -> int:
     """The vocabulary size megatron builds the embedding and output layer with."""
     if not getattr(provider, "should_pad_vocab", False):
         return int(provider.vocab_size)
-    from megatron.bridge.utils.vocab_utils import calculate_padded_vocab_size  # imported here: heavy, Megatron-Bridge, only where the vocabulary is padded
+    # imported here: heavy, Megatron-Bridge, only where the vocabulary is padded
+    from megatron.bridge.utils.vocab_utils import calculate_padded_vocab_size
 
     return calculate_padded_vocab_size(
         int(provider.vocab_size), int(provider.make_vocab_size_divisible_by),

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from ps_bridge.layout import Sample, decide_tree
-from ps_bridge.tree.decide import PrefixTree
+from ps_bridge.tools.schedule import logprob_pass
+from ps_bridge.tree.decide import PrefixTree, node_children
 
 
 def _groups(samples: Sequence[Sample]) -> List[List[int]]:
@@ -60,8 +61,6 @@ def split_subtrees(tree: PrefixTree, dp_size: int) -> List[List[int]]:
     to the rank where it adds the fewest tokens on top of that rank's load (its ancestors already
     there cost nothing), the first `dp_size` units one per rank. Host integers only: every rank
     computes the same split."""
-    from ps_bridge.tree.decide import node_children
-
     children = node_children(tree)
     parent = tree.node_parent.tolist()
     tokens = (tree.node_end - tree.node_start).tolist()
@@ -224,8 +223,6 @@ def dp_logprob_pass(loaded, micro_batches, share=None, loss_weights=None):
     ranks (every rank runs every micro-batch, each its share), the gradients summed over them
     (`parallel.finish_gradients`, at the end of the pass), and every sample's rows in input order on
     data-parallel rank 0 (None elsewhere)."""
-    from ps_bridge.tools.schedule import logprob_pass
-
     tree_options = tree_options_of(loaded.config, share)
     parts = [dp_share(mb, tree_options) for mb in micro_batches]
     weights = None

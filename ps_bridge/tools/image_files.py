@@ -42,7 +42,8 @@ def samples_with_image_files(samples: Sequence, image_paths: Sequence[Optional[L
     processor = image_processor(hf_path) if any(image_paths) else None
     if processor is not None:
         try:
-            from PIL import Image  # imported here: Pillow is needed only to read image files
+            # imported here: Pillow is optional (not a ps-bridge dependency); only image files need it
+            from PIL import Image
         except ImportError:
             raise ValueError("the batch has image files: reading them needs Pillow (pip install pillow)") from None
     out = []

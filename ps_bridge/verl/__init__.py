@@ -20,7 +20,9 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+from ps_bridge.compat.te_placeholder import import_megatron_bridge
 from ps_bridge.config import PrefixSharingConfig, log_level_from_env
+from ps_bridge.providers.registry import register_all
 
 logger = logging.getLogger("ps_bridge")
 
@@ -57,9 +59,6 @@ def register_engines(config: PrefixSharingConfig) -> None:
 
 def activate(config: Optional[PrefixSharingConfig] = None) -> PrefixSharingConfig:
     """Register bridges and engines for `config` (default: from the environment)."""
-    from ps_bridge.compat.te_placeholder import import_megatron_bridge
-    from ps_bridge.providers.registry import register_all
-
     config = config or PrefixSharingConfig.from_env()
     _ensure_log_handler()
     logger.info(

@@ -79,7 +79,8 @@ def has_multi_modal_inputs(batch) -> bool:
     entries = batch.get("multi_modal_inputs", None)
     if entries is None:
         return False
-    from verl.utils.model import extract_multi_modal_inputs  # verl: the engine's host, imported in its workers
+    # imported here: verl is optional (requirements-verl.txt)
+    from verl.utils.model import extract_multi_modal_inputs
 
     return bool(extract_multi_modal_inputs(entries))
 
@@ -87,7 +88,8 @@ def has_multi_modal_inputs(batch) -> bool:
 def mark_vision(data, hf_config) -> None:
     """Hand `data` the model's image settings, so that what reads its samples without the engine (the
     micro-batcher's plan) places the images as the forward step does (`samples_of`)."""
-    from verl.utils import tensordict_utils as tu  # verl: the engine's host, imported in its workers
+    # imported here: verl is optional (requirements-verl.txt)
+    from verl.utils import tensordict_utils as tu
 
     if getattr(hf_config, "image_token_id", None) is not None:
         tu.assign_non_tensor_data(data, VISION_KEY, hf_config)
@@ -99,7 +101,8 @@ def samples_of(batch, hf_config=None) -> List[Sample]:
     samples = samples_from_micro_batch(batch)
     if not has_multi_modal_inputs(batch):
         return samples
-    from verl.utils import tensordict_utils as tu  # verl: the engine's host, imported in its workers
+    # imported here: verl is optional (requirements-verl.txt)
+    from verl.utils import tensordict_utils as tu
 
     config = hf_config if hf_config is not None else tu.get_non_tensor_data(batch, key=VISION_KEY, default=None)
     return samples_with_images(samples, batch.get("multi_modal_inputs"), config)

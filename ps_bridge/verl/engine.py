@@ -40,7 +40,13 @@ from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+from megatron.core import parallel_state as mpu
+from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_device_id, get_device_name
+from verl.utils.megatron.tensor_parallel import vocab_parallel_sum_pi_squared
+from verl.utils.megatron_utils import unwrap_model
 
+from ps_bridge.compat import verl as verl_compat
 from ps_bridge.config import PrefixSharingConfig
 from ps_bridge.forward import local_shard, run_packed
 from ps_bridge.launch_rule import ModelCost
@@ -48,7 +54,8 @@ from ps_bridge.parallel.settings import ParallelSettings
 from ps_bridge.parallel_info import rank_tag
 from ps_bridge.plan import SharingPlan
 from ps_bridge.prepare import micro_batch_layout
-from ps_bridge.rows import PackedRows
+from ps_bridge.providers.registry import resolve_provider
+from ps_bridge.rows import PackedRows, chunked_vocab_parallel_entropy
 from ps_bridge.transfer import to_device
 from ps_bridge.verl.batch import (
     mark_vision,
@@ -77,9 +84,6 @@ def _refuse(what: str) -> None:
 def _context_parallel_off():
     """megatron's parallel state reporting one CP rank of one, while verl's preprocess functions form
     the labels: they slice by CP rank, and the labels are wanted whole (`stock_row_labels`)."""
-    # imported here: megatron-core is heavy
-    from megatron.core import parallel_state as mpu
-
     saved = mpu.get_context_parallel_world_size, mpu.get_context_parallel_rank
     mpu.get_context_parallel_world_size, mpu.get_context_parallel_rank = (lambda *a, **k: 1), (lambda *a, **k: 0)
     try:
@@ -99,11 +103,6 @@ def stock_row_labels(engine, model, batch, data_format: str) -> torch.Tensor:
 
 
 def _stock_row_labels(engine, model, batch, data_format: str) -> torch.Tensor:
-    from verl.utils import tensordict_utils as tu
-    from verl.utils.megatron_utils import unwrap_model
-
-    from ps_bridge.compat import verl as verl_compat
-
     labels = batch["input_ids"]
     lengths = labels.offsets().diff().tolist()
     use_fp8_padding = unwrap_model(model).config.fp8 in ["e4m3", "hybrid"]
@@ -119,8 +118,6 @@ def _stock_row_labels(engine, model, batch, data_format: str) -> torch.Tensor:
 
 def _engine_device() -> torch.device:
     """The device verl moves each micro-batch to (`batch.to(get_device_id())`), as a torch device."""
-    from verl.utils.device import get_device_id, get_device_name
-
     index = get_device_id()
     return torch.device(get_device_name(), index) if isinstance(index, int) else torch.device(index)
 
@@ -158,8 +155,6 @@ class PrefixSharingEngineMixin:
                 "prefix sharing builds its model through Megatron-Bridge providers: set "
                 "actor_rollout_ref.actor.megatron.vanilla_mbridge=False (and for the ref model too)"
             )
-        from ps_bridge.providers.registry import resolve_provider
-
         archs = list(self.model_config.architectures or getattr(self.model_config.hf_config, "architectures", []) or [])
         resolve_provider(self._prefix_sharing().provider, archs)  # unsupported architecture -> clear error
 
@@ -170,8 +165,6 @@ class PrefixSharingEngineMixin:
         ParallelSettings.from_config(self.engine_config).check_supported()
 
     def initialize(self):
-        from ps_bridge.compat import verl as verl_compat
-
         self._check_prefix_sharing_support()
         super().initialize()
         verl_compat.check_per_token_loss(self.tf_config)
@@ -198,14 +191,10 @@ class PrefixSharingEngineMixin:
     def _sharing_plan(self) -> SharingPlan:
         """The plan of this engine's config (no tree yet): segments padded to the TP size unless the
         config sets `pad_multiple`."""
-        from megatron.core import parallel_state as mpu  # heavy: megatron-core's state, read once the model exists
-
         cfg = self._prefix_sharing()
         return SharingPlan.from_config(cfg, cfg.pad_multiple or mpu.get_tensor_model_parallel_world_size())
 
     def _unwrapped_model(self):
-        from verl.utils.megatron_utils import unwrap_model
-
         return unwrap_model(self.module[0])
 
     # ---- micro-batches: shared prefixes together, token budgets in packed tokens ------------------
@@ -221,10 +210,6 @@ class PrefixSharingEngineMixin:
 
     # ---- the forward step -----------------------------------------------------------------------
     def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
-        from verl.utils import tensordict_utils as tu
-        from verl.utils.device import get_device_id
-        from verl.utils.megatron_utils import unwrap_model
-
         batch = next(batch_iter)
         for key, what in UNSUPPORTED_BATCH_KEYS.items():
             if tu.get_non_tensor_data(batch, key=key, default=False):
@@ -297,9 +282,6 @@ class PrefixSharingEngineMixin:
                                                       local_cp_size=local_cp_size)
         cp = self.engine_config.context_parallel_size
         if len(result) == 3 and cp > 1 and not self.engine_config.dynamic_context_parallel:
-            # imported here: megatron-core is heavy
-            from megatron.core import parallel_state as mpu
-
             local_sum, _, out = result
             tokens = (self._routed_num_tokens(data) + mpu.get_context_parallel_rank()) // cp
             return local_sum, tokens.to(torch.int), out
@@ -311,11 +293,6 @@ class PrefixSharingEngineMixin:
         logits, each position scaled by its samples' temperature. Log-probs and entropy are taken
         chunk by chunk (`ps_bridge.rows`): no float32 copy of the logits; with every temperature 1
         the logits are not rescaled (copied) either."""
-        from verl.utils.megatron.tensor_parallel import vocab_parallel_sum_pi_squared
-
-        from ps_bridge.compat import verl as verl_compat
-        from ps_bridge.rows import chunked_vocab_parallel_entropy
-
         logits = logits.reshape(-1, logits.shape[-1])
         layout = rows.layout
         if not temperature_all_one:
@@ -354,6 +331,7 @@ def npu_engine_class() -> Optional[type]:
     global _NPU_ENGINE
     if _NPU_ENGINE is None:
         try:
+            # imported here: verl's MindSpeed engine imports only on stacks with mindspeed (NPU)
             from verl.workers.engine.mindspeed.transformer_impl import MindspeedEngineWithLMHead
         except ImportError as e:
             logger.warning("[PS][prepare] verl's NPU (MindSpeed) engine is not importable (%s); NPU not registered", e)

@@ -34,7 +34,8 @@ def _causal_mask(device) -> torch.Tensor:
 
 def _fusion_attention():
     try:
-        import torch_npu  # noqa: F401  (imported here: torch_npu exists on Ascend machines only)
+        # imported here: torch_npu exists on Ascend machines only
+        import torch_npu  # noqa: F401
     except ImportError:
         raise RuntimeError(
             "backend 'flash_atten_npu' needs torch_npu (Ascend NPU); on NVIDIA GPUs use 'flash_atten_gpu', "

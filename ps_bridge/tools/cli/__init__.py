@@ -18,6 +18,8 @@ import os
 import sys
 from typing import List, Sequence
 
+from ps_bridge.compat.quiet import quiet_third_party
+from ps_bridge.tools.cli import bench, demo, doctor, export, logprobs, verl_check
 from ps_bridge.tools.cli.errors import UsageError
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -28,8 +30,6 @@ VERBOSE_FLAGS = ("-v", "--verbose")
 
 
 def build_parser(only_doctor: bool = False) -> argparse.ArgumentParser:
-    from ps_bridge.tools.cli import bench, demo, doctor, export, logprobs, verl_check
-
     parser = argparse.ArgumentParser(prog="ps-bridge", description=__doc__.split("\n\n")[0])
     parser.add_argument(*VERBOSE_FLAGS, action="store_true",
                         help="show the [PS] log lines and third-party notices")
@@ -62,8 +62,6 @@ def setup_logging(verbose: bool) -> None:
 
 
 def main(argv: List[str] | None = None) -> int:
-    from ps_bridge.compat.quiet import quiet_third_party
-
     argv = sys.argv[1:] if argv is None else list(argv)
     quiet_third_party(verbose_requested(argv))
     args = build_parser(only_doctor=command_name(argv) == "doctor").parse_args(argv)

@@ -26,6 +26,9 @@ from typing import Dict, List, Optional
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from ps_bridge.compat.te_placeholder import import_megatron_bridge
+from ps_bridge.compat.tested_stacks import COMPANIONS, PACKAGES, pinned_versions, version_range
+from ps_bridge.tools.cli import demo
 from ps_bridge.tools.cli.errors import UsageError
 
 ERROR, WARNING, NOTE = "error", "warning", "note"
@@ -90,8 +93,6 @@ def _comparable(name: str, version: str):
 
 def check_package(package, version: Optional[str], device_type: str) -> tuple:
     """(status, finding or None) of `package` (a `tested_stacks.Package`) at `version`."""
-    from ps_bridge.compat.tested_stacks import pinned_versions, version_range
-
     name = package.name
     if version is None:
         if package.needed == "required":
@@ -125,8 +126,6 @@ def check_package(package, version: Optional[str], device_type: str) -> tuple:
 
 def check_versions(device_type: str) -> tuple:
     """(rows for the table, findings)."""
-    from ps_bridge.compat.tested_stacks import PACKAGES, version_range
-
     rows, findings = [], []
     for package in PACKAGES:
         version = installed_version(package.name)
@@ -148,8 +147,6 @@ def check_versions(device_type: str) -> tuple:
 def check_companions(skip=()) -> List[Finding]:
     """Packages a stack package imports without declaring them (`tested_stacks.COMPANIONS`); not for
     the packages in `skip` (refused already)."""
-    from ps_bridge.compat.tested_stacks import COMPANIONS
-
     findings = []
     for c in COMPANIONS:
         version = installed_version(c.when)
@@ -175,7 +172,8 @@ def detect_device() -> dict:
         return dict(type="cuda", name=torch.cuda.get_device_name(index), capability=f"{major}.{minor}",
                     count=torch.cuda.device_count(), cuda=torch.version.cuda)
     if _module_present("torch_npu"):
-        import torch_npu  # noqa: F401  (registers torch.npu)
+        # imported here: torch_npu exists on Ascend machines only (importing it registers torch.npu)
+        import torch_npu  # noqa: F401
 
         if torch.npu.is_available():
             return dict(type="npu", name=torch.npu.get_device_name(0), count=torch.npu.device_count())
@@ -195,6 +193,7 @@ def check_backends(device_type: str) -> tuple:
     # imported here: torch is heavy (not loaded for argument parsing)
     import torch
 
+    # imported here: these import torch, which is heavy (not loaded for argument parsing)
     from ps_bridge.kernels.attention.registry import BACKENDS, choose_attention_backend
     from ps_bridge.kernels.backend import AUTO
     from ps_bridge.kernels.gdn.registry import GDN_BACKENDS, check_gdn_backend_usable, choose_gdn_backend
@@ -229,8 +228,6 @@ def check_backends(device_type: str) -> tuple:
 
 def transformer_engine_line(version: Optional[str]) -> str:
     """What an installed (or absent) Transformer Engine means for the prefix-shared path."""
-    from ps_bridge.compat.tested_stacks import PACKAGES
-
     if version is None:
         return next(p.absent for p in PACKAGES if p.name == "transformer-engine")
     return (f"{version} installed: the prefix-shared path builds megatron's local layer spec, so TE's fused "
@@ -262,11 +259,11 @@ def _import_the_stack() -> None:
     """What the self-test runs on: transformers' Qwen2, megatron-core, Megatron-Bridge (with its TE
     placeholder) and our runtime. On a 2-core CPU this is nearly all of the self-test's time
     (docs/install.md): the test itself is a few tenths of a second."""
+    # imported here: transformers is heavy (importing the stack is what this function measures)
     import transformers.models.qwen2.modeling_qwen2  # noqa: F401
 
-    from ps_bridge.compat.te_placeholder import import_megatron_bridge
-
     import_megatron_bridge()
+    # imported here: ps_bridge.tools.runtime imports torch, which is heavy
     import ps_bridge.tools.runtime  # noqa: F401
 
 
@@ -277,15 +274,13 @@ def self_test() -> tuple:
     # imported here: torch is heavy (not loaded for argument parsing)
     import torch
 
-    from ps_bridge.tools.cli.demo import demo_result
-
     start = time.perf_counter()
     _import_the_stack()
     imported = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        result = demo_result(model="qwen2.5", prompts=2, n=4, backend="auto")
+        result = demo.demo_result(model="qwen2.5", prompts=2, n=4, backend="auto")
     finally:
         torch.set_num_threads(threads)
     keys = ("max_logprob_diff_shared_vs_unshared", "max_rel_grad_diff_shared_vs_unshared",
@@ -325,8 +320,6 @@ def _guarded(doc: dict, key: str, findings: List[Finding], verbose: bool, fn, *a
 
 
 def build_report(hf_path: Optional[str] = None, run_self_test: bool = True, verbose: bool = False) -> dict:
-    from ps_bridge.compat.tested_stacks import PACKAGES
-
     findings: List[Finding] = []
     doc: Dict[str, object] = {}
     try:

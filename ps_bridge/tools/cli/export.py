@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import shutil
 
+from ps_bridge.checkpoint import (CheckpointFileError, InexactLoadError, check_checkpoint_files, refuse_mtp_mismatch,
+                                  verl_tree_path)
 from ps_bridge.tools.cli.errors import UsageError
 
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -30,9 +32,6 @@ def export_checkpoint(checkpoint: str, out: str, hf_config_dir: str | None = Non
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
-    from ps_bridge.checkpoint import (CheckpointFileError, InexactLoadError, check_checkpoint_files, refuse_mtp_mismatch,
-                                     verl_tree_path)
-
     # verl 0.9.1: model/dist_ckpt, model/huggingface; verl 0.8.0: dist_ckpt (with the optimizer), huggingface
     dist_dir = verl_tree_path(checkpoint, "model")
     hf_dir = hf_config_dir or verl_tree_path(checkpoint, "huggingface")
@@ -53,6 +52,7 @@ def export_checkpoint(checkpoint: str, out: str, hf_config_dir: str | None = Non
     # imported here: megatron-core is heavy; torch is heavy
     from megatron.core import dist_checkpointing
 
+    # imported here: ps_bridge.tools.runtime imports torch, which is heavy (not loaded for argument parsing)
     from ps_bridge.tools.runtime import load_model_from_hf_config
 
     loaded = load_model_from_hf_config(AutoConfig.from_pretrained(hf_dir), dtype=torch.float32)

@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from ps_bridge.config import PrefixSharingConfig
+from ps_bridge.providers.registry import resolve_provider
 from ps_bridge.tools.cli.errors import UsageError
 
 
@@ -80,14 +82,13 @@ def run_logprobs(args) -> int:
     # imported here: torch is heavy (not loaded for argument parsing)
     import torch
 
-    from ps_bridge.config import PrefixSharingConfig
+    # imported here: these import torch, which is heavy (not loaded for argument parsing)
     from ps_bridge.tools.data_parallel import dp_logprob_pass
     from ps_bridge.layout import build_layout
     from ps_bridge.parallel.groups import is_output_rank
     from ps_bridge.tools.cli.parallel_args import settings_from_args
     from ps_bridge.plan import SharingPlan
     from ps_bridge.prepare import rule_decision
-    from ps_bridge.providers.registry import resolve_provider
     from ps_bridge.tools.runtime import DTYPES, load_model, read_hf_config
 
     samples, image_paths = read_batch(args.batch)
@@ -98,7 +99,8 @@ def run_logprobs(args) -> int:
         archs = list(hf_config.get("architectures") or [])
         if any(image_paths) or hf_config.get("image_token_id") is not None:
             # images placed at their placeholders, counts checked (a vision-language checkpoint's batch, or images given)
-            from ps_bridge.tools.image_files import samples_with_image_files  # imported here: Pillow, transformers
+            # imported here: only a batch with images needs it (it reads them with Pillow and transformers)
+            from ps_bridge.tools.image_files import samples_with_image_files
 
             samples = samples_with_image_files(samples, image_paths, args.hf_path, hf_config, Path(args.batch).parent)
         config = PrefixSharingConfig(

@@ -119,6 +119,7 @@ def render(msgs: List[Dict[str, str]], answer: Optional[str] = None) -> str:
 
 def train_tokenizer(texts: List[str], vocab_size: int):
     """A byte-level BPE trained on `texts`, special tokens first (ids 0-2), never split."""
+    # imported here: tokenizers is heavy
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -137,6 +138,7 @@ def train_tokenizer(texts: List[str], vocab_size: int):
 
 def save_tokenizer(tok, path: Path):
     """Save as a Hugging Face fast tokenizer (tokenizer.json + tokenizer_config.json with the chat template)."""
+    # imported here: transformers is heavy
     from transformers import PreTrainedTokenizerFast
 
     hf = PreTrainedTokenizerFast(
@@ -249,7 +251,7 @@ def parquet_rows(problems: List[Problem], split: str, system_prompt: bool) -> Li
 
 
 def write_parquet(rows: List[dict], path: Path) -> None:
-    # pyarrow: verl's data loading needs it anyway (datasets reads the parquet through it)
+    # imported here: pyarrow is not a ps-bridge dependency; verl's stack has it (datasets reads parquet with it)
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -22,7 +22,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
+from tqdm import tqdm
+
+from ps_bridge.compat.quiet import quiet_third_party
 from ps_bridge.tools.grpo import report
+from ps_bridge.tools.grpo.launch import RunSpec, run_main_ppo
 from ps_bridge.tools.grpo.report import Check, RunData
 
 RESUME_AFTER = 3  # the checkpoint step the resume check restarts from
@@ -69,8 +73,6 @@ class Progress:
     _DONE = re.compile(r"step (\d+)/(\d+) done")
 
     def __init__(self, total_steps: int, verbose: bool):
-        from tqdm import tqdm
-
         self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, file=sys.stderr,
                         bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} steps [{elapsed}<{remaining}]")
         self.verbose = verbose
@@ -105,6 +107,7 @@ class Progress:
 
 
 def build_data(out: Path, seed: int, say: Callable[[str], None]):
+    # imported here: ps_bridge.tools.grpo.data imports torch, which is heavy (only building the data needs it)
     from ps_bridge.tools.grpo import data
 
     start = time.time()
@@ -125,8 +128,6 @@ def build_data(out: Path, seed: int, say: Callable[[str], None]):
 def launch(label: str, engine: str, model: str, data_dir: str, out: Path, steps: int, seed: int,
            max_prompt_length: int, say: Callable[[str], None], reuse: bool = False, **spec_kwargs) -> RunData:
     """One `main_ppo` run into out/label; with `reuse`, a finished run of the same spec is read back instead."""
-    from ps_bridge.tools.grpo.launch import RunSpec, run_main_ppo
-
     run_dir = out / label
     spec = RunSpec(engine=engine, model_dir=Path(model), data_dir=Path(data_dir), out_dir=run_dir, seed=seed,
                    steps=steps, max_prompt_length=max_prompt_length, **spec_kwargs)
@@ -248,8 +249,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("-v", "--verbose", action="store_true", help="every progress line, and tracebacks")
     args = p.parse_args(argv)
-    from ps_bridge.compat.quiet import quiet_third_party
-
     quiet_third_party(args.verbose)  # transformers' warnings and progress bars while the data is built
     steps = args.steps or (3 if args.short else 5)
     resume = (not args.short) if args.resume is None else args.resume

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -104,6 +105,7 @@ class RunResult:
 
 
 def has_accelerator() -> bool:
+    # imported here: ps_bridge.compat.main_ppo_on_cpu imports torch, which is heavy
     from ps_bridge.compat.main_ppo_on_cpu import has_accelerator as probe
 
     return probe()
@@ -314,8 +316,6 @@ def _run_logged(argv, env, log_path: Path, spec: RunSpec, say, start: float) -> 
 
 def _stop(proc) -> None:
     """main_ppo and what it started in its process group (Ray's processes)."""
-    import signal
-
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

@@ -423,9 +423,11 @@ def verdict_text(checks: Sequence[Check]) -> str:
 def plot(groups: Sequence[Tuple[str, Sequence[RunData]]], path) -> Path:
     """One row of panels per (title, runs) group: reward, policy loss, grad norm, rollout-vs-actor difference
     and step time per step, one line per run."""
-    import matplotlib  # optional dependency (the `plot` extra): only the PNG needs it
+    # imported here: matplotlib is optional (the `plot` extra); only the PNG needs it
+    import matplotlib
 
     matplotlib.use("Agg")
+    # imported here: after matplotlib.use("Agg"); matplotlib is optional (the `plot` extra)
     import matplotlib.pyplot as plt
 
     panels = (("reward mean", REWARD, False), ("policy loss", PG_LOSS, False), ("grad norm", GRAD_NORM, False),

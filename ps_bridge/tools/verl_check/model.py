@@ -13,6 +13,7 @@ import torch
 from ps_bridge.compat.stock_attention import stock_attention_name
 from ps_bridge.tools.bench.catalog import FAMILIES, MODEL_SHAPES
 from ps_bridge.tools.verl_check.config import CheckSettings
+from ps_bridge.tools.verl_check.side_by_side import save_tiny_tokenizer
 
 
 def checkpoint_for(settings: CheckSettings, workdir: str) -> str:
@@ -30,8 +31,6 @@ def checkpoint_for(settings: CheckSettings, workdir: str) -> str:
         return path
     # imported here: transformers is heavy
     from transformers import AutoModelForCausalLM
-
-    from ps_bridge.tools.verl_check.side_by_side import save_tiny_tokenizer
 
     hf_config = FAMILIES[shape.family](shape.dims, layers)
     torch.manual_seed(settings.seed)

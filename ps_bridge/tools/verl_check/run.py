@@ -10,6 +10,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
+from ps_bridge.compat.verl_on_cpu import engine_call_on_cpu
 from ps_bridge.tools.verl_check.compare import compare, speedups
 from ps_bridge.tools.verl_check.compiles import counting_compiles
 from ps_bridge.tools.verl_check.config import CheckSettings, role_configs, scaled_budgets, trainer_config
@@ -93,8 +94,6 @@ def _one_step(kind, step, batch, settings, arr, actor, ref, actor_cfg, resident_
     from verl.protocol import DataProto
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
-
-    from ps_bridge.compat.verl_on_cpu import engine_call_on_cpu
 
     batch.meta_info["temperature"] = arr.rollout.temperature  # as the rollout leaves it
     # resident_before: what an earlier engine kind left allocated (included in this kind's peaks)

@@ -19,9 +19,11 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ps_bridge.compat import verl as verl_compat
 from ps_bridge.compat.stock_attention import reference_gpt_layer_spec
 from ps_bridge.compat.verl_on_cpu import engine_call_on_cpu, prepare_cpu_process
 from ps_bridge.config import PrefixSharingConfig
+from ps_bridge.parallel.groups import init_parallel
 from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
 
 # ---- model, tokenizer, engine --------------------------------------------------------------
@@ -70,9 +72,6 @@ def build_engine(engine_cls, ckpt: str, *, use_remove_padding: bool = True, forw
     # imported here: verl is optional (requirements-verl.txt)
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
-
-    from ps_bridge.compat import verl as verl_compat
-    from ps_bridge.parallel.groups import init_parallel
 
     model_config = HFModelConfig(path=ckpt, use_remove_padding=use_remove_padding, external_lib=external_lib)
     if engine_config is None:
