@@ -22,6 +22,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from ps_bridge.compat.megatron_core import gdn_cp_collectives
 
@@ -30,9 +31,6 @@ def cp_rank_size() -> Tuple[int, int]:
     """This process's (CP rank, CP size) in megatron's parallel state; (0, 1) without one."""
     if not dist.is_initialized():
         return 0, 1
-    # imported here: megatron-core is heavy
-    from megatron.core import parallel_state
-
     if not parallel_state.model_parallel_is_initialized():
         return 0, 1
     return parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_world_size()

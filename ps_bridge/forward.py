@@ -14,10 +14,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from megatron.core import parallel_state
 
 from ps_bridge.config import PrefixSharingConfig
 from ps_bridge.layout import PackedPrefixLayout
 from ps_bridge.models.context_parallel import cp_rank_size
+from ps_bridge.models.packed_seq import PrefixSharedPackedSeqParams
 
 
 def local_shard(layout: PackedPrefixLayout) -> Optional[slice]:
@@ -33,9 +35,6 @@ def cp_total_multiple() -> int:
     _, cp_size = cp_rank_size()
     if cp_size == 1:
         return 1
-    # imported here: megatron-core is heavy
-    from megatron.core import parallel_state
-
     return 2 * parallel_state.get_tensor_model_parallel_world_size() * cp_size
 
 
@@ -48,9 +47,6 @@ def shard_tag(layout: PackedPrefixLayout) -> str:
 def run_packed(model: torch.nn.Module, layout: PackedPrefixLayout, config: PrefixSharingConfig) -> torch.Tensor:
     """`model` (megatron's module, wrapped or not) on the packed sequence of `layout` (on the model's
     device), with `config.backend` as the softmax-attention backend."""
-    # imported here: megatron-core is heavy
-    from ps_bridge.models.packed_seq import PrefixSharedPackedSeqParams
-
     shard = local_shard(layout)
     params = PrefixSharedPackedSeqParams.from_layout(layout, attention_backend=config.backend, cp_shard=shard)
     tokens = layout.tokens if shard is None else layout.tokens[shard]

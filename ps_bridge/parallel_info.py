@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 
 def _rank_size(group):
@@ -17,9 +18,6 @@ def rank_tag(pg_collection=None) -> str:
     cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
     if tp is None and dist.is_initialized():
         try:
-            # imported here: megatron-core is heavy
-            from megatron.core import parallel_state
-
             tp = parallel_state.get_tensor_model_parallel_group(check_initialized=False)
             cp = parallel_state.get_context_parallel_group(check_initialized=False)
         except Exception:  # parallel state not initialised: plain torch.distributed

@@ -37,6 +37,7 @@ from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from ps_bridge.kernels import vocab_softmax
 from ps_bridge.layout import PackedPrefixLayout
@@ -95,9 +96,6 @@ class PackedRows:
         (megatron's CP gradient reduction completes it). The rows themselves without CP."""
         if self.cp_shard is None:
             return rows
-        # imported here: megatron-core is heavy
-        from megatron.core import parallel_state
-
         group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
         summed = rows.detach().clone()
         dist.all_reduce(summed, group=group)
@@ -241,9 +239,6 @@ def chunked_vocab_parallel_logprobs(rows: "PackedRows", logits: torch.Tensor, tp
     log-sum-exp of every packed position is taken chunk by chunk and reduced over the TP group (two
     collectives on `[T]` vectors), each row's label logit is read on the rank that holds it (one
     collective on `[N]`), and the backward writes the shard's gradient chunk by chunk."""
-    # imported here: megatron-core is heavy
-    from megatron.core import parallel_state
-
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     group = tp_group
@@ -303,9 +298,6 @@ def chunked_vocab_parallel_entropy(logits: torch.Tensor, tp_group=None, chunk_ro
     """Entropy of the softmax of every packed position `[T]` (float32) from this rank's vocabulary
     shard `[T, V / tp]`, equal to verl's `vocab_parallel_entropy`, chunk by chunk: no `[T, V / tp]`
     float32 softmax or copy. Every column present counts (as verl's function counts them)."""
-    # imported here: megatron-core is heavy
-    from megatron.core import parallel_state
-
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     group = tp_group

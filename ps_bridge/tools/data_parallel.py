@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from ps_bridge.layout import Sample, decide_tree
 from ps_bridge.tools.schedule import logprob_pass
@@ -156,9 +157,6 @@ def _top_down(children: List[List[int]], parent: List[int]) -> List[int]:
 
 
 def dp_group_and_rank():
-    # imported here: megatron-core is heavy
-    from megatron.core import parallel_state
-
     return parallel_state.get_data_parallel_group(), parallel_state.get_data_parallel_rank()
 
 
@@ -209,9 +207,6 @@ def gather_rows(indices: Sequence[int], rows: Sequence[torch.Tensor], num_sample
 
 def data_parallel_size() -> int:
     """The data-parallel size (without context parallelism); 1 before megatron's groups exist."""
-    # imported here: megatron-core is heavy
-    from megatron.core import parallel_state
-
     if not parallel_state.model_parallel_is_initialized():
         return 1
     return parallel_state.get_data_parallel_world_size()

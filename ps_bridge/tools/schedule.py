@@ -20,6 +20,8 @@ from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ps_bridge.forward import local_shard, run_packed
 from ps_bridge.layout import Sample
@@ -42,9 +44,6 @@ def logprob_pass(
     backward pass of `sum w * logp` over all micro-batches and finishes the gradients (TP and
     pipeline reductions), so each rank's `.grad` holds its shard of the full gradient.
     """
-    # imported here: megatron-core is heavy
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     if len(micro_batches) == 0:
         raise ValueError("logprob_pass needs at least one micro-batch")
     backward = loss_weights is not None
@@ -90,9 +89,6 @@ def _logprob_loss(rows: PackedRows, weights, num_microbatches: int, vocab_parall
 
 def _from_last_stage(logprobs: List[LogProbs]) -> List[LogProbs]:
     """The last pipeline stage computed the log-probs; give them to every stage."""
-    # imported here: megatron-core is heavy
-    from megatron.core import parallel_state
-
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return logprobs
     group = parallel_state.get_pipeline_model_parallel_group()

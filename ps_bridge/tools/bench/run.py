@@ -11,6 +11,7 @@ from functools import partial
 from typing import List, Optional, Tuple
 
 import torch
+from megatron.core import parallel_state
 from tqdm import tqdm
 
 from ps_bridge.config import PrefixSharingConfig
@@ -154,9 +155,6 @@ def _whole_batch_rows(rows):
     """Every data-parallel rank's response rows, in rank order, on every rank (as given without EP)."""
     if rows is None or data_parallel_size() == 1:
         return rows
-    # imported here: megatron-core is heavy
-    from megatron.core import parallel_state
-
     group = parallel_state.get_data_parallel_group()
     box = [None] * torch.distributed.get_world_size(group)
     torch.distributed.all_gather_object(box, rows.cpu(), group=group)

@@ -24,6 +24,7 @@ from ps_bridge.compat.stock_attention import reference_gpt_layer_spec
 from ps_bridge.compat.verl_on_cpu import engine_call_on_cpu, prepare_cpu_process
 from ps_bridge.config import PrefixSharingConfig
 from ps_bridge.parallel.groups import init_parallel
+from ps_bridge.providers.base import FUSIONS_OFF
 from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
 
 # ---- model, tokenizer, engine --------------------------------------------------------------
@@ -53,9 +54,6 @@ def tiny_checkpoint(path: str, family: str = "qwen2.5", seed: int = 0, **overrid
 def stock_overrides() -> dict:
     """The stock engine's config overrides: our providers' fusions off (`FUSIONS_OFF`), no dropout,
     so both engines of a comparison compute the same thing."""
-    # imported here: megatron-core is heavy
-    from ps_bridge.providers.base import FUSIONS_OFF
-
     return dict(FUSIONS_OFF, attention_dropout=0.0, hidden_dropout=0.0, attention_backend="auto")
 
 
