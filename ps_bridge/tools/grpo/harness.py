@@ -30,10 +30,11 @@ from ps_bridge.tools.grpo.launch import RunSpec, run_main_ppo
 from ps_bridge.tools.grpo.report import Check, RunData
 
 RESUME_AFTER = 3  # the checkpoint step the resume check restarts from
-# samples per micro-batch (actor, ref and old log-probs): 4 = one prompt's group at n = 4; the floor splits it;
+# samples per micro-batch (actor, ref and old log-probs): 4 = the size of one prompt's group at n = 4 (which samples
+# share a micro-batch follows the order in which verl's asynchronous rollout hands them over); the floor splits it;
 # the tree pair takes both prompts of a step in one micro-batch, so the system prompt is shared across prompts
 MICRO_BATCH, FLOOR_MICRO_BATCH, TREE_MICRO_BATCH = 4, 2, 8
-TREE_FLOOR_MICRO_BATCH = 4  # one prompt's group per micro-batch: stock's float32 sums in another grouping
+TREE_FLOOR_MICRO_BATCH = 4  # half of the tree pair's micro-batch: stock's float32 sums in another grouping
 
 
 class RunFailed(RuntimeError):
