@@ -3,7 +3,9 @@ harness's tests."""
 
 import random
 
-from ps_bridge.tools.grpo.report import GRAD_NORM, PG_LOSS, PROBS_DIFF_MAX, PROBS_DIFF_MEAN, REWARD, RunData
+from ps_bridge.tools.grpo.report import (
+    GRAD_NORM, OLD_LOG_PROBS, PG_LOSS, PROBS_DIFF_MAX, PROBS_DIFF_MEAN, REF_LOG_PROBS, REWARD, RunData,
+)
 
 PS_LOG = ("(WorkerDict pid=1) [PS][prepare] PATH 6: sharing detected (groups=2, samples=8)\n"
           "(WorkerDict pid=1) [PS][prepare][r0] packed_batch_layout: valid_lengths=[1], groups=2, depth=1, nodes=3\n")
@@ -12,7 +14,7 @@ TREE_LOG = PS_LOG.replace("depth=1", "depth=2")
 
 def make_run(label, steps=5, seed=0, n_responses=8, log=""):
     rng = random.Random(seed)
-    metrics, rollouts = {}, {}
+    metrics, rollouts, log_probs = {}, {}, {}
     for k in range(1, steps + 1):
         metrics[k] = {
             REWARD: rng.choice([0.125, 0.25, 0.375]),
@@ -23,7 +25,9 @@ def make_run(label, steps=5, seed=0, n_responses=8, log=""):
             "timing_s/gen": 1.5, "timing_s/update_actor": 2.0, "timing_s/step": 5.0,
         }
         rollouts[k] = [(f"prompt {k}.{i // 4}", f"response {k}.{i} #### {i}") for i in range(n_responses)]
-    return RunData(label, metrics, rollouts, log)
+        log_probs[k] = [(p, r, {OLD_LOG_PROBS: [-rng.uniform(0, 5) for _ in range(6)],
+                                REF_LOG_PROBS: [-rng.uniform(0, 5) for _ in range(6)]}) for p, r in rollouts[k]]
+    return RunData(label, metrics, rollouts, log, log_probs)
 
 
 def twin(run, label, log="", rel=0.0):
@@ -32,4 +36,6 @@ def twin(run, label, log="", rel=0.0):
     for v in steps.values():
         v[PG_LOSS] *= 1 + rel
         v[GRAD_NORM] *= 1 + rel
-    return RunData(label, steps, {k: list(v) for k, v in run.rollouts.items()}, log)
+    log_probs = {k: [(p, r, {f: list(x) for f, x in values.items()}) for p, r, values in rows]
+                 for k, rows in run.log_probs.items()}
+    return RunData(label, steps, {k: list(v) for k, v in run.rollouts.items()}, log, log_probs)

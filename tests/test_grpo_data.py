@@ -6,6 +6,7 @@ everything is the same from the same seed."""
 import importlib.util
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -116,3 +117,28 @@ def test_same_seed_same_files_and_reuse(built, tmp_path):
     assert data.build(tmp_path / "a", seed=3, **SMALL) == again and stamp.stat().st_mtime_ns != before
     other = data.build(tmp_path / "b", seed=4, **SMALL)
     assert (Path(other.data_dir) / "train.parquet").read_bytes() != (Path(built.data_dir) / "train.parquet").read_bytes()
+
+
+def test_fit_sees_both_prompt_forms(built):
+    """The fit trains the answers behind the plain prompts and behind the system prompt: fitted on one form
+    only, the model draws no right answer behind the other, and that run's first steps have no advantage."""
+    import torch
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(built.model)
+    system_start = tok("<|im_start|>system\n", add_special_tokens=False)["input_ids"]
+    seen = []
+
+    class Recorder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, input_ids, attention_mask, labels):
+            seen.extend(row[: len(system_start)].tolist() == system_start for row in input_ids)
+            assert (labels[:, : len(system_start)] == -100).all()  # prompt tokens carry no loss
+            return SimpleNamespace(loss=self.w * 1.0)
+
+    data.fit_to_format(Recorder(), tok, data.make_problems(8, seed=3), steps=4, seed=3, batch_size=16)
+    assert any(seen) and not all(seen)
+    assert built.fit.system_sampled > 0

@@ -50,7 +50,9 @@ def test_short_run_passes_the_verdict(short_run):
     # the properties are there and were judged, not skipped
     for name in ("step 1 rollouts identical", f"{PG_LOSS} equal while rollouts are identical",
                  f"{GRAD_NORM} equal while rollouts are identical", "reward curves match",
-                 f"{PROBS_DIFF_MEAN} as small as stock's", "ps log shows sharing", "stock ran verl's stock engine"):
+                 f"{PROBS_DIFF_MEAN} as small as stock's", "ps log shows sharing", "stock ran verl's stock engine",
+                 "old_log_probs equal per token (the actor's (old) log-probs)",
+                 "ref_log_prob equal per token (the reference's log-probs)"):
         assert name in names, name
     assert "VERDICT: PASS" in proc.stdout and "pg_loss" in proc.stdout
 

@@ -103,6 +103,28 @@ def test_noise_floor_runs_when_the_pair_diverges(fake, tmp_path, monkeypatch):
     assert report.passed(checks), report.format_checks(checks)
 
 
+def test_tree_noise_floor_runs_when_the_tree_pair_diverges(fake, tmp_path, monkeypatch):
+    real = harness.launch
+
+    def diverging(label, *args, **kw):
+        run = real(label, *args, **kw)
+        if label in ("ps-tree", "stock-system-floor"):
+            for k in (2, 3):
+                run.rollouts[k][0] = ("p", f"flip {label}")
+        return run
+
+    monkeypatch.setattr(harness, "launch", diverging)
+    plan = harness.Plan(out=tmp_path, steps=3, tree=True)
+    checks = harness.run_plan(plan, harness.Progress(harness.planned_steps(plan), verbose=False))
+    calls = {c["label"]: c for c in fake["calls"]}
+    assert "stock-floor" not in calls  # the plain pair's rollouts stayed identical
+    floor = calls["stock-system-floor"]
+    assert floor["engine"] == "stock" and floor["data_dir"] == "DS" and "tree" not in floor
+    assert floor["micro_batch"] == harness.TREE_FLOOR_MICRO_BATCH != harness.TREE_MICRO_BATCH
+    assert report.passed(checks), report.format_checks(checks)
+    assert any(c.name.startswith("system prompt, tree: noise floor:") for c in checks)
+
+
 def test_resume_needs_steps_past_the_checkpoint(fake, tmp_path):
     with pytest.raises(SystemExit):
         harness.main(["--out", str(tmp_path), "--steps", "3", "--resume"])
@@ -133,3 +155,40 @@ def test_a_failed_run_is_named_by_its_last_error_line(tmp_path):
         "\x1b[36m(raylet)\x1b[0m shutting down\n")
     assert harness._last_error(log) == "AttributeError: 'NoneType' object has no attribute 'storage'"
     assert harness._last_error(tmp_path / "absent.log") == "no log written"
+
+
+def test_rollout_dump_carries_each_responses_log_probs():
+    """logprob_dump hands verl's dump the TransferQueue's per-response log-probs in the dump's (sorted) order,
+    and leaves the trainer's own dump method in place afterwards."""
+    import torch
+
+    from ps_bridge.tools.grpo import logprob_dump
+
+    keys = ["b_0_1", "a_0_0", "b_0_0"]
+    rows = {k: [float(i), float(i) + 0.5] if i != 1 else [1.0] for i, k in enumerate(keys)}
+    written = {}
+
+    class TQ:
+        @staticmethod
+        def kv_batch_get(keys, partition_id, select_fields):
+            assert partition_id == "train_0" and set(select_fields) == set(logprob_dump.FIELDS)
+            nested = torch.nested.nested_tensor([torch.tensor(rows[k]) for k in keys], layout=torch.jagged)
+            return {f: nested for f in select_fields}
+
+    class PPOTrainer:  # verl's: dumps in uid order
+        def _dump_generations(self, inputs, outputs, gts, scores, reward_extra_infos_dict, dump_path):
+            written.update(reward_extra_infos_dict)
+
+        def _log_rollout_data(self, batch, timing_raw, rollout_data_dir):
+            order = sorted(batch.keys)
+            self._dump_generations([""] * 3, [""] * 3, [None] * 3, [0.0] * 3, {"uid": order}, rollout_data_dir)
+
+    module = SimpleNamespace(PPOTrainer=PPOTrainer, tq=TQ)
+    logprob_dump._with_log_probs(module)
+    logprob_dump._with_log_probs(module)  # installed once
+    trainer = PPOTrainer()
+    trainer._log_rollout_data(SimpleNamespace(keys=keys, partition_id="train_0"), {}, "dir")
+    assert written["uid"] == ["a_0_0", "b_0_0", "b_0_1"]
+    for field in logprob_dump.FIELDS:
+        assert written[field] == [rows["a_0_0"], rows["b_0_0"], rows["b_0_1"]]
+    assert "_dump_generations" not in vars(trainer)

@@ -7,7 +7,9 @@ import pytest
 from grpo_cases import PS_LOG, TREE_LOG, make_run, twin
 
 from ps_bridge.tools.grpo import report
-from ps_bridge.tools.grpo.report import GRAD_NORM, PG_LOSS, PROBS_DIFF_MAX, PROBS_DIFF_MEAN, REWARD
+from ps_bridge.tools.grpo.report import (
+    GRAD_NORM, LOG_PROB_ATOL, OLD_LOG_PROBS, PG_LOSS, PROBS_DIFF_MAX, PROBS_DIFF_MEAN, REF_LOG_PROBS, REWARD,
+)
 
 def failing(checks):
     return [c.name for c in checks if not c.ok]
@@ -130,6 +132,38 @@ def test_missing_steps_fail(stock):
     assert "steps" in failing(report.compare_runs(stock, ps))
 
 
+def test_token_log_probs():
+    """Property 8: per token, old log-probs at step 1 and ref log-probs while the rollouts are identical."""
+    stock = make_run("stock")
+    ps = twin(stock, "ps")
+    for rows in ps.log_probs.values():
+        for _, _, values in rows:
+            values[OLD_LOG_PROBS][0] += 0.5 * LOG_PROB_ATOL  # float32 noise
+    ps.log_probs = {k: list(reversed(rows)) for k, rows in ps.log_probs.items()}  # the dump's order is free
+    checks = report.compare_log_probs(stock, ps)
+    assert report.passed(checks) and len(checks) == 2, report.format_checks(checks)
+    assert "steps 1-5" in checks[1].detail and "step 1," in checks[0].detail
+
+    wrong = twin(stock, "ps")
+    wrong.log_probs[1][3][2][OLD_LOG_PROBS][4] += 1e-4  # one token of one response
+    assert failing(report.compare_log_probs(stock, wrong)) == [f"{OLD_LOG_PROBS} equal per token (the actor's (old) log-probs)"]
+    later = twin(stock, "ps")
+    later.log_probs[4][0][2][OLD_LOG_PROBS][0] += 1.0  # old log-probs after an update: weights differ by rounding
+    later.log_probs[4][0][2][REF_LOG_PROBS][0] += 1e-4  # the reference never changes: judged at every step
+    assert failing(report.compare_log_probs(stock, later)) == [f"{REF_LOG_PROBS} equal per token (the reference's log-probs)"]
+    flipped = twin(stock, "ps")
+    flipped.rollouts[4][0] = flipped.rollouts[4][0][:1] + ("flipped",)
+    flipped.log_probs[5][0][2][REF_LOG_PROBS][0] += 1.0  # after the flip: not judged
+    assert report.passed(report.compare_log_probs(stock, flipped))
+    short = twin(stock, "ps")
+    short.log_probs[2][1][2][REF_LOG_PROBS].pop()
+    assert not report.passed(report.compare_log_probs(stock, short))  # a response of another length
+    undumped = twin(stock, "ps")
+    del undumped.log_probs[3]
+    bad = report.compare_log_probs(stock, undumped)
+    assert not report.passed(bad) and "no log-probs in the rollout dump of ps step 3" in bad[0].detail
+
+
 def test_logs():
     stock, ps = make_run("stock"), make_run("ps", log=PS_LOG)
     assert report.passed(report.check_logs(stock, ps))
@@ -175,13 +209,14 @@ def test_load_run_and_tables(tmp_path):
     with open(d / "metrics.jsonl", "w") as f:
         for k, v in run.steps.items():
             f.write(json.dumps({"step": k, "data": v}) + "\n")
-    for k, rows in run.rollouts.items():
+    for k, rows in run.log_probs.items():
         with open(d / "rollouts" / f"{k}.jsonl", "w") as f:
-            for inp, out in rows:
-                f.write(json.dumps({"input": inp, "output": out, "score": 0.0, "step": k}) + "\n")
+            for inp, out, values in rows:
+                f.write(json.dumps({"input": inp, "output": out, "score": 0.0, "step": k, **values}) + "\n")
     (d / "main_ppo.log").write_text(PS_LOG)
     loaded = report.load_run("stock", d)
     assert loaded.steps == run.steps and loaded.rollouts == run.rollouts and loaded.log == PS_LOG
+    assert loaded.log_probs == run.log_probs
     ps = twin(loaded, "ps", PS_LOG, rel=1e-6)
     table = report.metrics_table([loaded, ps])
     lines = table.splitlines()

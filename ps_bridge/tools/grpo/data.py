@@ -8,7 +8,8 @@ download):
 - a tiny Qwen2.5 (`Qwen2ForCausalLM`: hidden 128, 2 layers, 4 query / 2 key-value heads of size 32, the
   smallest head vLLM's CPU attention takes), vocabulary = the tokenizer's size rounded up to a multiple of
   128 as Qwen's checkpoints and Megatron pad it; random weights from `ps_bridge.tools.tiny_checkpoints`, then
-  fitted for `fit_steps` Adam steps to the answers' format (see `fit_to_format` for why);
+  fitted for `fit_steps` Adam steps to the answers' format behind both prompt forms (see `fit_to_format`
+  for why);
 - GSM8K-format train/test parquet files in the layout of verl's `examples/data_preprocess/gsm8k.py`
   (`data_source` "openai/gsm8k", the prompt as chat messages, `reward_model.ground_truth`, `extra_info`),
   whose answers end in `#### <number>`, the line verl's GSM8K reward (`verl/utils/reward_score/gsm8k.py`,
@@ -69,7 +70,7 @@ MODEL_SHAPE = dict(
 VOCAB_MULTIPLE = 128
 
 # bump when the files built here change for the same arguments (the cache key)
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -168,9 +169,12 @@ def correct(response: str, answer: str) -> bool:
 class FitSummary:
     steps: int
     final_loss: Optional[float]
-    sampled: int  # responses sampled on test prompts after the fit (temperature 1)
+    sampled: int  # responses sampled on test prompts after the fit (temperature 1), without a system prompt
     formatted: int  # of those, with a `#### <number>` line
     correct: int  # of those, with the right answer
+    system_sampled: int = 0  # the same behind SYSTEM_PROMPT (the prefix-tree run's prompts)
+    system_formatted: int = 0
+    system_correct: int = 0
 
 
 def fit_to_format(model, tokenizer, problems: List[Problem], steps: int, seed: int,
@@ -180,16 +184,23 @@ def fit_to_format(model, tokenizer, problems: List[Problem], steps: int, seed: i
 
     A random model never writes `#### <answer>`: every reward would be 0, every GRPO advantage 0, the weights
     would never move, and a rollout engine left with stale weights would go unnoticed. After the fit the
-    model writes the format and is right on a part of the problems, so rewards vary inside each group."""
+    model writes the format and is right on a part of the problems, so rewards vary inside each group.
+
+    The fit sees every problem in both prompt forms, without and behind SYSTEM_PROMPT: a model fitted on one
+    form only writes the format after that form's prompt; behind the unseen system prompt it then draws no
+    right answer, the first steps' advantages are all 0, and the only gradient left is the KL term between a
+    policy and a reference that differ by float32 rounding, which Adam's per-parameter scaling turns into a
+    full-size update in a direction set by rounding."""
     if steps <= 0:
         return None
     gen = random.Random(seed)
     rows = []
     for p in problems:
-        prompt = render(messages(p, system_prompt=False))
-        ids_prompt = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         ids_answer = tokenizer(f"{p.solution}<|im_end|>", add_special_tokens=False)["input_ids"]
-        rows.append((ids_prompt + ids_answer, len(ids_prompt)))
+        for system_prompt in (False, True):
+            prompt = render(messages(p, system_prompt=system_prompt))
+            ids_prompt = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            rows.append((ids_prompt + ids_answer, len(ids_prompt)))
     pad = tokenizer.pad_token_id
     torch.manual_seed(seed)
     model.train()
@@ -217,13 +228,15 @@ def fit_to_format(model, tokenizer, problems: List[Problem], steps: int, seed: i
 
 
 @torch.no_grad()
-def sample_rate(model, tokenizer, problems: List[Problem], seed: int, n: int = 4, max_new_tokens: int = 24):
+def sample_rate(model, tokenizer, problems: List[Problem], seed: int, n: int = 4, max_new_tokens: int = 24,
+                system_prompt: bool = False):
     """Sample `n` responses per problem at temperature 1; count formatted and correct ones."""
     torch.manual_seed(seed)
     formatted = right = total = 0
     eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     for p in problems:
-        ids = tokenizer(render(messages(p, system_prompt=False)), add_special_tokens=False, return_tensors="pt")
+        ids = tokenizer(render(messages(p, system_prompt=system_prompt)), add_special_tokens=False,
+                        return_tensors="pt")
         out = model.generate(
             **ids, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
             num_return_sequences=n, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
@@ -285,7 +298,7 @@ def _key(**params) -> str:
 
 
 def build(out_dir, seed: int = 0, n_train: int = 512, n_test: int = 64, tokenizer_vocab: int = 1024,
-          fit_steps: int = 150, dtype: str = "float32",
+          fit_steps: int = 300, dtype: str = "float32",
           progress: Optional[Callable[[str, int, int], None]] = None) -> GrpoData:
     """Write the tokenizer, the model and the parquet files under `out_dir` (model/, data/, data_system/), or
     reuse them when `out_dir/data.json` records the same arguments and they are all there. `progress(what, done,
@@ -329,10 +342,11 @@ def build(out_dir, seed: int = 0, n_train: int = 512, n_test: int = 64, tokenize
     try:
         final_loss = fit_to_format(model, tok, train, fit_steps, seed,
                                    progress=lambda s, loss: report("fit", s, fit_steps))
-        total, formatted, right = sample_rate(model, tok, test[:16], seed) if fit_steps > 0 else (0, 0, 0)
+        rates = [sample_rate(model, tok, test[:16], seed, system_prompt=s) if fit_steps > 0 else (0, 0, 0)
+                 for s in (False, True)]
     finally:
         torch.set_num_threads(threads)
-    fit = FitSummary(fit_steps, final_loss, total, formatted, right)
+    fit = FitSummary(fit_steps, final_loss, *rates[0], *rates[1])
 
     model.to(getattr(torch, dtype))
     model.generation_config.bos_token_id = pad

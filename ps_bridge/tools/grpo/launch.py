@@ -26,6 +26,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 ENGINES = ("ps", "stock")
 ROLLOUT_SEEDS = "ps_bridge.compat.rollout_seeds"
+# the rollout dump with each response's token log-probs (old, ref, vLLM's), for the per-response comparison
+LOGPROB_DUMP = "ps_bridge.tools.grpo.logprob_dump"
 
 #: What the CPU run sets beyond a GPU run, and why (docs/verl.md lists the same).
 CPU_SETTINGS: Dict[str, str] = {
@@ -228,7 +230,7 @@ def build_command(spec: RunSpec, on_cpu: Optional[bool] = None) -> Tuple[List[st
     # on GPUs too: vLLM samples each request with its own seed, so that two runs (and a resumed one) from
     # the same weights sample the same responses (ps_bridge/compat/rollout_seeds.py says why verl's
     # rollout.full_determinism does not do it)
-    env["VERL_USE_EXTERNAL_MODULES"] = ROLLOUT_SEEDS
+    env["VERL_USE_EXTERNAL_MODULES"] = f"{ROLLOUT_SEEDS},{LOGPROB_DUMP}"
     env.pop("ENABLE_PREFIX_SHARING", None)
     env.pop("PS_BRIDGE_TREE", None)
     if spec.engine == "ps":
@@ -237,7 +239,7 @@ def build_command(spec: RunSpec, on_cpu: Optional[bool] = None) -> Tuple[List[st
             env["PS_BRIDGE_TREE"] = "1"
     if on_cpu:
         env.update({
-            "VERL_USE_EXTERNAL_MODULES": f"ps_bridge.compat.main_ppo_on_cpu,{ROLLOUT_SEEDS}",
+            "VERL_USE_EXTERNAL_MODULES": f"ps_bridge.compat.main_ppo_on_cpu,{ROLLOUT_SEEDS},{LOGPROB_DUMP}",
             "VERL_ENGINE_DEVICE": "cuda",
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "TORCHDYNAMO_DISABLE": "1",

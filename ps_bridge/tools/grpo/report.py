@@ -5,7 +5,8 @@ Pure functions over `RunData`; nothing here starts a run. What a run directory h
 `main_ppo` as `launch.py` configures it):
 - `metrics.jsonl`: verl's file logger, one `{"step": k, "data": {metric: value}}` per step;
 - `rollouts/<k>.jsonl`: verl's `trainer.rollout_data_dir` dump, one `{"input", "output", "score", ...}` per
-  response of step k;
+  response of step k, with its token log-probs (`old_log_probs`, `ref_log_prob`, `rollout_log_probs`:
+  `logprob_dump.py`);
 - `main_ppo.log`: the driver's output with the Ray workers' lines.
 
 The verdict's properties and their tolerances (`TOLERANCES`, `PROBS_DIFF`):
@@ -31,7 +32,18 @@ The verdict's properties and their tolerances (`TOLERANCES`, `PROBS_DIFF`):
    engine); with the prefix tree on, a layout line of depth >= 2 (the system prompt shared across prompts);
 7. a run resumed from a checkpoint repeats the uninterrupted run's later steps: the same rollouts (vLLM
    seeds each request from the rollout seed and the prompt, `ps_bridge/compat/rollout_seeds.py`, so a restart
-   does not change what it samples from the same weights) and the same metrics within the tolerances above.
+   does not change what it samples from the same weights) and the same metrics within the tolerances above;
+8. response by response, the engines' token log-probs from the same weights are equal within float32 noise
+   (`LOG_PROB_ATOL`): the actor's (old) log-probs at step 1, where both runs hold the checkpoint's weights, and
+   the reference's at every step whose rollouts are identical (the reference never changes). The step means
+   of 2. can hide an error in a few tokens that cancels or that a near-zero advantage weighs with nothing;
+   this cannot. A token's log-prob computed from the same float32 weights in another summation order (a
+   prompt once for its responses, a system prompt once for several prompts, packed vs padded rows) moves
+   by ~1e-6 on most tokens and by up to ~1.6e-5 on a few ill-conditioned ones: on the format-fitted model
+   of `make grpo`, the reference log-probs of both engines and of Hugging Face's own float32 forward
+   (eager and SDPA attention) are up to 1.6e-5 from its float64 forward, and HF eager against HF SDPA up to
+   1.0e-5 apart (measured). 5e-5 leaves that margin; a wrong position, mask or weight moves a log-prob by
+   1e-2 or more.
 """
 
 from __future__ import annotations
@@ -75,6 +87,9 @@ TOLERANCES = {
 PROBS_DIFF = {PROBS_DIFF_MEAN: (3.0, 1e-5), PROBS_DIFF_MAX: (3.0, 1e-4)}
 # (3.) after a flipped token, the differences may reach this many times the noise floor's
 FLOOR_FACTOR = 3.0
+# (8.) per token, |log p| difference of the same response from the same weights
+LOG_PROB_ATOL = 5e-5
+OLD_LOG_PROBS, REF_LOG_PROBS = "old_log_probs", "ref_log_prob"
 
 SHARING_DETECTED = re.compile(r"\[PS\]\[prepare\].*PATH 6: sharing detected")
 SHARING_ON = re.compile(r"\[PS\]\[prepare\].*(enable_prefix_sharing=True|engine=PrefixShared\w+)")
@@ -87,6 +102,8 @@ class RunData:
     steps: Dict[int, Dict[str, float]]  # step -> verl's metrics
     rollouts: Dict[int, List[Tuple[str, str]]] = field(default_factory=dict)  # step -> [(prompt, response)]
     log: str = ""
+    # step -> [(prompt, response, {OLD_LOG_PROBS: [...], REF_LOG_PROBS: [...]})], where the dump has them
+    log_probs: Dict[int, List[Tuple[str, str, Dict[str, List[float]]]]] = field(default_factory=dict)
 
     def value(self, step: int, key: str) -> Optional[float]:
         v = self.steps.get(step, {}).get(key)
@@ -115,15 +132,26 @@ def read_metrics(path: Path) -> Dict[int, Dict[str, float]]:
     return steps
 
 
-def read_rollouts(directory: Path) -> Dict[int, List[Tuple[str, str]]]:
+def _dump(directory: Path) -> Dict[int, List[dict]]:
+    """verl's rollout dump: step -> its rows."""
     out = {}
     d = Path(directory)
     if d.is_dir():
         for f in d.glob("*.jsonl"):
             if f.stem.isdigit():
-                rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-                out[int(f.stem)] = [(r["input"], r["output"]) for r in rows]
+                out[int(f.stem)] = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
     return out
+
+
+def read_rollouts(directory: Path) -> Dict[int, List[Tuple[str, str]]]:
+    return {k: [(r["input"], r["output"]) for r in rows] for k, rows in _dump(directory).items()}
+
+
+def read_log_probs(directory: Path) -> Dict[int, List[Tuple[str, str, Dict[str, List[float]]]]]:
+    """The dump's token log-probs per response (`logprob_dump.py`); steps whose dump has none are left out."""
+    keys = (OLD_LOG_PROBS, REF_LOG_PROBS)
+    return {k: [(r["input"], r["output"], {key: r[key] for key in keys}) for r in rows]
+            for k, rows in _dump(directory).items() if rows and all(key in r for r in rows for key in keys)}
 
 
 def load_run(label: str, out_dir, metrics: str = "metrics.jsonl", rollouts: str = "rollouts",
@@ -131,7 +159,7 @@ def load_run(label: str, out_dir, metrics: str = "metrics.jsonl", rollouts: str 
     d = Path(out_dir)
     log_path = d / log
     return RunData(label, read_metrics(d / metrics), read_rollouts(d / rollouts),
-                   log_path.read_text(errors="replace") if log_path.exists() else "")
+                   log_path.read_text(errors="replace") if log_path.exists() else "", read_log_probs(d / rollouts))
 
 
 # ---------------------------------------------------------------------------------------------- rollouts
@@ -288,6 +316,53 @@ def _against_floor(ref: RunData, other: RunData, floor: Optional[RunData], after
             f"steps {after[0]}-{after[-1]}: max |diff| "
             f"{_fmt(max(abs(ref.value(k, key) - other.value(k, key)) for k in after))}, floor max {_fmt(max(floor_delta))}"
             f" (allowed {FLOOR_FACTOR:g} x floor)" + (f"; outside at steps {bad}" if bad else "")))
+    return checks
+
+
+def _log_prob_difference(ref: RunData, other: RunData, step: int, key: str) -> Tuple[float, int]:
+    """The largest per-token |difference| of `key` over the step's responses, matched by (prompt, response)
+    (identical responses of a prompt pair up in dump order), and the number of tokens compared; inf where a
+    response has no partner or another length."""
+    partners: Dict[Tuple[str, str], List[List[float]]] = {}
+    for prompt, response, values in other.log_probs[step]:
+        partners.setdefault((prompt, response), []).append(values[key])
+    worst, tokens = 0.0, 0
+    for prompt, response, values in ref.log_probs[step]:
+        mates = partners.get((prompt, response))
+        if not mates or len(mates[0]) != len(values[key]):
+            return math.inf, tokens
+        mate = mates.pop(0)
+        worst = max([worst] + [abs(a - b) for a, b in zip(values[key], mate)])
+        tokens += len(mate)
+    return worst, tokens
+
+
+def compare_log_probs(ref: RunData, other: RunData, name: str = "") -> List[Check]:
+    """Property 8: old log-probs at the first step, ref log-probs at every step whose rollouts are identical."""
+    tag = f"{name}: " if name else ""
+    steps = [k for k in ref.step_numbers() if k in other.steps]
+    if not steps:
+        return [Check(f"{tag}token log-probs equal", False, "no common step")]
+    diffs = rollout_differences(ref, other, steps)
+    flip = first_divergence(diffs)
+    exact = [k for k in steps if flip is None or k < flip]
+    missing = [f"{r.label} step {k}" for r in (ref, other) for k in exact if k not in r.log_probs]
+    if not exact or missing:
+        return [Check(f"{tag}token log-probs equal", False,
+                      "step 1's rollouts differ" if not exact else
+                      "no log-probs in the rollout dump of " + ", ".join(missing[:4]) +
+                      " (ps_bridge.tools.grpo.logprob_dump)")]
+    checks = []
+    for key, judged, what in ((OLD_LOG_PROBS, exact[:1], "the actor's (old) log-probs"),
+                              (REF_LOG_PROBS, exact, "the reference's log-probs")):
+        rows = [(k, *_log_prob_difference(ref, other, k, key)) for k in judged]
+        worst = max(rows, key=lambda r: r[1])
+        bad = [k for k, d, _ in rows if not d <= LOG_PROB_ATOL]
+        span = f"step {judged[0]}" if len(judged) == 1 else f"steps {judged[0]}-{judged[-1]}"
+        checks.append(Check(
+            f"{tag}{key} equal per token ({what})", not bad,
+            f"{span}, {sum(r[2] for r in rows)} tokens: max |diff| {_fmt(worst[1])} (step {worst[0]}; "
+            f"tolerance {LOG_PROB_ATOL:g})" + (f"; outside at steps {bad}" if bad else "")))
     return checks
 
 
