@@ -323,29 +323,42 @@ class ImagePrompts:
         return self.per_prompt * (self.tokens_per_image(vision) + 2) + P
 
 
+# a vision-language config's special token ids (text tokens are drawn below all of them)
+VISION_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def random_images(images: ImagePrompts, vision: dict, g: torch.Generator) -> List[SampleImage]:
+    """One prompt's `images.per_prompt` images: random patch rows `[t*h*w, C*T*P*P]` of its grid."""
+    t, h, w = images.grid(vision)
+    row = vision.get("in_channels", 3) * vision["temporal_patch_size"] * vision["patch_size"] ** 2
+    return [SampleImage.of(torch.randn(t * h * w, row, generator=g), (t, h, w)) for _ in range(images.per_prompt)]
+
+
+def image_tokens(pictures: List[SampleImage], ids: dict, vision: dict) -> List[int]:
+    """The prompt tokens of `pictures`: per image `<vision_start> <image_pad> x tokens <vision_end>`."""
+    out: List[int] = []
+    for p in pictures:
+        out += ([ids["vision_start_token_id"]] + [ids["image_token_id"]] * p.num_tokens(vision["spatial_merge_size"])
+                + [ids["vision_end_token_id"]])
+    return out
+
+
 def make_image_samples(P: int, R: int, n: int, groups: int, dims: dict, images: ImagePrompts, seed: int) -> List[Sample]:
     """`make_samples` with image prompts (`ImagePrompts`): each prompt's images random and its own, the
     same in its n samples. Text tokens are drawn below the vision special ids (a random text token equal
     to the image placeholder would be an image token without pixels)."""
     vision = dims["vision"]
-    grid = images.grid(vision)
-    patch_row = vision.get("in_channels", 3) * vision["temporal_patch_size"] * vision["patch_size"] ** 2
-    ids = [dims[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")]
-    text = min(ids)
-    per_image = images.tokens_per_image(vision)
+    ids = {k: dims[k] for k in VISION_IDS}
+    text = min(ids.values())
     g = torch.Generator().manual_seed(seed)
     samples = []
     for _ in range(groups):
-        pictures = [SampleImage.of(torch.randn(grid[0] * grid[1] * grid[2], patch_row, generator=g), grid)
-                    for _ in range(images.per_prompt)]
-        prompt = []
-        for _ in pictures:
-            prompt += [dims["vision_start_token_id"]] + [dims["image_token_id"]] * per_image + [dims["vision_end_token_id"]]
-        prompt += torch.randint(text, (P,), generator=g).tolist()
+        pictures = random_images(images, vision, g)
+        prompt = image_tokens(pictures, ids, vision) + torch.randint(text, (P,), generator=g).tolist()
         for _ in range(n):
             sample = Sample(prompt, torch.randint(text, (R,), generator=g).tolist())
-            samples.append(attach_images(sample, pictures, image_token_id=dims["image_token_id"],
-                                         merge=vision["spatial_merge_size"], video_token_id=dims["video_token_id"],
+            samples.append(attach_images(sample, pictures, image_token_id=ids["image_token_id"],
+                                         merge=vision["spatial_merge_size"], video_token_id=ids["video_token_id"],
                                          index=len(samples)))
     return samples
 
