@@ -1,7 +1,7 @@
-"""Qwen3.5 ConditionalGeneration with image prompts under TP=2+SP, PP=2 and CP=2 on CPU (gloo, torchrun):
-the prefix-shared parallel run gives the log-probs and every HF-named gradient (the vision tower's
-included) of the single-rank unshared run, where the tower ran once per image of every sample.
-The model's text-only path at CP=2 as well."""
+"""Qwen3.5 ConditionalGeneration (dense and MoE) with image prompts under TP=2+SP, PP=2 and CP=2 on CPU
+(gloo, torchrun): the prefix-shared parallel run gives the log-probs and every HF-named gradient (the
+vision tower's included) of the single-rank unshared run, where the tower ran once per image of every
+sample. The dense model's text-only path at CP=2 as well."""
 
 import os
 import sys
@@ -18,17 +18,30 @@ CONFIGS = {"tp2_sp": ["--tp", "2", "--sp"], "pp2": ["--pp", "2"], "cp2": ["--cp"
 
 
 @pytest.fixture(scope="module")
-def vl_case(tmp_path_factory):
+def vl_cases(tmp_path_factory):
+    """Per architecture (built on first use): the checkpoint and its single-rank unshared references."""
     from qwen35_helpers import skip_where_vl_refused
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.tools.runtime import load_model
     from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
 
     skip_where_vl_refused()
-    path = str(tmp_path_factory.mktemp("q35vl"))
-    TINY_BUILDERS["qwen3.5-vl"](path)
-    loaded = load_model(path, PrefixSharingConfig(enabled=True))
-    return path, {cases: single_rank_unshared(loaded, cases=cases) for cases in ("images", "ep")}
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            path = str(tmp_path_factory.mktemp(arch.replace(".", "_")))
+            TINY_BUILDERS[arch](path)
+            loaded = load_model(path, PrefixSharingConfig(enabled=True))
+            cache[arch] = path, {cases: single_rank_unshared(loaded, cases=cases) for cases in ("images", "ep")}
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def vl_case(vl_cases):
+    return vl_cases("qwen3.5-vl")
 
 
 def parallel_run(path, flags, cases, tmp_path):
@@ -38,14 +51,25 @@ def parallel_run(path, flags, cases, tmp_path):
     return proc, torch.load(out)
 
 
-@pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_image_batches_parallel_equal_single_rank_unshared(config, vl_case, tmp_path):
-    path, refs = vl_case
+# The MoE model at CP=2: log-probs equal (4.8e-7) but the routers' gate gradients differ from the single-rank
+# unshared run by up to 8.5e-2 relative (the vision tower's by 4.7e-3, through the load-balancing loss's
+# gradient); its text-only batches too (one gate, 3.8e-2), while the text model Qwen3_5MoeForCausalLM at
+# CP=2 is exact (tests/test_context_parallel.py): the ConditionalGeneration MoE path under CP is not exact yet.
+MOE_CP2_GATES = pytest.mark.xfail(strict=True, reason="ConditionalGeneration MoE at CP=2: router gate gradients differ")
+CASES = [("qwen3.5-vl", c) for c in sorted(CONFIGS)] + [
+    ("qwen3.5-moe-vl", "pp2"), ("qwen3.5-moe-vl", "tp2_sp"),
+    pytest.param("qwen3.5-moe-vl", "cp2", marks=MOE_CP2_GATES),
+]
+
+
+@pytest.mark.parametrize("arch, config", CASES)
+def test_image_batches_parallel_equal_single_rank_unshared(arch, config, vl_cases, tmp_path):
+    path, refs = vl_cases(arch)
     ref = refs["images"]
     proc, got = parallel_run(path, CONFIGS[config], "images", tmp_path)
     grads = relative_grad_diffs(got["grads"], ref["grads"])
     vision = {n: d for n, d in grads.items() if ".visual." in n}
-    print(f"{config}: max |logp| diff {max_logprob_diff(got['logprobs'], ref['logprobs']):.2e}, "
+    print(f"{arch} {config}: max |logp| diff {max_logprob_diff(got['logprobs'], ref['logprobs']):.2e}, "
           f"max relative grad diff {max(grads.values()):.2e} (vision tower {max(vision.values()):.2e})")
     assert vision and any("merger" in n for n in vision)
     assert max_logprob_diff(got["logprobs"], ref["logprobs"]) <= 2e-5
