@@ -28,3 +28,17 @@ bench_step() {
   echo "=== step $BENCH_STEP exit $?" | tee -a "$log"
   save_autotune
 }
+prepare_checkout() {
+  # the checkout installed editable (offline: no build isolation, no dependencies), the carried kernel
+  # caches restored (AUTOTUNE, default .whl/triton-autotune.tar.gz), the stack's versions in $OUT/versions.txt
+  python3 -m pip install -q --no-deps --no-build-isolation --disable-pip-version-check -e . >/tmp/ps-bridge-install.log 2>&1 \
+    || { cat /tmp/ps-bridge-install.log; echo "editable install of ps-bridge failed"; return 1; }
+  mkdir -p "$TRITON_CACHE_DIR"
+  local autotune=${AUTOTUNE:-.whl/triton-autotune.tar.gz}
+  [ -f "$autotune" ] && tar -C "$TRITON_CACHE_DIR" -xzf "$autotune"
+  {
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    python3 -c "import torch, triton, transformers, megatron.core, verl; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'megatron-core', megatron.core.__version__, 'verl', verl.__version__)"
+  } >"$OUT/versions.txt" 2>&1
+  return 0
+}

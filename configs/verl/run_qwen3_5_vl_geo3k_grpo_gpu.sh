@@ -3,7 +3,8 @@
 # (verl's examples/data_preprocess/geo3k.py parquet files) on GPU with ps-bridge prefix sharing: each
 # group's prompt and its image run once, the vision tower once per distinct image of a micro-batch
 # (docs/how-it-works.md, "Images"). Not run here: the CPU tests cover one rank through verl's engine
-# (tests/test_verl_engine_images.py); no GPU run of this script has been made.
+# (tests/test_verl_engine_images.py) and verl's trainer step with image prompts against sharing off
+# (tests/test_verl_check_images.py; `ps-bridge verl-check --images 1` on a GPU); no GPU run of this script has been made.
 set -euo pipefail
 export MODEL_PATH=${MODEL_PATH:-Qwen/Qwen3.5-0.8B}
 export PS_PROVIDER=qwen3.5

@@ -8,10 +8,11 @@ A new family (e.g. another hybrid architecture) adds one builder to `FAMILIES` a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ps_bridge.images import SampleImage, attach_images
 from ps_bridge.layout import Sample
 
 
@@ -48,6 +49,25 @@ def qwen35_moe_hf_config(dims: dict, num_layers: int):
     return cfg
 
 
+def qwen35_vl_hf_config(dims: dict, num_layers: int):
+    """Qwen3.5 vision-language model (`Qwen3_5ForConditionalGeneration`, what the official checkpoints
+    declare): the text model of `qwen35_hf_config` cut to `num_layers`, and the vision tower of
+    `dims["vision"]` (its `depth` as given: `vision_layers` cuts it)."""
+    # imported here: transformers is heavy
+    from transformers import Qwen3_5Config
+
+    dims = dict(dims)
+    vision = dims.pop("vision")
+    special = {k: dims.pop(k) for k in list(dims) if k.endswith("_token_id")}
+    tie = dims.pop("tie_word_embeddings", False)
+    text = qwen35_hf_config(dims, num_layers).to_dict()
+    text.pop("architectures", None)
+    cfg = Qwen3_5Config(text_config=text, vision_config=dict(vision, out_hidden_size=dims["hidden_size"]),
+                        tie_word_embeddings=tie, **special)
+    cfg.architectures = ["Qwen3_5ForConditionalGeneration"]
+    return cfg
+
+
 def standard_hf_config(config_class: str, architecture: str) -> Callable:
     """The builder of a standard-attention family (providers/gpt.py): its transformers config class
     with the dims and `num_layers` layers (Qwen3 MoE: every layer MoE unless `mlp_only_layers` says)."""
@@ -68,6 +88,7 @@ FAMILIES: Dict[str, Callable] = {
     "qwen2.5": qwen2_hf_config,
     "qwen3.5": qwen35_hf_config,
     "qwen3.5-moe": qwen35_moe_hf_config,
+    "qwen3.5-vl": qwen35_vl_hf_config,
     "qwen3": standard_hf_config("Qwen3Config", "Qwen3ForCausalLM"),
     "qwen3-moe": standard_hf_config("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
@@ -153,6 +174,23 @@ MODEL_SHAPES: Dict[str, ModelShape] = {
         full_layers=32,
         bench_layers=4,
     ),
+    # Qwen3.5-9B as released (`Qwen3_5ForConditionalGeneration`): the text model above and its vision
+    # tower. Tower values: transformers 5.10's Qwen3_5VisionConfig defaults (depth 27 and hidden 1152 as
+    # Megatron-Bridge's Qwen35VLModelProvider has them for the dense models; intermediate 4304, 16 heads,
+    # patch 16, temporal patch 2, spatial merge 2, 2304 position embeddings: assumed equal to the release,
+    # not read from its config.json here); the tower's output width is the text hidden size. mRoPE
+    # sections [11, 11, 10] interleaved (Megatron-Bridge's default for Qwen3.5) over the 64 rotary dims.
+    "qwen3.5-9b-vl": ModelShape(
+        "qwen3.5-vl",
+        dict(_QWEN35_COMMON, hidden_size=4096, intermediate_size=12288, num_attention_heads=16,
+             num_key_value_heads=4, linear_num_key_heads=16, linear_num_value_heads=32, tie_word_embeddings=False,
+             rope_parameters=dict(_QWEN35_COMMON["rope_parameters"], mrope_section=[11, 11, 10], mrope_interleaved=True),
+             image_token_id=248056, video_token_id=248057, vision_start_token_id=248053, vision_end_token_id=248054,
+             vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
+                         temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=2304)),
+        full_layers=32,
+        bench_layers=4,
+    ),
     # Qwen3.5-35B-A3B: transformers' Qwen3_5MoeTextConfig defaults (written out; no hub access needed)
     "qwen3.5-35b-a3b": ModelShape(
         "qwen3.5-moe",
@@ -176,6 +214,18 @@ MODEL_SHAPES: Dict[str, ModelShape] = {
         dict(_QWEN35_COMMON, vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
              linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=512, tie_word_embeddings=False),
+        full_layers=4,
+        bench_layers=4,
+    ),
+    # CPU runs of the image-prompt bench path: tiny-qwen3.5 with a two-layer vision tower (patch 4, merge 2)
+    "tiny-qwen3.5-vl": ModelShape(
+        "qwen3.5-vl",
+        dict(_QWEN35_COMMON, vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+             image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253,
+             vision=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                         temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=16)),
         full_layers=4,
         bench_layers=4,
     ),
@@ -210,6 +260,28 @@ DEFAULT_GRID: Tuple[Tuple[int, int, int], ...] = ((2048, 512, 8), (4096, 256, 16
 SMOKE_GRID: Tuple[Tuple[int, int, int], ...] = ((24, 8, 4), (8, 24, 2))
 
 
+def is_vision_language(shape: ModelShape) -> bool:
+    return "vision" in shape.dims
+
+
+def vision_depth(shape: ModelShape, layers: int, vision_layers: Optional[int] = None) -> int:
+    """The vision tower's depth in a bench model of `layers` text layers: `vision_layers`, else the
+    tower's depth cut in the text model's proportion (a 4-of-32-layer Qwen3.5-9B: 3 of 27), so that the
+    tower's share of the step stays that of the whole model."""
+    if vision_layers is not None:
+        return vision_layers
+    return max(1, round(shape.dims["vision"]["depth"] * layers / shape.full_layers))
+
+
+def shape_hf_config(shape: ModelShape, layers: int, vision_layers: Optional[int] = None):
+    """The transformers config of `shape` with `layers` text layers (and a vision tower of
+    `vision_depth(...)` layers where the shape has one)."""
+    dims = shape.dims
+    if is_vision_language(shape):
+        dims = dict(dims, vision=dict(dims["vision"], depth=vision_depth(shape, layers, vision_layers)))
+    return FAMILIES[shape.family](dims, layers)
+
+
 def ideal_speedup(P: int, R: int, n: int) -> float:
     return n * (P + R) / (P + n * R)
 
@@ -221,6 +293,73 @@ def make_samples(P: int, R: int, n: int, groups: int, vocab: int, seed: int):
         prompt = torch.randint(vocab, (P,), generator=g).tolist()
         for _ in range(n):
             samples.append(Sample(prompt, torch.randint(vocab, (R,), generator=g).tolist()))
+    return samples
+
+
+@dataclass(frozen=True)
+class ImagePrompts:
+    """`--images K --image-size HxW`: every prompt carries K images of its own (random pixels) of
+    H x W pixels, each `<vision_start> <image_pad> x tokens <vision_end>`, before its P text tokens."""
+
+    per_prompt: int
+    height: int
+    width: int
+
+    def grid(self, vision: dict) -> Tuple[int, int, int]:
+        """The image's patch grid (t, h, w): one temporal patch (a still image is its frame repeated,
+        as the image processor does), H / patch x W / patch."""
+        patch, merge = vision["patch_size"], vision["spatial_merge_size"]
+        if self.height % (patch * merge) or self.width % (patch * merge):
+            raise ValueError(f"--image-size {self.height}x{self.width}: each side must be a multiple of patch x merge "
+                             f"= {patch * merge} pixels (the image processor resizes to one)")
+        return 1, self.height // patch, self.width // patch
+
+    def tokens_per_image(self, vision: dict) -> int:
+        t, h, w = self.grid(vision)
+        return t * h * w // vision["spatial_merge_size"] ** 2
+
+    def prompt_tokens(self, P: int, vision: dict) -> int:
+        """A prompt's whole length: its images with their start/end tokens, then P text tokens."""
+        return self.per_prompt * (self.tokens_per_image(vision) + 2) + P
+
+
+# a vision-language config's special token ids (text tokens are drawn below all of them)
+VISION_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def random_images(images: ImagePrompts, vision: dict, g: torch.Generator) -> List[SampleImage]:
+    """One prompt's `images.per_prompt` images: random patch rows `[t*h*w, C*T*P*P]` of its grid."""
+    t, h, w = images.grid(vision)
+    row = vision.get("in_channels", 3) * vision["temporal_patch_size"] * vision["patch_size"] ** 2
+    return [SampleImage.of(torch.randn(t * h * w, row, generator=g), (t, h, w)) for _ in range(images.per_prompt)]
+
+
+def image_tokens(pictures: List[SampleImage], ids: dict, vision: dict) -> List[int]:
+    """The prompt tokens of `pictures`: per image `<vision_start> <image_pad> x tokens <vision_end>`."""
+    out: List[int] = []
+    for p in pictures:
+        out += ([ids["vision_start_token_id"]] + [ids["image_token_id"]] * p.num_tokens(vision["spatial_merge_size"])
+                + [ids["vision_end_token_id"]])
+    return out
+
+
+def make_image_samples(P: int, R: int, n: int, groups: int, dims: dict, images: ImagePrompts, seed: int) -> List[Sample]:
+    """`make_samples` with image prompts (`ImagePrompts`): each prompt's images random and its own, the
+    same in its n samples. Text tokens are drawn below the vision special ids (a random text token equal
+    to the image placeholder would be an image token without pixels)."""
+    vision = dims["vision"]
+    ids = {k: dims[k] for k in VISION_IDS}
+    text = min(ids.values())
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(groups):
+        pictures = random_images(images, vision, g)
+        prompt = image_tokens(pictures, ids, vision) + torch.randint(text, (P,), generator=g).tolist()
+        for _ in range(n):
+            sample = Sample(prompt, torch.randint(text, (R,), generator=g).tolist())
+            samples.append(attach_images(sample, pictures, image_token_id=ids["image_token_id"],
+                                         merge=vision["spatial_merge_size"], video_token_id=ids["video_token_id"],
+                                         index=len(samples)))
     return samples
 
 

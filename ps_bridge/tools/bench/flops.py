@@ -16,6 +16,13 @@ Conventions (`model_flops`):
   k, the rank-one update, the output q^T S: `2 K V` each) plus the depthwise conv `2 W` per conv
   channel; 3 x forward;
 - MoE: the router, the top-k active experts and the shared expert per token (3 x forward);
+- the vision tower (vision-language models), once per image it runs on (`layout.images`: a shared
+  layout's distinct images, an unshared one's every occurrence, as the stock model runs them): the
+  patch embedding (a `C*T*P*P -> hidden` linear layer per patch), per layer the QKV and output
+  projections and the MLP (`4 h^2 + 2 h I` per patch) and bidirectional attention within each frame
+  (`4 h` per (query, key) pair over all heads, a frame of `N` patches has `N^2` pairs), the patch
+  merger (`(m^2 h)^2 + m^2 h * out` per merged token); linear layers 3 x forward (the patch
+  embedding's input gradient is counted too, as for every linear layer), attention 3.5 x forward;
 - the embedding lookup, norms, rotary embedding, activations and the softmax are not counted;
 - padding counted as computed: linear layers run on every packed position, padding included, and
   attention's queries on the padded segments; the Gated DeltaNet kernels run on compacted (valid)
@@ -24,14 +31,42 @@ Conventions (`model_flops`):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence
 
 from ps_bridge.layout import PackedPrefixLayout, Sample, build_layout
-from ps_bridge.tools.bench.catalog import FAMILIES
+from ps_bridge.tools.bench.catalog import shape_hf_config
 
 MATMUL_FWD_BWD = 3.0  # forward + backward of a linear layer, in forwards
 ATTENTION_FWD_BWD = 3.5  # flash-attention's count: backward = 2.5 x forward
+
+
+@dataclass(frozen=True)
+class VisionFlopShape:
+    """What the count needs from a vision tower (`transformers` vision config fields)."""
+
+    hidden: int
+    intermediate: int
+    depth: int
+    patch_inputs: int  # in_channels * temporal_patch_size * patch_size^2
+    merge: int
+    out_hidden: int
+
+    @classmethod
+    def of(cls, v) -> "VisionFlopShape":
+        return cls(hidden=v.hidden_size, intermediate=v.intermediate_size, depth=v.depth,
+                   patch_inputs=v.in_channels * v.temporal_patch_size * v.patch_size ** 2,
+                   merge=v.spatial_merge_size, out_hidden=v.out_hidden_size)
+
+    def image_flops(self, grid_thw) -> float:
+        """Forward + backward FLOPs of the tower on one image of patch grid (t, h, w)."""
+        t, gh, gw = (int(x) for x in grid_thw)
+        patches, frame = t * gh * gw, gh * gw
+        h, m2 = self.hidden, self.merge ** 2
+        linear = patches * self.patch_inputs * h + self.depth * patches * (4 * h * h + 2 * h * self.intermediate)
+        linear += patches // m2 * ((m2 * h) ** 2 + m2 * h * self.out_hidden)
+        attention = self.depth * 4.0 * h * t * frame * frame
+        return MATMUL_FWD_BWD * 2.0 * linear + ATTENTION_FWD_BWD * attention
 
 
 @dataclass(frozen=True)
@@ -55,6 +90,7 @@ class FlopShape:
     gdn_key_dim: int = 0
     gdn_value_dim: int = 0
     gdn_conv_width: int = 0
+    vision: Optional[VisionFlopShape] = None  # a vision-language model's tower
 
     def linear_flops_per_token(self, kind: str) -> float:
         """Forward FLOPs of one layer's linear layers (and MoE experts) per token."""
@@ -82,18 +118,24 @@ class FlopShape:
         return 6.0 * self.gdn_value_heads * self.gdn_key_dim * self.gdn_value_dim + 2.0 * self.gdn_conv_width * conv_channels
 
 
-def flop_shape(model, num_layers: Optional[int] = None) -> FlopShape:
+def flop_shape(model, num_layers: Optional[int] = None, vision_layers: Optional[int] = None) -> FlopShape:
     """The `FlopShape` of a bench `ModelShape` (`ps_bridge.tools.bench.catalog.MODEL_SHAPES`) with
-    `num_layers` layers (default: its bench layer count), read off the transformers config the bench
-    builds for it (defaults included; Qwen3.5's hybrid pattern cut to the layers)."""
+    `num_layers` layers (default: its bench layer count) and a vision tower of `vision_layers`
+    (`catalog.vision_depth`), read off the transformers config the bench builds for it (defaults
+    included; Qwen3.5's hybrid pattern cut to the layers)."""
     layers = model.bench_layers if num_layers is None else num_layers
-    return flop_shape_of_config(FAMILIES[model.family](model.dims, layers), model.family)
+    family = "qwen3.5" if model.family == "qwen3.5-vl" else model.family
+    return flop_shape_of_config(shape_hf_config(model, layers, vision_layers), family)
 
 
 def flop_shape_of_config(c, family: Optional[str] = None) -> FlopShape:
-    """The `FlopShape` of a transformers text config `c` (all its layers). `family`: "qwen2.5",
+    """The `FlopShape` of a transformers text config `c` (all its layers), or of a vision-language
+    config (its text config, and its vision tower). `family`: "qwen2.5",
     "qwen3", "llama3", "qwen3-moe", "qwen3.5" or "qwen3.5-moe"; None reads it off the config (Gated DeltaNet fields: Qwen3.5, experts:
     its MoE)."""
+    vision_config = getattr(c, "vision_config", None)
+    if vision_config is not None:
+        return replace(flop_shape_of_config(c.get_text_config(), family), vision=VisionFlopShape.of(vision_config))
     if family is None:
         gdn_config = hasattr(c, "linear_num_key_heads")
         moe = bool(getattr(c, "num_experts", 0))
@@ -149,7 +191,17 @@ def model_flops(shape: FlopShape, layout: PackedPrefixLayout) -> float:
             total += MATMUL_FWD_BWD * valid_tokens * shape.gdn_flops_per_token()
     outputs = T if layout.output_positions is None else int(layout.output_positions.numel())
     total += MATMUL_FWD_BWD * 2.0 * shape.hidden * shape.vocab * outputs
-    return total
+    return total + vision_flops(shape, layout)
+
+
+def vision_flops(shape: FlopShape, layout: PackedPrefixLayout) -> float:
+    """Forward + backward FLOPs of the vision tower on the images `layout` runs it on (0 without)."""
+    images = getattr(layout, "images", None)
+    if images is None or images.num_images == 0:
+        return 0.0
+    if shape.vision is None:
+        raise ValueError("the layout carries images but the FLOP shape has no vision tower")
+    return sum(shape.vision.image_flops(g) for g in images.grid_thw.tolist())
 
 
 def layout_flop_ratio(shape: FlopShape, shared, unshared: PackedPrefixLayout) -> float:

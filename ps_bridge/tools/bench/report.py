@@ -57,6 +57,8 @@ class RowResult(RowCoordinates):
     flop_ratio: Optional[float] = None
     # how the shared run packed: "tree" (every common prefix, the default) or "prompt" (one level, --no-tree)
     share: Optional[str] = None
+    # an image row (`--images`): the prompts' images, the vision tower's runs and FLOPs (bench/run.py image_row)
+    images: Optional[dict] = None
 
     @classmethod
     def failed(cls, model: str, layers: int, backend: str, P: int, R: int, n: int, groups: int, error: str,
@@ -71,8 +73,12 @@ class RowResult(RowCoordinates):
 
     @property
     def coordinates(self) -> tuple:
-        """The table's P, R, n cells: the numbers, or the tree shape's name."""
-        return (self.tree, "-", "-") if self.tree else (str(self.P), str(self.R), str(self.n))
+        """The table's P, R, n cells: the numbers, or the tree shape's name (an image row's P: the whole
+        prompt, its text tokens in brackets)."""
+        if self.tree:
+            return (self.tree, "-", "-")
+        P = f"{self.images['prompt_tokens']} ({self.P} text)" if self.images else str(self.P)
+        return (P, str(self.R), str(self.n))
 
 
 @dataclass

@@ -30,11 +30,16 @@ from ps_bridge.tools.bench.catalog import (
     MODEL_SHAPES,
     SMOKE_GRID,
     TREE_SHAPES,
+    ImagePrompts,
     ideal_speedup,
+    is_vision_language,
+    make_image_samples,
     make_samples,
+    shape_hf_config,
     template_samples,
+    vision_depth,
 )
-from ps_bridge.tools.bench.flops import flop_shape, layout_flop_ratio
+from ps_bridge.tools.bench.flops import flop_shape, layout_flop_ratio, model_flops, vision_flops
 from ps_bridge.tools.bench.fp32_reference import Fp32Reference, row_errors
 from ps_bridge.tools.bench.report import (
     MinSharedRow,
@@ -81,6 +86,22 @@ def _parse_runs(text: str) -> List[int]:
     if not runs or min(runs) < 1:
         raise argparse.ArgumentTypeError(f"--min-shared-sweep {text!r}: run lengths must be >= 1")
     return runs
+
+
+def _parse_image_size(text: str) -> Tuple[int, int]:
+    try:
+        h, w = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--image-size {text!r} is not 'HxW' (pixels, e.g. 1024x1024)") from None
+    if min(h, w) < 1:
+        raise argparse.ArgumentTypeError(f"--image-size {text!r}: both sides must be >= 1 pixel")
+    return h, w
+
+
+# image-prompt rows (`--images`) when no --grid is given: 256 text tokens after the image, n = 8, R = 512
+IMAGE_GRID: Tuple[Tuple[int, int, int], ...] = ((256, 512, 8),)
+IMAGE_SMOKE_GRID: Tuple[Tuple[int, int, int], ...] = ((6, 5, 3),)
+DEFAULT_IMAGE_SIZE, SMOKE_IMAGE_SIZE = (1024, 1024), (16, 24)
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,6 +159,19 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "min_shared=K+1 (the run in every prompt), timed interleaved; x = the second's time over "
                              "the first's (> 1: sharing a run of K pays). Needs --groups >= 2 and P > 2K; only these "
                              "rows run (default grid " + ";".join(",".join(map(str, r)) for r in MIN_SHARED_GRID) + ")")
+    parser.add_argument("--images", type=int, default=0, metavar="K",
+                        help="image prompts (vision-language shapes: " + ", ".join(
+                            k for k, v in MODEL_SHAPES.items() if is_vision_language(v)) + "): every prompt carries K "
+                        "random images of its own before its P text tokens; the shared run computes the vision tower "
+                        "once per distinct image, the unshared run once per sample, and F counts the tower (default "
+                        "grid " + ";".join(",".join(map(str, r)) for r in IMAGE_GRID) + ")")
+    parser.add_argument("--image-size", type=_parse_image_size, default=None, metavar="HxW",
+                        help="pixels of each --images image (default %dx%d: %d merged vision tokens at patch 16, merge 2; "
+                             "%dx%d with --smoke)" % (*DEFAULT_IMAGE_SIZE, (DEFAULT_IMAGE_SIZE[0] // 32) *
+                                                      (DEFAULT_IMAGE_SIZE[1] // 32), *SMOKE_IMAGE_SIZE))
+    parser.add_argument("--vision-layers", type=int, default=None,
+                        help="vision tower layers of vision-language shapes (default: the tower's depth cut in the "
+                             "text layers' proportion, printed)")
     parser.add_argument("--fp32-reference", action="store_true",
                         help="also compare both bf16 runs with a float32 reference on the same weights (unshared "
                              "packing, torch_ref kernels, TF32 off): relative error of the response log-probs")
@@ -180,9 +214,20 @@ def world_layout(args) -> dict:
                 groups_per_rank=args.groups // dp)
 
 
-def row_batch(P: int, R: int, n: int, tree: Optional[str], args, vocab: int):
-    """A row's micro-batch: `groups` prompts of P tokens with n responses of R, or the named tree shape
-    (`catalog.TREE_SHAPES`, tiny under --smoke)."""
+def image_prompts(args) -> Optional[ImagePrompts]:
+    """`--images` / `--image-size` as `ImagePrompts`, or None (text prompts)."""
+    if not args.images:
+        return None
+    h, w = args.image_size or (SMOKE_IMAGE_SIZE if args.smoke else DEFAULT_IMAGE_SIZE)
+    return ImagePrompts(args.images, h, w)
+
+
+def row_batch(P: int, R: int, n: int, tree: Optional[str], args, vocab: int, model_name: Optional[str] = None):
+    """A row's micro-batch: `groups` prompts of P tokens with n responses of R (with `--images`, each
+    prompt's own images before them), or the named tree shape (`catalog.TREE_SHAPES`, tiny under --smoke)."""
+    images = image_prompts(args)
+    if images is not None and tree is None:
+        return make_image_samples(P, R, n, args.groups, MODEL_SHAPES[model_name].dims, images, args.seed)
     if tree is None:
         return make_samples(P, R, n, args.groups, vocab, args.seed)
     return TREE_SHAPES[tree].samples(vocab, args.seed, smoke=args.smoke)
@@ -191,7 +236,7 @@ def row_batch(P: int, R: int, n: int, tree: Optional[str], args, vocab: int):
 def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, reference=None,
             tree: Optional[str] = None) -> List[RowResult]:
     """One row: a grid row (P, R, n) or, with `tree`, a named tree shape (P = R = n = 0)."""
-    batch = row_batch(P, R, n, tree, args, loaded.vocab_size)
+    batch = row_batch(P, R, n, tree, args, loaded.vocab_size, model_name)
     share = loaded.config.layout_share(True)  # a token trie at the default threshold, or one level (--no-tree)
     samples = _data_parallel_share(batch)  # under EP this rank's whole groups; the row counts the whole batch
     pack = partial(build_layout, share=share, vocab_size=loaded.vocab_size, total_multiple=cp_total_multiple(),
@@ -199,9 +244,10 @@ def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, refer
     shared_layout = pack(samples)
     whole = shared_layout if len(samples) == len(batch) else pack(batch)  # the whole batch's token counts
     # F: the unshared computation's model FLOPs over those of the shared one that is timed
-    shape, unshared_whole = flop_shape(MODEL_SHAPES[model_name], layers), build_layout(batch, share=False,
-                                                                                        vocab_size=loaded.vocab_size)
+    shape = flop_shape(MODEL_SHAPES[model_name], layers, getattr(args, "vision_layers", None))
+    unshared_whole = build_layout(batch, share=False, vocab_size=loaded.vocab_size)
     flops = layout_flop_ratio(shape, whole, unshared_whole)
+    images = image_row(shape, whole, unshared_whole, args, MODEL_SHAPES[model_name], P) if tree is None else None
     common = dict(warmup=args.warmup, repeats=args.repeats, chunk=args.logprob_chunk, progress=progress,
                   max_tokens=args.max_tokens_per_gpu)
     if args.shared_only:
@@ -231,7 +277,8 @@ def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, refer
                 P=P, R=R, n=n, groups=args.groups,
                 tokens_unshared=whole.tokens_unshared,
                 tokens_shared=whole.tokens_shared,
-                ideal_speedup=ideal_speedup(P, R, n) if tree is None else whole.tokens_unshared / whole.tokens_shared,
+                ideal_speedup=(ideal_speedup(P, R, n) if tree is None and images is None
+                               else whole.tokens_unshared / whole.tokens_shared),
                 actor_speedup=base.actor_ms / shared.actor_ms,
                 logprob_speedup=base.logprob_ms / shared.logprob_ms,
                 actor_peak_ratio=(shared.actor_peak_mib / base.actor_peak_mib) if base.actor_peak_mib else None,
@@ -247,10 +294,28 @@ def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, refer
                 nodes=whole.num_segments,
                 flop_ratio=flops,
                 share="tree" if share == "tree" else "prompt",
+                images=images,
                 **fp32,
             )
         )
     return results
+
+
+def image_row(shape, shared, unshared, args, model, P: int) -> Optional[dict]:
+    """An image row's `images` field: the prompts' images, the tower's runs and its FLOPs in each
+    packing (`flops.vision_flops`: part of F's counts), or None for a text row."""
+    prompts = image_prompts(args)
+    if prompts is None:
+        return None
+    vision = model.dims["vision"]
+    return dict(
+        per_prompt=prompts.per_prompt, size=[prompts.height, prompts.width], grid_thw=list(prompts.grid(vision)),
+        tokens_per_image=prompts.tokens_per_image(vision), text_tokens=P,
+        prompt_tokens=prompts.prompt_tokens(P, vision), vision_layers=shape.vision.depth,
+        tower_images_shared=shared.images.num_images, tower_images_unshared=unshared.images.num_images,
+        vision_flops_shared=vision_flops(shape, shared), vision_flops_unshared=vision_flops(shape, unshared),
+        model_flops_shared=model_flops(shape, shared), model_flops_unshared=model_flops(shape, unshared),
+    )
 
 
 def run_min_shared_row(loaded, model_name, layers, backends, P, R, n, run, args, progress) -> List[MinSharedRow]:
@@ -342,6 +407,21 @@ def _min_shared_sweep_problem(args, grid) -> Optional[str]:
     return None
 
 
+def _image_problem(args, models: Optional[List[str]]) -> Optional[str]:
+    """What keeps this run from `--images`, or None."""
+    if args.images < 0:
+        return "--images must be >= 0"
+    others = [flag for flag, on in (("--trees", args.trees), ("--min-shared-sweep", args.min_shared_sweep is not None),
+                                    ("--cp", args.cp > 1), ("--ep", args.ep > 1)) if on]
+    if others:
+        return f"--images runs grid rows on one device: drop {', '.join(others)}"
+    text = [m for m in models or [] if m in MODEL_SHAPES and not is_vision_language(MODEL_SHAPES[m])]
+    if text:
+        vl = ", ".join(k for k, v in MODEL_SHAPES.items() if is_vision_language(v))
+        return f"--images needs vision-language model shapes; {', '.join(text)} has no vision tower (use --models {vl})"
+    return None
+
+
 def run_bench(args: argparse.Namespace) -> int:
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
@@ -354,6 +434,12 @@ def run_bench(args: argparse.Namespace) -> int:
     )
     trees = args.trees or []
     grid = args.grid or ([] if trees else list(SMOKE_GRID if args.smoke else DEFAULT_GRID))
+    if args.images:
+        problem = _image_problem(args, models if args.models else None)
+        if problem:
+            return _error(problem)
+        models = args.models or ["tiny-qwen3.5-vl" if args.smoke else "qwen3.5-9b-vl"]
+        grid = args.grid or list(IMAGE_SMOKE_GRID if args.smoke else IMAGE_GRID)
     if args.min_shared_sweep is not None:
         smoke_grid, smoke_runs = MIN_SHARED_SMOKE
         grid = args.grid or list(smoke_grid if args.smoke else MIN_SHARED_GRID)
@@ -377,6 +463,14 @@ def run_bench(args: argparse.Namespace) -> int:
             return _error(f"unknown attention backend {b!r}; valid backends: {', '.join(sorted(BACKENDS))}")
     if args.layers is not None and args.layers < 1:
         return _error("--layers must be >= 1")
+    if args.vision_layers is not None and args.vision_layers < 1:
+        return _error("--vision-layers must be >= 1")
+    if args.images:
+        try:
+            for name in models:
+                image_prompts(args).grid(MODEL_SHAPES[name].dims["vision"])
+        except ValueError as e:
+            return _error(str(e))
     if args.groups < 1 or args.repeats < 1 or args.warmup < 0:
         return _error("--groups and --repeats must be >= 1, --warmup >= 0")
     if (args.cp > 1 or args.ep > 1) and not cuda and not args.smoke:
@@ -441,7 +535,7 @@ def run_bench(args: argparse.Namespace) -> int:
     for name in models:
         shape = MODEL_SHAPES[name]
         layers = args.layers or shape.bench_layers
-        hf_config = FAMILIES[shape.family](shape.dims, layers)
+        hf_config = shape_hf_config(shape, layers, args.vision_layers)
         config = PrefixSharingConfig(enabled=True, backend=args.backends[0], pad_multiple=1, **_tree_option(args))
         loaded = load_model_from_hf_config(hf_config, config, dtype=dtype, cp=args.cp, ep=args.ep)
         reference = Fp32Reference(hf_config, loaded, args.logprob_chunk) if args.fp32_reference else None
@@ -449,6 +543,14 @@ def run_bench(args: argparse.Namespace) -> int:
         info = (f"{name}: {layers} of {shape.full_layers} layers, hidden {shape.dims['hidden_size']}, "
                 f"heads {shape.dims['num_attention_heads']}/{shape.dims['num_key_value_heads']} kv, head dim "
                 f"{head_dim}, vocab {shape.dims['vocab_size']}, random weights")
+        if is_vision_language(shape):
+            v = shape.dims["vision"]
+            info += (f"; vision tower {vision_depth(shape, layers, args.vision_layers)} of {v['depth']} layers, hidden "
+                     f"{v['hidden_size']}, patch {v['patch_size']}, merge {v['spatial_merge_size']}")
+            if args.images:
+                p = image_prompts(args)
+                info += (f"; each prompt {p.per_prompt} image(s) of {p.height}x{p.width} pixels = "
+                         f"{p.tokens_per_image(v)} vision tokens, before P text tokens")
         model_info.append(info)
         say(info)
         if sweep is not None:

@@ -41,6 +41,12 @@ def add_parser(sub) -> None:
     p.add_argument("--no-tree", dest="tree", action="store_false", default=None,
                    help="the prefix-shared engine shares identical prompts only (one level, PS_BRIDGE_TREE=0); "
                         "default: every common prefix (a prefix tree)")
+    p.add_argument("--images", type=int, default=0, metavar="K",
+                   help="a vision-language checkpoint (e.g. --model qwen3.5-9b-vl): every prompt carries K random "
+                        "images of its own after the system prompt, handed to the engines as verl's "
+                        "multi_modal_inputs (pixel_values, image_grid_thw per sample)")
+    p.add_argument("--image-size", default=None, metavar="HxW",
+                   help="pixels of each --images image (default 1024x1024; 16x24 with --smoke)")
     p.add_argument("--response-len", type=int, default=512, help="mean R; lengths drawn from [R/2, 3R/2]")
     p.add_argument("--steps", type=int, default=5, help="trainer steps T")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -73,8 +79,12 @@ def run_verl_check(args) -> int:
         raise UsageError(f"verl settings are key=value overrides of verl's trainer config; got {bad}")
     if args.system_prompt_len < 0:
         raise UsageError(f"--system-prompt-len {args.system_prompt_len}: give 0 (no system prompt) or more tokens")
+    if args.images < 0:
+        raise UsageError(f"--images {args.images}: give 0 (text prompts) or more images per prompt")
+    images = _image_settings(args)
     if args.smoke:
-        settings = check.CheckSettings(**SMOKE, seed=args.seed, system_prompt_len=args.system_prompt_len, tree=args.tree, overrides=SMOKE_OVERRIDES + list(args.overrides),
+        smoke = dict(SMOKE, **(SMOKE_IMAGES if args.images else {}))
+        settings = check.CheckSettings(**smoke, **images, seed=args.seed, system_prompt_len=args.system_prompt_len, tree=args.tree, overrides=SMOKE_OVERRIDES + list(args.overrides),
                                        workdir=args.workdir, noise_floor=args.noise_floor,
                                        baseline=args.baseline, interleave=args.interleave)
     else:
@@ -85,7 +95,7 @@ def run_verl_check(args) -> int:
             system_prompt_len=args.system_prompt_len, tree=args.tree,
             response_len=args.response_len, steps=args.steps, dtype=args.dtype, seed=args.seed,
             overrides=list(args.overrides), noise_floor=args.noise_floor, workdir=args.workdir,
-            baseline=args.baseline, interleave=args.interleave)
+            baseline=args.baseline, interleave=args.interleave, **images)
     _prepare_process()
     total = (3 if settings.noise_floor else 2) * settings.steps * len(check.PHASES) + 1
     bar = None
@@ -117,6 +127,22 @@ def run_verl_check(args) -> int:
             print(f"ps-bridge verl-check --smoke: {line}", file=sys.stderr)
         return 1 if failures else 0
     return 0
+
+
+# --smoke --images: the tiny vision-language shape (a two-layer tower), images of 6 vision tokens
+SMOKE_IMAGES = dict(model="tiny-qwen3.5-vl", prompt_len=12)
+
+
+def _image_settings(args) -> dict:
+    """`CheckSettings`' image fields from --images / --image-size."""
+    if not args.images:
+        return {}
+    text = args.image_size or ("16x24" if args.smoke else "1024x1024")
+    try:
+        h, w = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise UsageError(f"--image-size {text!r} is not 'HxW' (pixels, e.g. 1024x1024)") from None
+    return dict(images=args.images, image_size=(h, w))
 
 
 def _prepare_process() -> None:

@@ -8,7 +8,7 @@ import importlib
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 PHASES = ("old_log_prob", "ref", "update")
 
@@ -57,6 +57,8 @@ class CheckSettings:
     interleave: bool = False  # both engines resident, their steps in turns (A B, B A, ...): no order effect
     noise_floor: bool = False  # also run stock with 3/4 of the budgets: stock vs stock, other micro-batch splits
     workdir: Optional[str] = None
+    images: int = 0  # images per prompt (vision-language checkpoints): each prompt its own, before its P tokens
+    image_size: Tuple[int, int] = (1024, 1024)  # pixels (H, W) of each image
 
 
 def trainer_config(settings: CheckSettings):

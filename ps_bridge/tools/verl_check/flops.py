@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ps_bridge.layout import build_layout
 from ps_bridge.tools.bench.flops import FlopShape, flop_shape_of_config, model_flops
-from ps_bridge.tools.verl_check.model import checkpoint_text_config
+from ps_bridge.tools.verl_check.model import checkpoint_config
 
 
 class PhaseFlops:
@@ -36,7 +36,9 @@ class PhaseFlops:
 
 
 def checkpoint_flop_shape(ckpt: str) -> FlopShape:
-    return flop_shape_of_config(checkpoint_text_config(ckpt))
+    """The checkpoint's FLOP shape; a vision-language checkpoint's with its tower (counted on the
+    images each micro-batch runs it on: every sample's unshared, the distinct ones shared)."""
+    return flop_shape_of_config(checkpoint_config(ckpt))
 
 
 def flop_ratios(steps: List[dict], kind: str = "shared", skip_first: bool = True) -> Optional[Dict[str, float]]:

@@ -11,7 +11,7 @@ import os
 import torch
 
 from ps_bridge.compat.stock_attention import stock_attention_name
-from ps_bridge.tools.bench.catalog import FAMILIES, MODEL_SHAPES
+from ps_bridge.tools.bench.catalog import MODEL_SHAPES, is_vision_language, shape_hf_config
 from ps_bridge.tools.verl_check.config import CheckSettings
 from ps_bridge.tools.verl_check.side_by_side import save_tiny_tokenizer
 
@@ -30,18 +30,19 @@ def checkpoint_for(settings: CheckSettings, workdir: str) -> str:
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     # imported here: transformers is heavy
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    hf_config = FAMILIES[shape.family](shape.dims, layers)
+    hf_config = shape_hf_config(shape, layers)  # a vision-language shape: its tower cut in proportion
     torch.manual_seed(settings.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.float32 if settings.dtype == "float32" else torch.bfloat16
+    auto = AutoModelForImageTextToText if is_vision_language(shape) else AutoModelForCausalLM
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        model = auto.from_config(hf_config, dtype=dtype)
     model.save_pretrained(path)
     del model
     free_memory()
-    save_tiny_tokenizer(path, hf_config.vocab_size)
+    save_tiny_tokenizer(path, hf_config.get_text_config().vocab_size)
     return path
 
 
@@ -83,11 +84,16 @@ def free_memory() -> None:
 
 
 @lru_cache(maxsize=None)
-def checkpoint_text_config(ckpt: str):
-    """The checkpoint's HF text config, read once per checkpoint (the vocabulary of the synthetic data,
-    the FLOP shape of F)."""
+def checkpoint_config(ckpt: str):
+    """The checkpoint's HF config, read once per checkpoint (a vision-language model's: its tower and
+    image ids for `--images`, the FLOP shape of F with the tower)."""
     # imported here: transformers is heavy
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(ckpt).get_text_config()
+    return AutoConfig.from_pretrained(ckpt)
+
+
+def checkpoint_text_config(ckpt: str):
+    """The checkpoint's HF text config (the vocabulary of the synthetic data)."""
+    return checkpoint_config(ckpt).get_text_config()
 

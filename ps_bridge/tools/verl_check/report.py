@@ -15,10 +15,15 @@ def write_json(doc: dict, path: str) -> None:
 
 
 def system_prompt(cfg: dict) -> str:
-    """The words before P in the report's first line: the system prompt's length when the run has one
-    (documents of older runs have no such key)."""
+    """The words before P in the report's first line: the system prompt's length and the prompts' images
+    when the run has them (documents of older runs have no such keys)."""
     N = cfg.get("system_prompt_len") or 0
-    return f"system prompt {N} + " if N else ""
+    images = cfg.get("images")
+    text = f"system prompt {N} + " if N else ""
+    if images:
+        text += (f"{images['per_prompt']} image(s) of {images['size'][0]}x{images['size'][1]} pixels "
+                 f"({images['tokens_per_image']} vision tokens each) + ")
+    return text
 
 
 def format_report(doc: dict) -> str:

@@ -14,9 +14,11 @@ from ps_bridge.compat.verl_on_cpu import engine_call_on_cpu
 from ps_bridge.tools.verl_check.compare import compare, speedups
 from ps_bridge.tools.verl_check.compiles import counting_compiles
 from ps_bridge.tools.verl_check.config import CheckSettings, role_configs, scaled_budgets, trainer_config
-from ps_bridge.tools.verl_check.data import ideal_ratio, synthetic_batch
+from ps_bridge.tools.verl_check.data import VisionInputs, ideal_ratio, synthetic_batch
 from ps_bridge.tools.verl_check.flops import PhaseFlops, checkpoint_flop_shape, flop_ratios
-from ps_bridge.tools.verl_check.model import checkpoint_for, checkpoint_text_config, free_memory, stock_description
+from ps_bridge.tools.verl_check.model import (
+    checkpoint_config, checkpoint_for, checkpoint_text_config, free_memory, stock_description,
+)
 from ps_bridge.tools.verl_check.roles import Role, build_role_engines, shared_backend, shared_tree
 
 
@@ -167,16 +169,24 @@ def _kl(old, ref, mask, kind: str) -> float:
     return float(kl_penalty(old, ref, kl_penalty=kind)[mask].mean())
 
 
+def checkpoint_vision_inputs(settings: CheckSettings, ckpt: str) -> Optional[VisionInputs]:
+    """`--images`' inputs for the checkpoint (None without --images)."""
+    if not settings.images:
+        return None
+    return VisionInputs.of(checkpoint_config(ckpt), settings.images, settings.image_size)
+
+
 def synthetic_batches(settings: CheckSettings, cfg, ckpt: str):
     """Every step's synthetic GRPO batch for the checkpoint's vocabulary, and all response lengths."""
     # imported here: omegaconf comes with verl (optional)
     from omegaconf import OmegaConf
 
     vocab = checkpoint_text_config(ckpt).vocab_size
+    vision = checkpoint_vision_inputs(settings, ckpt)
     algo = OmegaConf.to_container(cfg.algorithm, resolve=True)
     batches, lengths = [], []
     for t in range(settings.steps):
-        b, ls = synthetic_batch(settings, vocab, t, algo)
+        b, ls = synthetic_batch(settings, vocab, t, algo, vision)
         batches.append(b)
         lengths.extend(ls)
     return batches, lengths
@@ -199,6 +209,11 @@ def run_check(settings: CheckSettings, progress: Optional[Callable[[str], None]]
         raise ValueError(f"--prompts {settings.prompts} is not a multiple of actor_rollout_ref.actor."
                          f"ppo_mini_batch_size={mini} (prompts per mini-batch)")
     batches, lengths = synthetic_batches(settings, cfg, ckpt)
+    vision = checkpoint_vision_inputs(settings, ckpt)
+    image_tokens = vision.prompt_tokens if vision else 0
+    images = None if vision is None else dict(
+        per_prompt=settings.images, size=list(settings.image_size), grid_thw=list(vision.images.grid(vision.vision)),
+        tokens_per_image=vision.images.tokens_per_image(vision.vision))
     names = ("stock", "shared")
     # the engines run one after the other (`shared_first` swaps their order), or step by step in turns
     order = ("shared", "stock") if settings.shared_first else ("stock", "shared")
@@ -214,7 +229,8 @@ def run_check(settings: CheckSettings, progress: Optional[Callable[[str], None]]
         "tree": shared_tree(settings), "response_len_mean": settings.response_len,
         "engine_order": list(order) + (["interleaved"] if settings.interleave else []), "baseline": settings.baseline,
         "steps": settings.steps, "dtype": settings.dtype, "seed": settings.seed,
-        "overrides": list(settings.overrides), "ideal_speedup_S": ideal_ratio(settings, lengths),
+        "overrides": list(settings.overrides), "ideal_speedup_S": ideal_ratio(settings, lengths, image_tokens),
+        "images": images,
         "mini_batch_prompts": mini,
         "ppo_max_token_len_per_gpu": arr.actor.ppo_max_token_len_per_gpu,
         "log_prob_max_token_len_per_gpu": arr.rollout.log_prob_max_token_len_per_gpu,
