@@ -5,7 +5,7 @@
 #   1. bench-images.json: `ps-bridge bench --images 1`, 256 text tokens, n = 8, R = 512, shared against
 #      unshared in one process (the tower once per distinct image against once per sample), warm-up 2,
 #      median of 3; F counts the tower.
-#   2. verl-check-images.json: `ps-bridge verl-check --images 1`, 16 prompts x n = 8 (P = 256 text tokens
+#   2. verl-check-images.json: `ps-bridge verl-check --images 1`, 8 prompts x n = 8 (P = 256 text tokens
 #      after the image, R mean 512), 3 steps, verl's multi_modal_inputs per sample; the first engine is
 #      ps-bridge's with sharing off (verl's stock Qwen3.5 model needs Transformer Engine).
 #   3. bench-images-fp32.json: the row of 1 again with --fp32-reference (warm-up 1, one repeat): both bf16
@@ -29,7 +29,7 @@ FP32_S=${FP32_S:-100}
 # script's commands on a CPU (there with VERL_OVERRIDES=actor_rollout_ref.actor.optim.clip_grad=0.0: megatron's
 # gradient clipping asserts CUDA tensors)
 MODEL=${MODEL:-qwen3.5-9b-vl} IMAGE_SIZE=${IMAGE_SIZE:-1024x1024} TEXT_LEN=${TEXT_LEN:-256}
-RESPONSE_LEN=${RESPONSE_LEN:-512} N=${N:-8} PROMPTS=${PROMPTS:-16} MINI=${MINI:-8} DTYPE=${DTYPE:-bfloat16}
+RESPONSE_LEN=${RESPONSE_LEN:-512} N=${N:-8} PROMPTS=${PROMPTS:-8} MINI=${MINI:-4} DTYPE=${DTYPE:-bfloat16}
 ROW=(--models "$MODEL" --layers 4 --images 1 --image-size "$IMAGE_SIZE" --grid "$TEXT_LEN,$RESPONSE_LEN,$N" ${BENCH_FLAGS:-})
 # `timeout 0` would mean no limit: a step whose share of LIMIT is gone does not start
 limit_or_skip() { [ "$1" -ge 30 ] || { echo "=== skipped: $1 s left" | tee -a "$log"; return 1; }; }
@@ -47,8 +47,8 @@ if limit_or_skip "$left"; then
     --image-size "$IMAGE_SIZE" --no-progress --workdir /tmp/verl-check --prompts "$PROMPTS" --n "$N" \
     --prompt-len "$TEXT_LEN" --response-len "$RESPONSE_LEN" --steps 3 --dtype "$DTYPE" \
     --json "$OUT/verl-check-images.json" actor_rollout_ref.actor.ppo_mini_batch_size="$MINI" \
-    actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384 actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768 \
-    actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=32768 ${VERL_OVERRIDES:-} >>"$log" 2>&1
+    actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8192 actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=8192 \
+    actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=8192 ${VERL_OVERRIDES:-} >>"$log" 2>&1
   echo "=== verl-check exit $? [$SECONDS s]" | tee -a "$log"
   save_autotune
 fi

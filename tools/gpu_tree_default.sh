@@ -12,16 +12,8 @@ mkdir -p "$OUT"
 GPUSITE=${GPUSITE:-.whl/gpusite.tar.xz}
 [ -d /tmp/gpusite ] || tar -C /tmp -xJf "$GPUSITE" || exit 1
 source tools/gpu_env.sh
-python3 -m pip install -q --no-deps --no-build-isolation --disable-pip-version-check -e . >/tmp/ps-bridge-install.log 2>&1 \
-  || { cat /tmp/ps-bridge-install.log; echo "editable install of ps-bridge failed"; exit 1; }
-mkdir -p "$TRITON_CACHE_DIR"
-AUTOTUNE=${AUTOTUNE:-.whl/triton-autotune.tar.gz}
-[ -f "$AUTOTUNE" ] && tar -C "$TRITON_CACHE_DIR" -xzf "$AUTOTUNE"
+prepare_checkout || exit 1
 trap save_autotune EXIT
-{
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  python3 -c "import torch, triton, transformers, megatron.core, verl; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'megatron-core', megatron.core.__version__, 'verl', verl.__version__)"
-} >"$OUT/versions.txt" 2>&1
 log="$OUT/run.log"
 LIMIT=${LIMIT:-320}
 for mode in tree no-tree; do
