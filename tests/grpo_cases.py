@@ -10,6 +10,9 @@ from ps_bridge.tools.grpo.report import (
 PS_LOG = ("(WorkerDict pid=1) [PS][prepare] PATH 6: sharing detected (groups=2, samples=8)\n"
           "(WorkerDict pid=1) [PS][prepare][r0] packed_batch_layout: valid_lengths=[1], groups=2, depth=1, nodes=3\n")
 TREE_LOG = PS_LOG.replace("depth=1", "depth=2")
+# ps-bridge's engine with PS_BRIDGE_SHARING=off (the Qwen3.5 pair's baseline)
+OFF_LOG = ("(WorkerDict pid=1) [PS][prepare][global_rank=0] sharing: unshared: forced off (PS_BRIDGE_SHARING=off)\n"
+           "(WorkerDict pid=1) [PS][prepare] PATH 5: no sharing detected (samples=4)\n")
 
 
 def make_run(label, steps=5, seed=0, n_responses=8, log=""):

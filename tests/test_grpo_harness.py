@@ -6,7 +6,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from grpo_cases import PS_LOG, TREE_LOG, make_run, twin
+from grpo_cases import OFF_LOG, PS_LOG, TREE_LOG, make_run, twin
 
 from ps_bridge.tools.grpo import harness, report
 from ps_bridge.tools.grpo.report import GRAD_NORM, PROBS_DIFF_MEAN
@@ -19,7 +19,11 @@ def fake(monkeypatch):
     state = {"calls": [], "spoil": set(), "fail": set()}
     built = SimpleNamespace(model="M", max_prompt_tokens=40, system_max_prompt_tokens=120,
                             dir=lambda system=False: "DS" if system else "D")
-    monkeypatch.setattr(harness, "build_data", lambda out, seed, say: built)
+    def build_data(out, seed, say, model="qwen2.5"):
+        state["built"] = (out, model)
+        return built
+
+    monkeypatch.setattr(harness, "build_data", build_data)
 
     def launch(label, engine, model, data_dir, out, steps, seed, max_prompt_length, say, reuse=False, **kw):
         state["calls"].append(dict(label=label, engine=engine, data_dir=data_dir, steps=steps, seed=seed,
@@ -29,7 +33,8 @@ def fake(monkeypatch):
         for k in range(1, steps + 1):
             say(f"{engine}: step {k}/{steps} done (1 s)")
         base = make_run("stock", steps=steps)
-        log = TREE_LOG if kw.get("tree") else PS_LOG if engine == "ps" else ""
+        log = (TREE_LOG if kw.get("tree") else OFF_LOG if kw.get("sharing") is False else PS_LOG) if engine == "ps" else ""
+        log = state.get("logs", {}).get(label, log)
         run = twin(base, label, log)
         if kw.get("resume_from") is not None:
             for k in range(1, harness.RESUME_AFTER + 1):
@@ -67,6 +72,52 @@ def test_short_plan_runs_the_pair_only(fake, tmp_path, capsys):
     assert [c["label"] for c in fake["calls"]] == ["stock", "ps"]
     assert all(c["steps"] == 3 and "save_freq" not in c for c in fake["calls"])
     assert not (tmp_path / "grpo.png").exists()
+
+
+def test_qwen35_pairs_sharing_on_with_sharing_off(fake, tmp_path, capsys):
+    """megatron's stock engine does not build Qwen3.5 on a CPU: the baseline is ps-bridge's engine with sharing
+    off, and its log must show sharing forced off."""
+    assert harness.main(["--out", str(tmp_path), "--short", "--no-plot", "--model", "qwen3.5"]) == 0
+    calls = {c["label"]: c for c in fake["calls"]}
+    assert list(calls) == ["ps-off", "ps"]
+    assert calls["ps-off"]["engine"] == "ps" and calls["ps-off"]["sharing"] is False
+    assert calls["ps"]["engine"] == "ps" and "sharing" not in calls["ps"]
+    assert fake["built"] == (tmp_path / "qwen3.5", "qwen3.5")
+    out = capsys.readouterr().out
+    assert "VERDICT: PASS" in out and "ps-off ran ps-bridge's engine with sharing off" in out
+    assert json.loads((tmp_path / "qwen3.5" / "verdict.json").read_text())["runs"] == ["ps", "ps-off"]
+
+
+def test_qwen35_baseline_that_shared_fails(fake, tmp_path, capsys):
+    fake["logs"] = {"ps-off": PS_LOG}
+    assert harness.main(["--out", str(tmp_path), "--short", "--no-plot", "--model", "qwen3.5"]) == 1
+    assert "[FAIL] ps-off ran ps-bridge's engine with sharing off" in capsys.readouterr().out
+
+
+def test_launch_settings_follow_the_model_and_sharing(tmp_path):
+    """A Gated DeltaNet checkpoint gets vLLM's bf16 rollout with a float32 recurrent state on a CPU (vLLM's CPU
+    Gated DeltaNet runs in bf16 only); PS_BRIDGE_SHARING=off only for a ps run with sharing off."""
+    from ps_bridge.tools.grpo.launch import RunSpec, build_command
+
+    dense, hybrid = tmp_path / "dense", tmp_path / "hybrid"
+    dense.mkdir(), hybrid.mkdir()
+    (dense / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
+    (hybrid / "config.json").write_text(json.dumps(
+        {"text_config": {"layer_types": ["linear_attention", "full_attention"]}}))
+
+    def settings(model, **kw):
+        argv, env = build_command(RunSpec(engine="ps", model_dir=model, data_dir=tmp_path, out_dir=tmp_path, **kw),
+                                  on_cpu=True)
+        return [a for a in argv if "rollout.dtype" in a or "mamba_ssm" in a], env
+
+    args, env = settings(dense)
+    assert args == ["actor_rollout_ref.rollout.dtype=float32"] and "PS_BRIDGE_SHARING" not in env
+    args, env = settings(hybrid, sharing=False)
+    assert args == ["actor_rollout_ref.rollout.dtype=bfloat16",
+                    "+actor_rollout_ref.rollout.engine_kwargs.vllm.mamba_ssm_cache_dtype=float32"]
+    assert env["PS_BRIDGE_SHARING"] == "off" and env["ENABLE_PREFIX_SHARING"] == "1"
+    with pytest.raises(ValueError, match="sharing=False needs engine='ps'"):
+        RunSpec(engine="stock", model_dir=dense, data_dir=tmp_path, out_dir=tmp_path, sharing=False)
 
 
 def test_a_mismatch_exits_1(fake, tmp_path, capsys):

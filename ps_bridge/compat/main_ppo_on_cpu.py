@@ -30,6 +30,15 @@ Each patch names the upstream line it works around:
   (verl/workers/rollout/vllm_rollout/utils.py:405): "Attempted to load weight (torch.Size([256, 128]))
   into parameter (torch.Size([0]))". Kept (remove_weight=False), the weights load, and verl's
   `process_weights_after_loading` after the last bucket (utils.py:351) packs the new ones.
+- `_vllm_cpu_zeroes_new_attention_blocks`: in a hybrid model (Qwen3.5: Gated DeltaNet beside softmax
+  attention) vLLM's attention KV blocks and its recurrent-state blocks are pages of one pool, so a block
+  that held a float32 state is handed to an attention layer with its bytes, and read as bf16 some of them
+  are NaN. vLLM's scheduler lists such blocks for zeroing (vllm/v1/core/sched/scheduler.py:1046) and
+  its GPU runner zeroes them; its CPU runner does nothing (vllm/v1/worker/cpu_model_runner.py:155,
+  "CPU attention assigns -INF to logits at invalid positions"), but the CPU attention kernel multiplies
+  those positions' zero weights with their values, and 0 * NaN is NaN: from the second `generate`,
+  the first token of a request whose last KV block is partly stale gets a NaN log-prob. Here the CPU
+  runner zeroes the listed blocks of every full-attention layer, as the GPU runner does.
 - `_megatron_engine_config_takes_float32`: verl's Megatron engine config accepts bf16/fp16 only
   (verl/workers/config/engine.py:218); the CPU run trains in float32.
 - `_model_load_skips_unsharded_buffers`: verl's `load_megatron_model_to_gpu` reads DDP buffers'
@@ -90,6 +99,7 @@ def install() -> bool:
     _process_group_backend_for_cpu()
     _megatron_engine_config_takes_float32()
     _after_import("vllm.model_executor.layers.utils", _vllm_cpu_linear_keeps_weights)
+    _after_import("vllm.v1.worker.cpu_model_runner", _vllm_cpu_zeroes_new_attention_blocks)
     _after_import("megatron.core", _megatron_on_cpu)
     _after_import("verl.workers.engine.megatron.transformer_impl", _model_load_skips_unsharded_buffers)
     return True
@@ -302,6 +312,45 @@ def _vllm_cpu_linear_keeps_weights(utils_module) -> None:
     dispatch_cpu_unquantized_gemm.__ps_bridge_cpu__ = True
     utils_module.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
     _INSTALLED.append("vllm cpu linear keeps weights")
+
+
+# ---- vLLM's CPU runner zeroes the attention blocks a hybrid model's pool hands out ------------------
+
+
+def zero_attention_blocks(runner, block_ids) -> None:
+    """Zero the KV cache of every full-attention layer at the scheduler's logical `block_ids`."""
+    # vLLM's own spec and backend types: this runs only in vLLM's engine process
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    if not block_ids:
+        return
+    layers = runner.compilation_config.static_forward_context
+    for group in runner._kv_cache_spec_attn_group_iterator():
+        spec = group.kv_cache_spec
+        if not isinstance(spec, FullAttentionSpec):
+            continue
+        kernel_block = runner._kernel_block_sizes[group.kv_cache_group_id]
+        per_block = spec.block_size // kernel_block  # kernel blocks per logical block
+        block_dim = group.backend.get_kv_cache_block_dim(
+            kernel_block, spec.num_kv_heads, spec.head_size, cache_dtype_str=runner.cache_config.cache_dtype)
+        index = torch.tensor([b * per_block + i for b in block_ids for i in range(per_block)], dtype=torch.long)
+        for name in group.layer_names:
+            kv_cache = getattr(layers.get(name), "kv_cache", None)
+            if isinstance(kv_cache, torch.Tensor):
+                kv_cache.index_fill_(block_dim, index, 0)
+
+
+def _vllm_cpu_zeroes_new_attention_blocks(runner_module) -> None:
+    runner_class = runner_module.CPUModelRunner
+    if getattr(runner_class._zero_block_ids, "__ps_bridge_cpu__", False):
+        return
+
+    def _zero_block_ids(self, block_ids) -> None:
+        zero_attention_blocks(self, block_ids)
+
+    _zero_block_ids.__ps_bridge_cpu__ = True
+    runner_class._zero_block_ids = _zero_block_ids
+    _INSTALLED.append("vllm cpu zeroes new attention blocks")
 
 
 # ---- megatron-core and Megatron-Bridge in the engine's workers --------------------------------------

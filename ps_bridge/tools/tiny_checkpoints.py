@@ -81,10 +81,11 @@ def _perturb_qwen35_norms(model, seed: int) -> None:
                 p.add_(torch.randn(p.shape, generator=gen).to(p.device) * 0.1)
 
 
-def build_tiny_qwen35(path: str, seed: int = 0, moe: bool = False, conditional: bool = False, **overrides):
+def build_tiny_qwen35(path: str, seed: int = 0, moe: bool = False, conditional: bool = False,
+                      special_token_ids=(250, 251, 252, 253), **overrides):
     """Tiny Qwen3.5 checkpoint: `Qwen3_5[Moe]ForCausalLM`, or with `conditional=True` the
     `Qwen3_5[Moe]ForConditionalGeneration` architecture the official checkpoints declare (a tiny
-    vision tower included)."""
+    vision tower included, its image, video, vision start and vision end token ids `special_token_ids`)."""
     torch.manual_seed(seed)
     text = _tiny_qwen35_text_kwargs(moe)
     text.update(overrides)
@@ -110,8 +111,9 @@ def build_tiny_qwen35(path: str, seed: int = 0, moe: bool = False, conditional: 
             spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=text["hidden_size"],
             num_position_embeddings=16,
         )
-        config = VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
-                          image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
+        image, video, start, end = special_token_ids
+        config = VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, image_token_id=image,
+                          video_token_id=video, vision_start_token_id=start, vision_end_token_id=end)
         model = VLM(config).eval()
         _save_tiny_image_processor(path, vision)
     else:

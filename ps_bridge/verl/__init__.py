@@ -43,11 +43,13 @@ def _ensure_log_handler() -> None:
 
 def register_engines(config: PrefixSharingConfig) -> None:
     """Our engine under verl's keys for NVIDIA GPUs and Huawei NPUs (idempotent); the engine reads
-    `config`. verl 0.9.1 keys engines by (device, vendor), 0.8.0 by device (`ps_bridge.compat.verl`)."""
+    `config`. verl 0.9.1 keys engines by (device, vendor), 0.8.0 by device (`ps_bridge.compat.verl`).
+    Also mends verl's packed mRoPE position ids of equal-length batches (`ps_bridge.compat.verl_position_ids`)."""
     # imported here: torch is heavy; verl is optional (requirements-verl.txt)
-    from ps_bridge.compat import verl as verl_compat
+    from ps_bridge.compat import verl as verl_compat, verl_position_ids
     from ps_bridge.verl.engine import PrefixSharedMegatronEngine, npu_engine_class
 
+    verl_position_ids.install()
     PrefixSharedMegatronEngine.prefix_sharing_config = config
     npu = npu_engine_class()
     if npu is not None:

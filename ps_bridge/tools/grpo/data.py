@@ -9,7 +9,10 @@ download):
   smallest head vLLM's CPU attention takes), vocabulary = the tokenizer's size rounded up to a multiple of
   128 as Qwen's checkpoints and Megatron pad it; random weights from `ps_bridge.tools.tiny_checkpoints`, then
   fitted for `fit_steps` Adam steps to the answers' format behind both prompt forms (see `fit_to_format`
-  for why);
+  for why); or with `model="qwen3.5"` a tiny Qwen3.5 (`Qwen3_5ForConditionalGeneration`, the architecture
+  vLLM serves: hidden 128, Gated DeltaNet / Gated DeltaNet / softmax attention / Gated DeltaNet, heads of
+  32, a one-layer vision tower that the text-only prompts never use, its image and video token ids the
+  vocabulary's last ids, above the tokenizer's), fitted the same way;
 - GSM8K-format train/test parquet files in the layout of verl's `examples/data_preprocess/gsm8k.py`
   (`data_source` "openai/gsm8k", the prompt as chat messages, `reward_model.ground_truth`, `extra_info`),
   whose answers end in `#### <number>`, the line verl's GSM8K reward (`verl/utils/reward_score/gsm8k.py`,
@@ -28,7 +31,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from ps_bridge.tools.tiny_checkpoints import build_tiny_qwen2
+from ps_bridge.tools.tiny_checkpoints import build_tiny_qwen2, build_tiny_qwen35
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Qwen2.5-Instruct's roles: <|endoftext|> pads and starts, <|im_end|> ends a turn (the sampling's stop token)
@@ -67,6 +70,12 @@ MODEL_SHAPE = dict(
     hidden_size=128, intermediate_size=256, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
 )
+# the Qwen3.5 model: the same width and heads; 4 layers, 3 of them Gated DeltaNet with heads of 32 as well
+QWEN35_SHAPE = dict(
+    hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    linear_key_head_dim=32, linear_value_head_dim=32,
+)
+MODELS = ("qwen2.5", "qwen3.5")
 VOCAB_MULTIPLE = 128
 
 # bump when the files built here change for the same arguments (the cache key)
@@ -297,15 +306,32 @@ def _key(**params) -> str:
     return hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _build_model(model: str, path: Path, seed: int, vocab: int, eos: int, pad: int, tokenizer_size: int):
+    if model == "qwen2.5":
+        return build_tiny_qwen2(str(path), seed=seed, vocab_size=vocab, bos_token_id=pad, eos_token_id=eos,
+                                pad_token_id=pad, tie_word_embeddings=False, **MODEL_SHAPE)
+    # image, video, vision start and end: the vocabulary's last 4 ids, which no text token reaches
+    image = vocab - 4
+    if tokenizer_size > image:
+        raise ValueError(f"the tokenizer's {tokenizer_size} tokens reach the image token id {image}: "
+                         f"pad the vocabulary further (VOCAB_MULTIPLE)")
+    return build_tiny_qwen35(str(path), seed=seed, conditional=True, vocab_size=vocab, bos_token_id=pad,
+                             eos_token_id=eos, pad_token_id=pad, special_token_ids=(image, image + 1, image + 2, image + 3),
+                             **QWEN35_SHAPE)
+
+
 def build(out_dir, seed: int = 0, n_train: int = 512, n_test: int = 64, tokenizer_vocab: int = 1024,
-          fit_steps: int = 300, dtype: str = "float32",
+          fit_steps: int = 300, dtype: str = "float32", model: str = "qwen2.5",
           progress: Optional[Callable[[str, int, int], None]] = None) -> GrpoData:
-    """Write the tokenizer, the model and the parquet files under `out_dir` (model/, data/, data_system/), or
-    reuse them when `out_dir/data.json` records the same arguments and they are all there. `progress(what, done,
-    total)` is called as it goes."""
+    """Write the tokenizer, the model (`model`: one of MODELS) and the parquet files under `out_dir` (model/,
+    data/, data_system/), or reuse them when `out_dir/data.json` records the same arguments and they are all
+    there. `progress(what, done, total)` is called as it goes."""
+    if model not in MODELS:
+        raise ValueError(f"model={model!r}: use one of {MODELS}")
     out = Path(out_dir)
     params = dict(seed=seed, n_train=n_train, n_test=n_test, tokenizer_vocab=tokenizer_vocab,
-                  fit_steps=fit_steps, dtype=dtype, version=FORMAT_VERSION, shape=MODEL_SHAPE)
+                  fit_steps=fit_steps, dtype=dtype, version=FORMAT_VERSION,
+                  shape=MODEL_SHAPE if model == "qwen2.5" else {"model": model, **QWEN35_SHAPE})
     key = _key(**params)
     stamp = out / "data.json"
     if stamp.exists():
@@ -331,10 +357,8 @@ def build(out_dir, seed: int = 0, n_train: int = 512, n_test: int = 64, tokenize
 
     eos, pad = tok.convert_tokens_to_ids(EOS_TOKEN), tok.convert_tokens_to_ids(PAD_TOKEN)
     vocab = padded_vocab(len(tok))
-    model = build_tiny_qwen2(
-        str(model_dir), seed=seed, vocab_size=vocab, bos_token_id=pad, eos_token_id=eos, pad_token_id=pad,
-        tie_word_embeddings=False, **MODEL_SHAPE,
-    )
+    kind = model
+    model = _build_model(kind, model_dir, seed, vocab, eos, pad, len(tok))
     # one thread: on a loaded 2-core machine torch's second thread waits for CPU time at every small op
     # (a tiny model's step took 30x longer on 2 threads than on 1 while other processes ran)
     threads = torch.get_num_threads()

@@ -9,6 +9,11 @@ Runs, each one `launch.run_main_ppo` in its own folder under --out:
   `PS_BRIDGE_TREE=1`;
 - `stock-floor` (--noise-floor, or `auto` when the pair's rollouts differ after step 1): stock with another
   micro-batch split, the float32 noise floor; `stock-system-floor` the same for the tree pair.
+
+With `--model qwen3.5` (a tiny Qwen3.5, under --out/qwen3.5) the baseline is ps-bridge's engine with
+`PS_BRIDGE_SHARING=off`, labelled `ps-off` in place of `stock`: megatron's stock engine does not build
+Qwen3.5 on a CPU (its Gated DeltaNet layer spec needs Transformer Engine), so what the pair shows there is
+sharing on against sharing off through the whole job, vLLM included.
 """
 
 from __future__ import annotations
@@ -66,7 +71,21 @@ class Plan:
     tree: bool = False
     noise_floor: str = "auto"  # on | off | auto
     reuse: bool = False
+    model: str = "qwen2.5"
     runs: Dict[str, RunData] = field(default_factory=dict)
+
+    @property
+    def base(self) -> str:
+        """The baseline's label: verl's stock engine, or ps-bridge's with sharing off where stock cannot run."""
+        return "stock" if self.model == "qwen2.5" else "ps-off"
+
+    @property
+    def base_spec(self) -> dict:
+        return dict(engine="stock") if self.model == "qwen2.5" else dict(engine="ps", sharing=False)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.out if self.model == "qwen2.5" else self.out / self.model
 
 
 class Progress:
@@ -108,7 +127,7 @@ class Progress:
         self.bar.close()
 
 
-def build_data(out: Path, seed: int, say: Callable[[str], None]):
+def build_data(out: Path, seed: int, say: Callable[[str], None], model: str = "qwen2.5"):
     # imported here: ps_bridge.tools.grpo.data imports torch, which is heavy (only building the data needs it)
     from ps_bridge.tools.grpo import data
 
@@ -120,8 +139,8 @@ def build_data(out: Path, seed: int, say: Callable[[str], None]):
             last["what"] = what
             say(f"data: {what} {done}/{total}")
 
-    built = data.build(out / "data", seed=seed, progress=progress)
-    say(f"data: tiny Qwen2.5 (vocab {built.vocab_size}, tokenizer {built.tokenizer_size} tokens), "
+    built = data.build(out / "data", seed=seed, model=model, progress=progress)
+    say(f"data: tiny {'Qwen2.5' if model == 'qwen2.5' else 'Qwen3.5'} (vocab {built.vocab_size}, tokenizer {built.tokenizer_size} tokens), "
         f"sampled answers right after the format fit: {built.fit.correct}/{built.fit.sampled} "
         f"({built.fit.formatted} formatted), behind the system prompt {built.fit.system_correct}/"
         f"{built.fit.system_sampled} ({built.fit.system_formatted} formatted) [{time.time() - start:.0f} s]")
@@ -152,8 +171,9 @@ def launch(label: str, engine: str, model: str, data_dir: str, out: Path, steps:
 
 def run_plan(plan: Plan, progress: Progress, extra_ps_overrides: Sequence[str] = ()) -> List[Check]:
     """Build the data, run what `plan` asks for, return the verdict's checks (runs land in plan.runs)."""
-    out = plan.out
-    built = build_data(out, plan.seed, progress.write)
+    out = plan.run_dir
+    built = build_data(out, plan.seed, progress.write, plan.model)
+    base, base_spec = plan.base, plan.base_spec
     common = dict(seed=plan.seed, reuse=plan.reuse, micro_batch=MICRO_BATCH)
     save = dict(save_freq=RESUME_AFTER) if plan.resume else {}
     runs = plan.runs
@@ -167,7 +187,7 @@ def run_plan(plan: Plan, progress: Progress, extra_ps_overrides: Sequence[str] =
 
     # only ps saves: the resume check restarts ps-bridge's run (verl's HF export of the stock engine also needs
     # NVIDIA modelopt, which ps-bridge's engine does without: ps_bridge/checkpoint_engine.py)
-    stock = go("stock", "stock")
+    stock = go(base, **base_spec)
     ps = go("ps", "ps", extra_overrides=tuple(extra_ps_overrides), **save)
     pair_diffs = report.rollout_differences(stock, ps, stock.step_numbers())
     flip = report.first_divergence(pair_diffs)
@@ -175,10 +195,10 @@ def run_plan(plan: Plan, progress: Progress, extra_ps_overrides: Sequence[str] =
     if plan.noise_floor == "on" or (plan.noise_floor == "auto" and flip is not None and flip > 1):
         if plan.noise_floor == "auto":  # not counted in planned_steps
             progress.add(plan.steps)
-        floor = go("stock-floor", "stock", micro_batch=FLOOR_MICRO_BATCH)
+        floor = go(f"{base}-floor", micro_batch=FLOOR_MICRO_BATCH, **base_spec)
     checks = report.compare_runs(stock, ps, floor)
     checks += report.compare_log_probs(stock, ps)
-    checks += report.check_logs(stock, ps)
+    checks += report.check_logs(stock, ps, baseline_sharing_off=base != "stock")
     if floor is not None:
         checks += _floor_sizes(stock, floor)
 
@@ -187,7 +207,7 @@ def run_plan(plan: Plan, progress: Progress, extra_ps_overrides: Sequence[str] =
                      extra_overrides=tuple(extra_ps_overrides))
         checks += report.check_resume(ps, resumed, RESUME_AFTER)
     if plan.tree:
-        stock_sys = go("stock-system", "stock", system=True, micro_batch=TREE_MICRO_BATCH)
+        stock_sys = go(f"{base}-system", system=True, micro_batch=TREE_MICRO_BATCH, **base_spec)
         tree = go("ps-tree", "ps", system=True, tree=True, micro_batch=TREE_MICRO_BATCH,
                   extra_overrides=tuple(extra_ps_overrides))
         tree_flip = report.first_divergence(report.rollout_differences(stock_sys, tree, stock_sys.step_numbers()))
@@ -195,10 +215,10 @@ def run_plan(plan: Plan, progress: Progress, extra_ps_overrides: Sequence[str] =
         if plan.noise_floor == "on" or (plan.noise_floor == "auto" and tree_flip is not None and tree_flip > 1):
             if plan.noise_floor == "auto":
                 progress.add(plan.steps)
-            tree_floor = go("stock-system-floor", "stock", system=True, micro_batch=TREE_FLOOR_MICRO_BATCH)
+            tree_floor = go(f"{base}-system-floor", system=True, micro_batch=TREE_FLOOR_MICRO_BATCH, **base_spec)
         name = "system prompt, tree"
         checks += report.compare_runs(stock_sys, tree, tree_floor, name=name)
-        checks += report.check_logs(stock_sys, tree, tree=True, name=name)
+        checks += report.check_logs(stock_sys, tree, tree=True, name=name, baseline_sharing_off=base != "stock")
         checks += report.compare_log_probs(stock_sys, tree, name=name)
         if tree_floor is not None:
             checks += _floor_sizes(stock_sys, tree_floor, name)
@@ -226,27 +246,29 @@ def planned_steps(plan: Plan) -> int:
 
 
 def write_outputs(plan: Plan, checks: Sequence[Check], say: Callable[[str], None], png: bool = True) -> bool:
-    runs = plan.runs
-    pair = [runs[k] for k in ("stock", "ps", "stock-floor") if k in runs]
-    say("\nper step (|diff| against stock; 'rollouts differ': responses of the step that differ from stock's)")
+    runs, base = plan.runs, plan.base
+    pair = [runs[k] for k in (base, "ps", f"{base}-floor") if k in runs]
+    say(f"\nper step (|diff| against {base}; 'rollouts differ': responses of the step that differ from {base}'s)")
     say(report.metrics_table(pair))
     say("\nseconds per phase (verl's timing_s/*)")
     say(report.timing_table(pair))
     if "ps-tree" in runs:
         say("\nsystem prompt shared across prompts, PS_BRIDGE_TREE=1")
-        say(report.metrics_table([runs[k] for k in ("stock-system", "ps-tree", "stock-system-floor") if k in runs]))
+        say(report.metrics_table([runs[k] for k in (f"{base}-system", "ps-tree", f"{base}-system-floor") if k in runs]))
     say("")
     say(report.verdict_text(checks))
     ok = report.passed(checks)
-    (plan.out / "verdict.json").write_text(json.dumps(
+    (plan.run_dir / "verdict.json").write_text(json.dumps(
         {"passed": ok, "checks": [asdict(c) for c in checks], "runs": sorted(runs)}, indent=1))
     if png:
         try:
-            groups = [("stock vs ps-bridge", [runs[k] for k in ("stock", "ps", "ps-resumed", "stock-floor") if k in runs])]
+            groups = [(f"{base} vs ps-bridge", [runs[k] for k in (base, "ps", "ps-resumed", f"{base}-floor") if k in runs])]
             if "ps-tree" in runs:
                 groups.append(("system prompt, tree",
-                               [runs[k] for k in ("stock-system", "ps-tree", "stock-system-floor") if k in runs]))
-            path = report.plot(groups, plan.out / "grpo.png")
+                               [runs[k] for k in (f"{base}-system", "ps-tree", f"{base}-system-floor") if k in runs]))
+            title = ("verl main_ppo GRPO, the same seed: verl's stock engine and ps-bridge" if base == "stock" else
+                     f"verl main_ppo GRPO on {plan.model}, the same seed: ps-bridge with sharing off and on")
+            path = report.plot(groups, plan.run_dir / "grpo.png", title=title)
             say(f"curves: {path}")
         except ImportError:
             say("curves: not drawn (matplotlib is not installed: pip install 'ps-bridge[plot]')")
@@ -260,6 +282,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="training steps per run (default 5; --short: 3)")
     p.add_argument("--short", action="store_true", help="the CI form: the pair only, 3 steps")
     p.add_argument("--out", default="outputs/grpo", help="output folder (default outputs/grpo)")
+    p.add_argument("--model", choices=("qwen2.5", "qwen3.5"), default="qwen2.5",
+                   help="the tiny model (qwen3.5: against ps-bridge with sharing off, in OUT/qwen3.5)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
                    help="also resume ps from its step-3 checkpoint and compare steps 4.. (default: on unless --short)")
@@ -278,8 +302,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if resume and steps <= RESUME_AFTER:
         p.error(f"--resume restarts from the step-{RESUME_AFTER} checkpoint: use --steps {RESUME_AFTER + 1} or more")
     plan = Plan(out=Path(args.out), steps=steps, seed=args.seed, resume=resume, tree=tree,
-                noise_floor=args.noise_floor, reuse=args.reuse)
-    plan.out.mkdir(parents=True, exist_ok=True)
+                noise_floor=args.noise_floor, reuse=args.reuse, model=args.model)
+    plan.run_dir.mkdir(parents=True, exist_ok=True)
     progress = Progress(planned_steps(plan), args.verbose)
     try:
         checks = run_plan(plan, progress)

@@ -78,6 +78,7 @@ class RunSpec:
     save_freq: int = -1
     resume_from: Optional[Path] = None
     tree: bool = False
+    sharing: bool = True  # engine "ps" only: False runs ps-bridge's engine with PS_BRIDGE_SHARING=off
     lr: float = 1e-3
     extra_overrides: Sequence[str] = ()
     timeout_s: int = 1800
@@ -87,6 +88,8 @@ class RunSpec:
             raise ValueError(f"RunSpec.engine={self.engine!r}: use one of {ENGINES}")
         if self.tree and self.engine != "ps":
             raise ValueError("RunSpec.tree=True needs engine='ps' (PS_BRIDGE_TREE=1 is ps-bridge's setting)")
+        if not self.sharing and self.engine != "ps":
+            raise ValueError("RunSpec.sharing=False needs engine='ps' (PS_BRIDGE_SHARING=off is ps-bridge's setting)")
         self.model_dir, self.data_dir, self.out_dir = Path(self.model_dir), Path(self.data_dir), Path(self.out_dir)
 
 
@@ -111,6 +114,13 @@ def has_accelerator() -> bool:
     from ps_bridge.compat.main_ppo_on_cpu import has_accelerator as probe
 
     return probe()
+
+
+def has_gated_deltanet(model_dir: Path) -> bool:
+    """The checkpoint has Gated DeltaNet layers (Qwen3.5: `linear_attention` among its layer types)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    layer_types = config.get("text_config", config).get("layer_types") or ()
+    return "linear_attention" in layer_types
 
 
 def _overrides(spec: RunSpec, on_cpu: bool) -> List[str]:
@@ -203,12 +213,20 @@ def _overrides(spec: RunSpec, on_cpu: bool) -> List[str]:
             "+actor_rollout_ref.rollout.enable_sleep_mode=False",
             "actor_rollout_ref.rollout.free_cache_engine=False",
             "actor_rollout_ref.rollout.enforce_eager=True",
-            "actor_rollout_ref.rollout.dtype=float32",
             "actor_rollout_ref.actor.megatron.dtype=float32",
             "actor_rollout_ref.ref.megatron.dtype=float32",
             "actor_rollout_ref.actor.megatron.use_distributed_optimizer=False",
             "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=64",
         ]
+        if has_gated_deltanet(spec.model_dir):
+            # vLLM's CPU Gated DeltaNet runs in bf16 only (vllm/model_executor/layers/mamba/ops/cpu/
+            # gdn_attention.py:53, "CPU GDN attention requires BF16"), its recurrent state in float32 (with the
+            # model's dtype as the state's, chunk_gated_delta_rule_cpu stops on "Input tensor dtype mismatch");
+            # the actor and the reference stay float32
+            o += ["actor_rollout_ref.rollout.dtype=bfloat16",
+                  "+actor_rollout_ref.rollout.engine_kwargs.vllm.mamba_ssm_cache_dtype=float32"]
+        else:
+            o += ["actor_rollout_ref.rollout.dtype=float32"]
     return o + list(spec.extra_overrides)
 
 
@@ -233,10 +251,13 @@ def build_command(spec: RunSpec, on_cpu: Optional[bool] = None) -> Tuple[List[st
     env["VERL_USE_EXTERNAL_MODULES"] = f"{ROLLOUT_SEEDS},{LOGPROB_DUMP}"
     env.pop("ENABLE_PREFIX_SHARING", None)
     env.pop("PS_BRIDGE_TREE", None)
+    env.pop("PS_BRIDGE_SHARING", None)
     if spec.engine == "ps":
         env["ENABLE_PREFIX_SHARING"] = "1"
         if spec.tree:
             env["PS_BRIDGE_TREE"] = "1"
+        if not spec.sharing:
+            env["PS_BRIDGE_SHARING"] = "off"
     if on_cpu:
         env.update({
             "VERL_USE_EXTERNAL_MODULES": f"ps_bridge.compat.main_ppo_on_cpu,{ROLLOUT_SEEDS},{LOGPROB_DUMP}",

@@ -29,6 +29,8 @@ The verdict's properties and their tolerances (`TOLERANCES`, `PROBS_DIFF`):
    orders of magnitude from step 2 on;
 6. the ps-bridge run's log shows `[PS][prepare] PATH 6: sharing detected` from the workers, and the stock
    run's log no `[PS]` line that turns sharing on or uses ps-bridge's engine (it really ran verl's stock
+   engine); where the baseline is ps-bridge's engine with `PS_BRIDGE_SHARING=off` (Qwen3.5, which verl's stock
+   engine does not build on a CPU), its log shows sharing forced off and no shared micro-batch
    engine); with the prefix tree on, a layout line of depth >= 2 (the system prompt shared across prompts);
 7. a run resumed from a checkpoint repeats the uninterrupted run's later steps: the same rollouts (vLLM
    seeds each request from the rollout seed and the prompt, `ps_bridge/compat/rollout_seeds.py`, so a restart
@@ -92,6 +94,7 @@ LOG_PROB_ATOL = 5e-5
 OLD_LOG_PROBS, REF_LOG_PROBS = "old_log_probs", "ref_log_prob"
 
 SHARING_DETECTED = re.compile(r"\[PS\]\[prepare\].*PATH 6: sharing detected")
+SHARING_FORCED_OFF = re.compile(r"\[PS\]\[prepare\].*forced off \(PS_BRIDGE_SHARING=off\)")
 SHARING_ON = re.compile(r"\[PS\]\[prepare\].*(enable_prefix_sharing=True|engine=PrefixShared\w+)")
 TREE_DEPTH = re.compile(r"\[PS\]\[prepare\].*packed_batch_layout:.*\bdepth=(\d+)")
 
@@ -366,14 +369,15 @@ def compare_log_probs(ref: RunData, other: RunData, name: str = "") -> List[Chec
     return checks
 
 
-def check_logs(stock: RunData, ps: RunData, tree: bool = False, name: str = "") -> List[Check]:
-    """Property 6."""
+def check_logs(stock: RunData, ps: RunData, tree: bool = False, name: str = "",
+               baseline_sharing_off: bool = False) -> List[Check]:
+    """Property 6. `baseline_sharing_off`: `stock` is ps-bridge's engine with PS_BRIDGE_SHARING=off."""
     tag = f"{name}: " if name else ""
     detected = len(SHARING_DETECTED.findall(ps.log))
     checks = [
         Check(f"{tag}{ps.label} log shows sharing", detected > 0,
               f"{detected} '[PS][prepare] PATH 6: sharing detected' lines"),
-        _stock_check(stock, tag),
+        _sharing_off_check(stock, tag) if baseline_sharing_off else _stock_check(stock, tag),
     ]
     if tree:
         depths = [int(d) for d in TREE_DEPTH.findall(ps.log)]
@@ -391,6 +395,14 @@ def _stock_check(stock: RunData, tag: str) -> Check:
     return Check(f"{tag}{stock.label} ran verl's stock engine", ok,
                  "no [PS] line turns sharing on" if ok else
                  f"its log has {len(on)} lines turning sharing on and {detected} 'sharing detected' lines")
+
+
+def _sharing_off_check(base: RunData, tag: str) -> Check:
+    forced = len(SHARING_FORCED_OFF.findall(base.log))
+    detected = len(SHARING_DETECTED.findall(base.log))
+    ok = forced > 0 and not detected
+    return Check(f"{tag}{base.label} ran ps-bridge's engine with sharing off", ok,
+                 f"{forced} 'forced off (PS_BRIDGE_SHARING=off)' lines, {detected} 'sharing detected' lines")
 
 
 def check_resume(uninterrupted: RunData, resumed: RunData, after_step: int) -> List[Check]:
@@ -495,7 +507,8 @@ def verdict_text(checks: Sequence[Check]) -> str:
     return f"{format_checks(checks)}\n{head}"
 
 
-def plot(groups: Sequence[Tuple[str, Sequence[RunData]]], path) -> Path:
+def plot(groups: Sequence[Tuple[str, Sequence[RunData]]], path,
+         title: str = "verl main_ppo GRPO, the same seed: verl's stock engine and ps-bridge") -> Path:
     """One row of panels per (title, runs) group: reward, policy loss, grad norm, rollout-vs-actor difference
     and step time per step, one line per run."""
     # imported here: matplotlib is optional (the `plot` extra); only the PNG needs it
@@ -522,7 +535,7 @@ def plot(groups: Sequence[Tuple[str, Sequence[RunData]]], path) -> Path:
                 ax.set_yscale("log")
             ax.grid(alpha=0.3)
         row[0].legend(fontsize=8)
-    fig.suptitle("verl main_ppo GRPO, the same seed: verl's stock engine and ps-bridge", fontsize=11)
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
