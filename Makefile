@@ -74,7 +74,9 @@ $(GRPO_STAMP): requirements-grpo.txt requirements-grpo-nodeps.txt pyproject.toml
 # `make grpo`: verl's own main_ppo GRPO on a tiny Qwen2.5 with verl's stock engine and with ps-bridge from one
 # seed (5 steps, a resume from step 3, a shared system prompt as a prefix tree): the per-step table, the
 # verdict and outputs/grpo/grpo.png. `make grpo-short`: the pair only, 3 steps. `make test-grpo`: the grpo
-# tests on the grpo stack, among them the short form's assertions and the stale-weights case (test_grpo_e2e.py).
+# tests on the grpo stack, among them the short form's assertions and the stale-weights case (test_grpo_e2e.py),
+# and the short form on a tiny Qwen3.5, sharing on against off (test_grpo_e2e_qwen35.py).
+# `make grpo GRPO_ARGS="--model qwen3.5"`: the whole job on the tiny Qwen3.5 (docs/verl.md).
 GRPO_ARGS ?=
 grpo: grpo-venv
 	$(GRPO_PY) -m ps_bridge.tools.grpo $(GRPO_ARGS)
@@ -83,4 +85,4 @@ grpo-short: grpo-venv
 	$(GRPO_PY) -m ps_bridge.tools.grpo --short $(GRPO_ARGS)
 
 test-grpo: grpo-venv
-	$(GRPO_PY) -m pytest -q -ra tests/test_grpo_report.py tests/test_grpo_harness.py tests/test_grpo_data.py tests/test_grpo_e2e.py
+	$(GRPO_PY) -m pytest -q -ra tests/test_grpo_report.py tests/test_grpo_harness.py tests/test_grpo_data.py tests/test_grpo_e2e.py tests/test_grpo_vllm_hybrid.py tests/test_compat_verl_position_ids.py tests/test_grpo_e2e_qwen35.py
