@@ -1,6 +1,7 @@
 """Synthetic runs of the grpo job (verl's per-step metrics, rollouts and logs) for the report's and the
 harness's tests."""
 
+import json
 import random
 
 from ps_bridge.tools.grpo.report import (
@@ -42,3 +43,22 @@ def twin(run, label, log="", rel=0.0):
     log_probs = {k: [(p, r, {f: list(x) for f, x in values.items()}) for p, r, values in rows]
                  for k, rows in run.log_probs.items()}
     return RunData(label, steps, {k: list(v) for k, v in run.rollouts.items()}, log, log_probs)
+
+
+def assert_verdict_passed(verdict_path, proc, base: str):
+    """A finished harness run (`proc`, its verdict.json at `verdict_path`) passed, and the properties were
+    judged, not skipped; `base`: the baseline's label (stock, or ps-off for Qwen3.5)."""
+    assert verdict_path.exists(), f"no verdict (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+    result = json.loads(verdict_path.read_text())
+    failed = [c for c in result["checks"] if not c["ok"]]
+    assert proc.returncode == 0 and result["passed"], f"{failed}\n{proc.stdout[-4000:]}"
+    names = {c["name"] for c in result["checks"]}
+    baseline = "stock ran verl's stock engine" if base == "stock" else f"{base} ran ps-bridge's engine with sharing off"
+    for name in ("step 1 rollouts identical", f"{PG_LOSS} equal while rollouts are identical",
+                 f"{GRAD_NORM} equal while rollouts are identical", "reward curves match",
+                 f"{PROBS_DIFF_MEAN} as small as {base}'s", "ps log shows sharing", baseline,
+                 "old_log_probs equal per token (the actor's (old) log-probs)",
+                 "ref_log_prob equal per token (the reference's log-probs)"):
+        assert name in names, name
+    assert "VERDICT: PASS" in proc.stdout and "pg_loss" in proc.stdout
+    return result
