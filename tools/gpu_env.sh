@@ -1,4 +1,4 @@
-# Sourced by tools/gpu_checks.sh, gpu_cp.sh and gpu_ep.sh (repository root): the environment our
+# Sourced by the tools/gpu_*.sh scripts (repository root): the environment our
 # stack runs in on a GPU machine without a package index, from the archive `.whl/gpusite.tar.xz` unpacked to
 # /tmp/gpusite; `save_autotune`, which keeps the kernel caches worth carrying in $OUT; and
 # `bench_step`, one `ps-bridge bench` under torchrun.

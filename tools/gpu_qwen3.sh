@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The Qwen3 GPU work on one H200 in under 9 minutes: the bench rows first
 # (the figures), then the bf16-vs-fp32 tests, then a verl-check of the Qwen3-8B shape with the time left.
-# Unpacks .whl/gpusite.tar.xz (tools/build_gpu_site.sh) and installs the repository editable, as
-# tools/gpu_checks.sh does.
+# Unpacks .whl/gpusite.tar.xz (tools/build_gpu_site.sh) and sets the checkout up with gpu_env.sh's
+# prepare_checkout, as tools/gpu_checks.sh does.
 #
 # Usage (repository root): tools/gpu_qwen3.sh
 # $OUT gets:
@@ -16,15 +16,10 @@ set -uo pipefail
 OUT=${OUT:-/tmp/ps-bridge-out}
 BUDGET=${BUDGET:-540}
 mkdir -p "$OUT"
-rm -rf /tmp/gpusite
-tar -C /tmp -xJf .whl/gpusite.tar.xz || exit 1
+[ -d /tmp/gpusite ] || tar -C /tmp -xJf .whl/gpusite.tar.xz || exit 1
 source tools/gpu_env.sh
-python3 -m pip install -q --no-deps --no-build-isolation --disable-pip-version-check -e . >/tmp/ps-bridge-install.log 2>&1 \
-  || { cat /tmp/ps-bridge-install.log; echo "editable install of ps-bridge failed"; exit 1; }
-{
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  python3 -c "import torch, triton, transformers, megatron.core; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__, 'megatron-core', megatron.core.__version__)"
-} 2>&1 | tee "$OUT/versions.txt"
+prepare_checkout || exit 1
+cat "$OUT/versions.txt"
 echo "=== [$SECONDS s] set up" | tee "$OUT/bench.log"
 bench=(python3 -m ps_bridge.tools.cli bench --no-progress --layers 4 --warmup 1 --repeats 3)
 timeout 200 "${bench[@]}" --models qwen3-8b --grid "2048,512,8;4096,256,16" --json "$OUT/bench_qwen3_8b.json" >>"$OUT/bench.log" 2>&1

@@ -24,10 +24,7 @@ RES=/tmp/ps-bridge-res/$TAG
 mkdir -p "$RES"
 [ -d /tmp/gpusite ] || tar -C /tmp -xJf .whl/gpusite.tar.xz || exit 1
 source tools/gpu_env.sh
-python3 -m pip install -q --no-deps --no-build-isolation --disable-pip-version-check -e . >/tmp/ps-bridge-install.log 2>&1 \
-  || { cat /tmp/ps-bridge-install.log; exit 1; }
-mkdir -p "$TRITON_CACHE_DIR"
-[ -f .whl/triton-autotune.tar.gz ] && tar -C "$TRITON_CACHE_DIR" -xzf .whl/triton-autotune.tar.gz
+prepare_checkout || exit 1
 save_all() { save_autotune; tar -C /tmp/ps-bridge-res -czf "$OUT/.res.tmp" . 2>/dev/null && mv "$OUT/.res.tmp" "$OUT/results.tar.gz"; }
 ( while sleep 20; do save_all; done ) &
 saver=$!

@@ -6,7 +6,7 @@ OUT=${OUT:-/tmp/ps-bridge-out}
 mkdir -p "$OUT"
 [ -d /tmp/gpusite ] || tar -C /tmp -xJf .whl/gpusite.tar.xz || exit 1
 source tools/gpu_env.sh
-python3 -m pip install -q --no-deps --no-build-isolation --disable-pip-version-check -e . >/tmp/ps-bridge-install.log 2>&1 || exit 1
+prepare_checkout || exit 1
 log="$OUT/run.log"
 timeout ${LIMIT:-400} python3 -m ps_bridge.tools.cli verl-check --model "${MODEL:-qwen2.5-7b}" --no-progress --workdir /tmp/verl-check --layers 4 \
   --prompts 32 --n 8 --prompt-len 2048 --response-len 512 --steps 3 --dtype bfloat16 \
