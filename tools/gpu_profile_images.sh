@@ -13,9 +13,9 @@
 # Also in $OUT: run.log, versions.txt, triton-autotune.tar.gz (carry it as .whl/triton-autotune.tar.gz).
 # Usage (repository root, .whl/gpusite.tar.xz from tools/build_gpu_site.sh; a checkout copied two folders
 # below the one holding .whl finds it there): tools/gpu_profile_images.sh
-# Smaller shapes try the commands on a CPU, e.g. MODEL=tiny-qwen3.5-vl IMAGE_SIZE=64x64 TEXT_LEN=16
-# RESPONSE_LEN=16 DTYPE=float32 BUDGET=4096 VERL_OVERRIDES=actor_rollout_ref.actor.optim.clip_grad=0.0
-# (megatron's gradient clipping asserts CUDA tensors) NO_SETUP=1.
+# Smaller shapes try the commands on a CPU (about 4 minutes on 2 cores): NO_SETUP=1 MODEL=tiny-qwen3.5-vl
+# IMAGE_SIZE=16x24 TEXT_LEN=12 RESPONSE_LEN=8 N=4 PROMPTS=4 MINI=2 DTYPE=float32 BUDGET=128 LIMIT=1200
+# VERL_OVERRIDES=actor_rollout_ref.actor.optim.clip_grad=0.0 (megatron's gradient clipping asserts CUDA tensors).
 set -uo pipefail
 OUT=${OUT:-/tmp/ps-bridge-out}
 mkdir -p "$OUT"
