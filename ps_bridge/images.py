@@ -4,11 +4,18 @@ A Qwen3.5 vision-language prompt holds one run of image placeholder tokens per i
 (`<|vision_start|><|image_pad|>...<|image_pad|><|vision_end|>`, `t*h*w / merge^2` placeholders for an
 image of patch grid `(t, h, w)`). The placeholder ids are the same for every image, so token ids alone
 cannot say whether two prompts are the same: a sample carries its images (`Sample.images`, one
-`ImageSpan` per run, `attach_images`), each image with a content hash of its pixels and grid
-(`SampleImage.digest`). Everything that decides sharing reads `sharing_keys`: the tokens, with each
-placeholder replaced by an id of its image's digest. Two samples then share a position only where
-their tokens and the images behind their placeholders are the same; a prefix tree over prompts
-that share a system prompt but carry different images shares the system prompt only.
+`ImageSpan` per run, `attach_images`), each image with the key sharing compares it by
+(`SampleImage.content`, an `ImageContent`: equal where the grid, dtype, shape and pixel bytes are).
+Everything that decides sharing reads `sharing_keys`: the tokens, with each placeholder replaced by an
+id of its image's content. Two samples then share a position only where their tokens and the images
+behind their placeholders are the same; a prefix tree over prompts that share a system prompt but
+carry different images shares the system prompt only.
+
+Comparing copies none of the pixels and hashes a few patch rows per image: the n responses of a
+prompt carry views of one `pixel_values` tensor (verl repeats a prompt's `multi_modal_inputs` entry n
+times), the same bytes by their address; other images are told apart by a fingerprint of a few patch
+rows, and only images whose fingerprints agree are compared byte for byte. The pixels stay on the
+device they came on until the layout moves the distinct ones to the model's.
 
 Once packed, `pack_images` gives the layout (`PackedPrefixLayout.images`) what the model needs:
 - the pixels of each *distinct* image once (a shared layout runs the vision tower once per distinct
@@ -39,28 +46,90 @@ from ps_bridge.transfer import to_device
 IMAGE_KEY_BASE = 1 << 40
 
 
+# rows of an image's `pixel_values` its fingerprint reads (evenly spaced, first and last included)
+FINGERPRINT_ROWS = 64
+
+
+def _same_bytes_in_place(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` are views of the same memory with the same layout (then the same bytes)."""
+    return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and a.data_ptr() == b.data_ptr())
+
+
+def _as_words(pixels: torch.Tensor) -> torch.Tensor:
+    """The bytes of `pixels` as a flat integer tensor (equal exactly where the bytes are: no NaN or
+    signed-zero rules of float comparison); 8-byte words where the size allows (torch compares those
+    several times faster than single bytes)."""
+    raw = pixels.contiguous().reshape(-1).view(torch.uint8)
+    return raw.view(torch.int64) if raw.numel() % 8 == 0 and raw.storage_offset() % 8 == 0 else raw
+
+
+class ImageContent:
+    """What sharing compares of one image: equal to another exactly where the grid, dtype, shape and
+    pixel bytes are. Hashed by its grid, dtype, shape and a fingerprint of `FINGERPRINT_ROWS` patch
+    rows (computed at the first hash, on the host: a GPU tensor's rows are copied there), so dicts and
+    sets bucket images cheaply; `==` then compares the bytes only where those agree and the two are
+    not views of the same memory."""
+
+    __slots__ = ("pixels", "grid", "_fingerprint")
+
+    def __init__(self, pixels: torch.Tensor, grid: Tuple[int, int, int]):
+        self.pixels = pixels
+        self.grid = grid
+        self._fingerprint: Optional[bytes] = None
+
+    @property
+    def fingerprint(self) -> bytes:
+        if self._fingerprint is None:
+            rows = self.pixels.shape[0]
+            pick = torch.linspace(0, rows - 1, min(rows, FINGERPRINT_ROWS)).round().long().unique() if rows else None
+            sample = self.pixels[pick.to(self.pixels.device)] if rows else self.pixels
+            words = sample.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+            self._fingerprint = hashlib.sha256(memoryview(words)).digest()
+        return self._fingerprint
+
+    def _layout(self) -> tuple:
+        return self.grid, str(self.pixels.dtype), tuple(self.pixels.shape)
+
+    def __hash__(self) -> int:
+        return hash((self._layout(), self.fingerprint))
+
+    def __eq__(self, other) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, ImageContent) or self._layout() != other._layout():
+            return False
+        a, b = self.pixels, other.pixels
+        if _same_bytes_in_place(a, b):
+            return True
+        if self.fingerprint != other.fingerprint:
+            return False
+        return torch.equal(_as_words(a), _as_words(b).to(a.device))
+
+    def __repr__(self) -> str:
+        return f"ImageContent(grid={self.grid}, {self.pixels.dtype}, {tuple(self.pixels.shape)})"
+
+
 @dataclass(frozen=True, eq=False)
 class SampleImage:
-    """One image as the model's image processor gives it: `pixel_values` `[t*h*w, C*T*P*P]` (patches)
-    and its patch grid `grid_thw`; `digest`: the content hash (dtype, shape, grid and pixel bytes)."""
+    """One image as the model's image processor gives it: `pixel_values` `[t*h*w, C*T*P*P]` (patches,
+    on the device they came on) and its patch grid `grid_thw`; `content`: what sharing compares
+    (`ImageContent`: equal where grid, dtype, shape and pixel bytes are)."""
 
     pixel_values: torch.Tensor
     grid_thw: Tuple[int, int, int]
-    digest: str
+    content: ImageContent
 
     @classmethod
     def of(cls, pixel_values: torch.Tensor, grid_thw) -> "SampleImage":
         grid = tuple(int(x) for x in (grid_thw.tolist() if isinstance(grid_thw, torch.Tensor) else grid_thw))
         if len(grid) != 3 or min(grid) < 1:
             raise ValueError(f"an image's grid_thw is (t, h, w) of positive integers, got {grid}")
-        pixels = pixel_values.detach().to("cpu").contiguous()
+        pixels = pixel_values.detach()
         if pixels.dim() != 2 or pixels.shape[0] != grid[0] * grid[1] * grid[2]:
             raise ValueError(f"an image of grid {grid} has {grid[0] * grid[1] * grid[2]} patch rows, "
                              f"its pixel_values have shape {tuple(pixels.shape)}")
-        h = hashlib.sha256()
-        h.update(f"{pixels.dtype}|{tuple(pixels.shape)}|{grid}|".encode())
-        h.update(pixels.view(torch.uint8).numpy().tobytes() if pixels.numel() else b"")
-        return cls(pixels, grid, h.hexdigest())
+        return cls(pixels, grid, ImageContent(pixels, grid))
 
     def num_tokens(self, merge: int) -> int:
         """Its placeholder tokens in the language model (one per merged `merge x merge` patch block)."""
@@ -117,27 +186,27 @@ def has_images(samples: Sequence) -> bool:
 
 
 def image_signature(sample) -> tuple:
-    """What, beyond its tokens, decides a sample's sharing: its images' places and digests."""
-    return tuple((span.start, span.image.digest) for span in (getattr(sample, "images", None) or ()))
+    """What, beyond its tokens, decides a sample's sharing: its images' places and contents."""
+    return tuple((span.start, span.image.content) for span in (getattr(sample, "images", None) or ()))
 
 
 def prompt_image_signature(sample) -> tuple:
     """`image_signature` of the images inside the prompt (what groups identical prompts)."""
     P = len(sample.prompt)
-    return tuple((span.start, span.image.digest) for span in (getattr(sample, "images", None) or ()) if span.start < P)
+    return tuple((span.start, span.image.content) for span in (getattr(sample, "images", None) or ()) if span.start < P)
 
 
 def sharing_keys(samples: Sequence, flat: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """The tokens sharing compares: `flat` itself without images, else a copy whose placeholders hold
-    `IMAGE_KEY_BASE + k`, `k` the index of their image's digest among the micro-batch's distinct
+    `IMAGE_KEY_BASE + k`, `k` the index of their image's content among the micro-batch's distinct
     images (equal placeholders of different images differ; the same image at the same place is equal)."""
     if not has_images(samples):
         return flat
     keys = flat.copy()
-    ids: Dict[str, int] = {}
+    ids: Dict[ImageContent, int] = {}
     for i, s in enumerate(samples):
         for span in s.images or ():
-            k = ids.setdefault(span.image.digest, len(ids))
+            k = ids.setdefault(span.image.content, len(ids))
             keys[offsets[i] + span.start : offsets[i] + span.end] = IMAGE_KEY_BASE + k
     return keys
 
@@ -166,27 +235,43 @@ def sequence_mrope(length: int, spans: Sequence[ImageSpan]) -> np.ndarray:
 class PackedImages:
     """What a packed micro-batch with images gives the model (see the module docstring).
 
-    pixel_values `[patches, C*T*P*P]`, grid_thw `[I, 3]`: the images the vision tower runs, in order;
+    pixel_values `[patches, C*T*P*P]`, grid_thw `[I, 3]`: the images the vision tower runs, in order.
+    `pixel_values` is made where it is read, from `pixel_blocks` (the distinct memory blocks among the
+    images, each moved to the device by itself: one pinned host copy each, no host concatenation) read
+    at `pixel_index` where a block occurs more than once (an unshared pack's repeats of one prompt's
+    image then cross to the device once and are repeated there);
     image_positions `[K]`: the packed positions of image placeholders, sorted; image_rows `[K]`: the
     row of the tower's output (concatenated over its images) each of them takes; mrope `[3, T]`: every
     packed token's (t, h, w) position (padding: its layout position in all three rows);
     merge: the spatial merge size; occurrences: image runs in the unshared batch (for the log)."""
 
-    pixel_values: torch.Tensor
+    pixel_blocks: Tuple[torch.Tensor, ...]
     grid_thw: torch.Tensor
     image_positions: torch.Tensor
     image_rows: torch.Tensor
     mrope: torch.Tensor
     merge: int
     occurrences: int
+    pixel_index: Optional[torch.Tensor] = None  # rows of the blocks' concatenation, in order (None: all of them)
+
+    @property
+    def pixel_values(self) -> torch.Tensor:
+        if not self.pixel_blocks:
+            return torch.zeros(0, 0)
+        pixels = self.pixel_blocks[0] if len(self.pixel_blocks) == 1 else torch.cat(self.pixel_blocks)
+        if self.pixel_index is None:
+            return pixels
+        return pixels.index_select(0, self.pixel_index.to(pixels.device))
 
     @property
     def num_images(self) -> int:
         return int(self.grid_thw.shape[0])
 
     def to(self, device) -> "PackedImages":
-        return PackedImages(to_device(self.pixel_values, device), self.grid_thw, to_device(self.image_positions, device),
-                            to_device(self.image_rows, device), to_device(self.mrope, device), self.merge, self.occurrences)
+        index = None if self.pixel_index is None else to_device(self.pixel_index, device)
+        return PackedImages(tuple(to_device(b, device) for b in self.pixel_blocks), self.grid_thw,
+                            to_device(self.image_positions, device), to_device(self.image_rows, device),
+                            to_device(self.mrope, device), self.merge, self.occurrences, index)
 
     def local(self, shard: Optional[slice]):
         """(image positions inside `shard`, offsets local to it; their rows; mrope `[3, t]` of the shard)."""
@@ -227,29 +312,50 @@ def pack_images(samples: Sequence, flat_offsets: np.ndarray, token_source: np.nd
     packed_run = np.where(valid, occurrence[src], -1)
     image_positions = np.flatnonzero(packed_run >= 0)
     run_of_position = packed_run[image_positions]
-    # the tower's inputs: distinct images (by digest) or packed runs, in order of first packed appearance
+    # the tower's inputs: distinct images (by content) or packed runs, in order of first packed appearance
     tower_of_run: Dict[int, int] = {}
     tower_images: List[ImageSpan] = []
-    by_digest: Dict[str, int] = {}
+    by_content: dict = {}
     for r in dict.fromkeys(run_of_position.tolist()):
-        key = runs[r].image.digest if dedupe else ("run", r)
-        if key not in by_digest:
-            by_digest[key] = len(tower_images)
+        key = runs[r].image.content if dedupe else ("run", r)
+        if key not in by_content:
+            by_content[key] = len(tower_images)
             tower_images.append(runs[r])
-        tower_of_run[r] = by_digest[key]
+        tower_of_run[r] = by_content[key]
     merge = merges.pop() if merges else 1
     tokens = np.asarray([span.image.num_tokens(merge) for span in tower_images], dtype=np.int64)
     first_row = np.concatenate([[0], np.cumsum(tokens)[:-1]]).astype(np.int64)
     tower = np.fromiter((tower_of_run[r] for r in run_of_position.tolist()), dtype=np.int64, count=run_of_position.size)
     rows = first_row[tower] + within[token_source[image_positions]]
     as_long = lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))  # noqa: E731
-    pixels = [span.image.pixel_values for span in tower_images]
+    sources, index = distinct_pixel_blocks([span.image.pixel_values for span in tower_images])
     return PackedImages(
-        pixel_values=torch.cat(pixels) if pixels else torch.zeros(0, 0),
+        pixel_blocks=tuple(sources),
         grid_thw=torch.tensor([span.image.grid_thw for span in tower_images], dtype=torch.long).reshape(-1, 3),
         image_positions=as_long(image_positions),
         image_rows=as_long(rows),
         mrope=as_long(packed_mrope),
         merge=merge,
         occurrences=len(runs),
+        pixel_index=index,
     )
+
+
+def distinct_pixel_blocks(pixels: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], Optional[torch.Tensor]]:
+    """The tensors of `pixels` that are not views of the same memory as an earlier one, and the rows of
+    their concatenation that give `torch.cat(pixels)` (None where all are distinct). Only the memory
+    address is compared (no bytes read): equal pixels in two places stay two blocks."""
+    sources: List[torch.Tensor] = []
+    starts: List[int] = []
+    block_of: List[int] = []
+    for p in pixels:
+        k = next((j for j, s in enumerate(sources) if _same_bytes_in_place(s, p)), None)
+        if k is None:
+            k = len(sources)
+            starts.append(sum(int(s.shape[0]) for s in sources))
+            sources.append(p)
+        block_of.append(k)
+    if len(sources) == len(pixels):
+        return sources, None
+    index = torch.cat([torch.arange(starts[k], starts[k] + int(pixels[i].shape[0])) for i, k in enumerate(block_of)])
+    return sources, index

@@ -3,9 +3,14 @@
     python3 tools/profile_verl_phase.py --model qwen2.5-7b --layers 4 --prompts 32 --n 8 \
         --system-prompt-len 2048 --prompt-len 512 --response-len 512 --phase update --out DIR [OVERRIDES...]
 
-Builds verl-check's checkpoint, trainer config and synthetic batches (`ps_bridge.tools.verl_check`), then per
-engine kind (`--kinds`, default stock and shared) runs verl-check's trainer steps: the first warms up, the
-second runs `--phase` under torch's profiler, the third under CUDA's sync-debug mode. Reports per kind:
+    python3 tools/profile_verl_phase.py --model qwen3.5-9b-vl --layers 4 --images 1 --image-size 1024x1024 \
+        --prompts 8 --n 8 --prompt-len 256 --response-len 512 --phase old_log_prob,update --python-profile ...
+
+Builds verl-check's checkpoint, trainer config and synthetic batches (`ps_bridge.tools.verl_check`; with
+`--images`, verl's multi_modal_inputs per sample, as `verl-check --images`), then per engine kind
+(`--kinds`, default stock and shared) runs verl-check's trainer steps: the first warms up, the second runs
+each `--phase` under torch's profiler, the third under CUDA's sync-debug mode (and with `--python-profile`
+under cProfile). Reports per kind and phase:
 - wall: the phase's time (profiled step), GPU busy: the union of its kernels' and copies' intervals, idle =
   wall - busy (time the GPU waited for the host);
 - host seconds inside our forward step's parts and verl's loss (timers around them, profiled step);
@@ -13,7 +18,8 @@ second runs `--phase` under torch's profiler, the third under CUDA's sync-debug 
   innermost timed range the host was in (what the GPU waited for), and the longest gaps;
 - syncs: the calls that made the host wait for the GPU (`torch.cuda.set_sync_debug_mode`), counted by
   their innermost project / verl / megatron frames (third step);
-- the top host ops by self CPU time and GPU kernels by time (DIR/profile_verl_<kind>_<phase>.txt).
+- the top host ops by self CPU time and GPU kernels by time (DIR/profile_verl_<kind>_<phase>.txt), and
+  with `--python-profile` the top Python functions by own and inner time (there too).
 A diagnostic, not a measurement of speed-up (that is `ps-bridge verl-check`'s job).
 """
 
@@ -21,9 +27,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import functools
+import io
 import json
 import os
+import pstats
 import time
 import traceback
 import warnings
@@ -62,8 +71,18 @@ def _install_timers() -> None:
     from verl.workers.engine.megatron import transformer_impl
     from verl.workers.utils import losses
 
-    for name in ("micro_batch_layout", "samples_from_micro_batch", "stock_row_labels", "run_packed", "PackedRows"):
+    import ps_bridge.layout as layout
+    import ps_bridge.verl.batch as batch
+    from ps_bridge.packed_layout import PackedPrefixLayout
+
+    for name in ("micro_batch_layout", "samples_of", "stock_row_labels", "run_packed", "PackedRows"):
         _timed(engine, name, f"engine.{name}")
+    # what reads the images of the batch: verl's entries, the pack's tower inputs, their copy to the device
+    for name in ("has_multi_modal_inputs", "samples_with_images", "samples_from_micro_batch"):
+        _timed(batch, name, f"batch.{name}")
+    _timed(layout, "pack_images", "layout.pack_images")
+    _timed(PackedPrefixLayout, "to", "layout.to")
+    _timed(mb, "batch_plan", "micro_batches.batch_plan")
     _timed(engine.PrefixSharingEngineMixin, "_packed_outputs", "engine._packed_outputs")
     _timed(engine.PrefixSharingEngineMixin, "forward_step", "engine.forward_step")
     _timed(transformer_impl.MegatronEngineWithLMHead, "forward_step", "stock.forward_step")
@@ -166,6 +185,15 @@ def _sync_site() -> str:
     return " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno}:{f.name}" for f in reversed(keep)) or "?"
 
 
+def _python_top(stats_profile, rows: int = 15) -> str:
+    """The `rows` functions of a cProfile run with the most own time, then with the most time inside."""
+    out = io.StringIO()
+    stats = pstats.Stats(stats_profile, stream=out)
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats(rows)
+    return out.getvalue()
+
+
 def run(args) -> None:
     from omegaconf import OmegaConf
     from ps_bridge.tools.verl_check.side_by_side import prepare_side_by_side
@@ -173,30 +201,27 @@ def run(args) -> None:
     prepare_side_by_side()  # as `ps-bridge verl-check`: verl's imports in the order that works without TE
     from ps_bridge.tools.verl_check import roles
     from ps_bridge.tools.verl_check.config import CheckSettings, trainer_config
-    from ps_bridge.tools.verl_check.data import synthetic_batch
-    from ps_bridge.tools.verl_check.model import checkpoint_for, checkpoint_text_config
-    from ps_bridge.tools.verl_check.run import kind_steps
+    from ps_bridge.tools.verl_check.model import checkpoint_for
+    from ps_bridge.tools.verl_check.run import kind_steps, synthetic_batches
 
+    size = tuple(int(x) for x in args.image_size.lower().split("x"))
     settings = CheckSettings(model=args.model, layers=args.layers, prompts=args.prompts, n=args.n,
                              prompt_len=args.prompt_len, system_prompt_len=args.system_prompt_len,
                              response_len=args.response_len, steps=3, overrides=list(args.overrides),
-                             dtype=args.dtype, workdir=args.workdir)
+                             dtype=args.dtype, workdir=args.workdir, images=args.images, image_size=size)
     cfg = trainer_config(settings)
     ckpt = checkpoint_for(settings, args.workdir)
-    vocab = checkpoint_text_config(ckpt).vocab_size
-    algo = OmegaConf.to_container(cfg.algorithm, resolve=True)
-    batches = [synthetic_batch(settings, vocab, t, algo)[0] for t in range(3)]
+    OmegaConf.to_container(cfg.algorithm, resolve=True)  # the trainer config resolves (as verl-check's)
+    batches, _ = synthetic_batches(settings, cfg, ckpt)
     _install_timers()
-    method = "train" if args.phase == "update" else "infer"
-    which = {"old_log_prob": 0, "ref": 1, "update": 0}[args.phase]  # infer: the actor's is called first
+    phases = args.phase.split(",")
+    # the role call of each phase: infer is the actor's first (old log-probs), then the ref's
+    calls = {"old_log_prob": ("infer", 0), "ref": ("infer", 1), "update": ("train", 0)}
     mode = {"step": 0}
-    original = getattr(roles.Role, method)
     report = {}
+    originals = {method: getattr(roles.Role, method) for method in ("infer", "train")}
 
-    def wrapped(self, td):
-        mine = mode["seen"].setdefault(id(self), len(mode["seen"]))
-        if mode["step"] == 0 or (method == "infer" and mine != which):
-            return original(self, td)
+    def profiled(phase, original, self, td):
         if mode["step"] == 1:
             TIMED.clear()
             _sync()
@@ -206,11 +231,13 @@ def run(args) -> None:
                     out = original(self, td)
                     _sync()
             wall = time.perf_counter() - t0
-            mode["result"].update(wall_s=wall, gpu_busy_s=_busy_seconds(prof), host_s=dict(TIMED))
-            mode["result"].update(_idle_by_host_range(prof, "phase"))
+            res = mode["result"].setdefault(phase, {})
+            res.update(wall_s=wall, gpu_busy_s=_busy_seconds(prof), host_s=dict(TIMED))
+            res["idle_s"] = wall - res["gpu_busy_s"]
+            res.update(_idle_by_host_range(prof, "phase"))
             if args.trace:
-                prof.export_chrome_trace(os.path.join(args.out, f"trace_{kind_now['kind']}_{args.phase}.json"))
-            mode["averages"] = prof.key_averages()
+                prof.export_chrome_trace(os.path.join(args.out, f"trace_{kind_now['kind']}_{phase}.json"))
+            mode["averages"][phase] = prof.key_averages()
             return out
         sites = collections.Counter()
 
@@ -221,43 +248,71 @@ def run(args) -> None:
         saved = warnings.showwarning
         warnings.showwarning = hook
         _sync_debug("warn")
+        python = cProfile.Profile() if args.python_profile else None
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("always")
                 warnings.showwarning = hook
+                t0 = time.perf_counter()
+                if python is not None:
+                    python.enable()
                 out = original(self, td)
                 _sync()
+                if python is not None:
+                    python.disable()
+                wall = time.perf_counter() - t0
         finally:
             _sync_debug(0)
             warnings.showwarning = saved
-        mode["result"]["syncs"] = dict(sites.most_common())
-        mode["result"]["sync_count"] = sum(sites.values())
+        res = mode["result"].setdefault(phase, {})
+        res["syncs"] = dict(sites.most_common())
+        res["sync_count"] = sum(sites.values())
+        if python is not None:
+            res["python_profiled_wall_s"] = wall
+            mode["python"][phase] = _python_top(python)
         return out
 
-    setattr(roles.Role, method, wrapped)
+    def wrap(method):
+        original = originals[method]
+
+        def wrapped(self, td):
+            mine = mode["seen"].setdefault((method, id(self)), len({k for k in mode["seen"] if k[0] == method}))
+            phase = next((p for p in phases if calls[p] == (method, mine)), None)
+            if mode["step"] == 0 or phase is None:
+                return original(self, td)
+            return profiled(phase, original, self, td)
+
+        return wrapped
+
+    for method in originals:
+        setattr(roles.Role, method, wrap(method))
     kind_now = {}
     for kind in args.kinds.split(","):
         kind_now["kind"] = kind
-        mode.update(step=0, seen={}, result={})
+        mode.update(step=0, seen={}, result={}, averages={}, python={})
         gen = kind_steps(kind, settings, ckpt, cfg, batches, lambda m: None)
         try:
             for step in range(3):
                 mode["step"] = step
                 rec = next(gen)
-                print(f"[{kind}] step {step + 1}: {rec['phase_seconds']}  micro-batches {rec['micro_batches']}",
+                seconds = {k: round(v, 3) for k, v in rec["phase_seconds"].items()}
+                how = ["", "  (profiled)", "  (sync debug, cProfile)" if args.python_profile else "  (sync debug)"][step]
+                print(f"[{kind}] step {step + 1}: phase seconds {seconds}  micro-batches {rec['micro_batches']}{how}",
                       flush=True)
         finally:
             gen.close()
-        res = mode["result"]
-        res["idle_s"] = res["wall_s"] - res["gpu_busy_s"]
-        report[kind] = res
-        print(json.dumps({kind: res}, indent=1), flush=True)
-        with open(os.path.join(args.out, f"profile_verl_{kind}_{args.phase}.txt"), "w") as f:
-            f.write(json.dumps(res, indent=1) + "\n\nhost: top ops by self CPU time\n")
-            f.write(mode["averages"].table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
-            f.write("\n\nGPU: top kernels by GPU time\n")
-            f.write(mode["averages"].table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
-        with open(os.path.join(args.out, f"profile_verl_{args.phase}.json"), "w") as f:
+        report[kind] = mode["result"]
+        print(json.dumps({kind: mode["result"]}, indent=1), flush=True)
+        for phase in phases:
+            with open(os.path.join(args.out, f"profile_verl_{kind}_{phase}.txt"), "w") as f:
+                averages = mode["averages"][phase]
+                f.write(json.dumps(mode["result"].get(phase, {}), indent=1) + "\n\nhost: top ops by self CPU time\n")
+                f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
+                f.write("\n\nGPU: top kernels by GPU time\n")
+                f.write(averages.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
+                if phase in mode["python"]:
+                    f.write("\n\nPython functions (cProfile of the third step's phase)\n" + mode["python"][phase])
+        with open(os.path.join(args.out, f"profile_verl_{'-'.join(phases)}.json"), "w") as f:
             json.dump(report, f, indent=1)
 
 
@@ -274,13 +329,22 @@ def main() -> None:
     p.add_argument("--system-prompt-len", type=int, default=2048)
     p.add_argument("--response-len", type=int, default=512)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--phase", default="update", choices=("old_log_prob", "ref", "update"))
+    p.add_argument("--phase", default="update",
+                   help="old_log_prob, ref or update, or several comma-separated (profiled in the same steps)")
+    p.add_argument("--images", type=int, default=0, help="images per prompt (a vision-language --model)")
+    p.add_argument("--image-size", default="1024x1024", help="HxW pixels of each image")
+    p.add_argument("--python-profile", action="store_true",
+                   help="also run the third step's phases under cProfile: the top Python functions by own and "
+                        "inner time in the report (its overhead inflates that step's times)")
     p.add_argument("--kinds", default="shared,stock")
     p.add_argument("--workdir", default="/tmp/verl-check")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--trace", action="store_true", help="also write the profiled phase's chrome trace")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
+    bad = [x for x in args.phase.split(",") if x not in ("old_log_prob", "ref", "update")]
+    if bad:
+        p.error(f"--phase: unknown phase(s) {bad} (old_log_prob, ref, update)")
     os.makedirs(args.out, exist_ok=True)
     run(args)
 

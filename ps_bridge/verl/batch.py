@@ -6,7 +6,7 @@ What the forward step packs and what the micro-batching counts are read from a v
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -79,10 +79,9 @@ def has_multi_modal_inputs(batch) -> bool:
     entries = batch.get("multi_modal_inputs", None)
     if entries is None:
         return False
-    # imported here: verl is optional (requirements-verl.txt)
-    from verl.utils.model import extract_multi_modal_inputs
-
-    return bool(extract_multi_modal_inputs(entries))
+    # what verl's `extract_multi_modal_inputs` keeps (an entry's values that are not None), without
+    # calling it: it concatenates every sample's pixel_values (the whole batch's pixels, copied) to answer
+    return any(_entry(e) for e in entries)
 
 
 def mark_vision(data, hf_config) -> None:
@@ -128,6 +127,9 @@ def samples_with_images(samples: SampleBatch, entries, hf_config) -> List[Sample
         raise ValueError("the batch carries multi_modal_inputs but the model has no vision tower (no image_token_id)")
     merge = int(vision.spatial_merge_size)
     out = []
+    # verl repeats a prompt's entry for its n responses (the same tensors): their images are made once,
+    # so sharing compares one `ImageContent` object (fingerprinted once) for all n
+    made: Dict[tuple, List[SampleImage]] = {}
     for i, (sample, entry) in enumerate(zip(samples, entries)):
         other = sorted(set(entry) - set(IMAGE_KEYS))
         if other:
@@ -136,8 +138,12 @@ def samples_with_images(samples: SampleBatch, entries, hf_config) -> List[Sample
         images = []
         if entry:
             grids = torch.as_tensor(entry["image_grid_thw"]).reshape(-1, 3)
-            pixels = torch.split(entry["pixel_values"], grids.prod(-1).tolist())
-            images = [SampleImage.of(p, g) for p, g in zip(pixels, grids)]
+            # the entries list holds every tensor until the loop ends: an id is not reused within it
+            key = (id(entry["pixel_values"]), tuple(map(tuple, grids.tolist())))
+            if key not in made:
+                pixels = torch.split(entry["pixel_values"], grids.prod(-1).tolist())
+                made[key] = [SampleImage.of(p, g) for p, g in zip(pixels, grids)]
+            images = made[key]
         out.append(attach_images(sample, images, image_token_id=image_token, merge=merge,
                                  video_token_id=getattr(hf_config, "video_token_id", None), index=i))
     given = samples.sequences()
