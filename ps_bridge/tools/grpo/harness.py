@@ -268,7 +268,7 @@ def write_outputs(plan: Plan, checks: Sequence[Check], say: Callable[[str], None
                                [runs[k] for k in (f"{base}-system", "ps-tree", f"{base}-system-floor") if k in runs]))
             title = ("verl main_ppo GRPO, the same seed: verl's stock engine and ps-bridge" if base == "stock" else
                      f"verl main_ppo GRPO on {plan.model}, the same seed: ps-bridge with sharing off and on")
-            path = report.plot(groups, plan.run_dir / "grpo.png", title=title)
+            path = report.plot(groups, plan.run_dir / "grpo.png", suptitle=title)
             say(f"curves: {path}")
         except ImportError:
             say("curves: not drawn (matplotlib is not installed: pip install 'ps-bridge[plot]')")

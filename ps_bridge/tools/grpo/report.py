@@ -508,7 +508,7 @@ def verdict_text(checks: Sequence[Check]) -> str:
 
 
 def plot(groups: Sequence[Tuple[str, Sequence[RunData]]], path,
-         title: str = "verl main_ppo GRPO, the same seed: verl's stock engine and ps-bridge") -> Path:
+         suptitle: str = "verl main_ppo GRPO, the same seed: verl's stock engine and ps-bridge") -> Path:
     """One row of panels per (title, runs) group: reward, policy loss, grad norm, rollout-vs-actor difference
     and step time per step, one line per run."""
     # imported here: matplotlib is optional (the `plot` extra); only the PNG needs it
@@ -535,7 +535,7 @@ def plot(groups: Sequence[Tuple[str, Sequence[RunData]]], path,
                 ax.set_yscale("log")
             ax.grid(alpha=0.3)
         row[0].legend(fontsize=8)
-    fig.suptitle(title, fontsize=11)
+    fig.suptitle(suptitle, fontsize=11)
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
