@@ -58,6 +58,7 @@ IMPORTED = {
     "verl": "stack (verl)", "tensordict": "stack (verl)", "omegaconf": "stack (verl, Megatron-Bridge)",
     "einops": "stack (megatron-core, verl)", "safetensors": "stack (transformers)",
     "pyarrow": "stack (verl: its datasets read parquet; the grpo job writes it)",
+    "vllm": "optional (verl's rollout: vLLM's CPU build in the grpo stack, read only inside vLLM's processes)",
 }
 
 
