@@ -38,7 +38,8 @@ prepare_checkout() {
   [ -f "$autotune" ] && tar -C "$TRITON_CACHE_DIR" -xzf "$autotune"
   {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-    python3 -c "import torch, triton, transformers, megatron.core, verl; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'megatron-core', megatron.core.__version__, 'verl', verl.__version__)"
+    # verl's version from its metadata: `import verl` needs ray, which the GPU machine's stack leaves out
+    python3 -c "import importlib.metadata as m, torch, triton, transformers, megatron.core; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'megatron-core', megatron.core.__version__, 'verl', m.version('verl'))"
   } >"$OUT/versions.txt" 2>&1
   return 0
 }
