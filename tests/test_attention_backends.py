@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ps_bridge.kernels.attention import BACKENDS, get_attention_backend
-from ps_bridge.kernels.attention import cascade, expand, varlen
+from ps_bridge.kernels.attention import cascade, expand, merge, varlen
 from ps_bridge.kernels.attention.flex import bucket_length
 from ps_bridge.layout import Sample, build_layout
 from ps_bridge.rows import PackedRows
@@ -75,7 +75,7 @@ def test_merge_partials_equals_softmax_over_union():
     out_a, lse_a = partial(slice(0, ka))
     out_b, lse_b = partial(slice(ka, None))
     out_full, lse_full = partial(slice(None))
-    out, lse = cascade.merge_partials(out_a, lse_a, out_b, lse_b)
+    out, lse = merge.merge_partials(out_a, lse_a, out_b, lse_b)
     torch.testing.assert_close(out, out_full, rtol=0, atol=1e-12)
     torch.testing.assert_close(lse, lse_full, rtol=0, atol=1e-12)
 
@@ -136,7 +136,7 @@ def test_cascade_backward_from_merged_output_matches_autograd_through_merge():
 
     o1, l1 = dense_partial(qa, ka, va, plan.segments)
     o2, l2 = dense_partial(qa[e:], ka[:e], va[:e], level.ancestors[0].call)
-    merged, _ = cascade.merge_partials(o1[e:], l1[:, e:], o2, l2)
+    merged, _ = merge.merge_partials(o1[e:], l1[:, e:], o2, l2)
     full = torch.cat([o1[:e], merged])
     torch.testing.assert_close(full, out, rtol=1e-10, atol=1e-10)
     for got, want in zip((dq, dk, dv), torch.autograd.grad(full, (qa, ka, va), dout)):

@@ -12,15 +12,15 @@ interpreter (`TRITON_INTERPRET=1`, in a child process), against the torch refere
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
 pytest.importorskip("triton")
+sys.path.insert(0, os.path.dirname(__file__))
+from triton_interpreter import run_interpreted  # noqa: E402
 
 CHILD = textwrap.dedent(
     """
@@ -85,12 +85,7 @@ CHILD = textwrap.dedent(
 
 
 def test_vocab_softmax_kernels_match_the_torch_reference():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    result = json.loads(lines[-1][len("RESULT "):])
-    print(result)
+    result = run_interpreted(CHILD)
     for key, value in result.items():
         tol = 1e-2 if "bfloat16" in key and key.startswith("grad_") and "dtype" not in key else 1e-5
         assert value <= tol, (key, value)

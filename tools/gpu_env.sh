@@ -28,6 +28,12 @@ bench_step() {
   echo "=== step $BENCH_STEP exit $?" | tee -a "$log"
   save_autotune
 }
+gpu_setup() {
+  # the stack's archive (GPUSITE, default .whl/gpusite.tar.xz) unpacked unless it already is, then
+  # prepare_checkout
+  [ -d /tmp/gpusite ] || tar -C /tmp -xJf "${GPUSITE:-.whl/gpusite.tar.xz}" || return 1
+  prepare_checkout
+}
 prepare_checkout() {
   # the checkout installed editable (offline: no build isolation, no dependencies), the carried kernel
   # caches restored (AUTOTUNE, default .whl/triton-autotune.tar.gz), the stack's versions in $OUT/versions.txt

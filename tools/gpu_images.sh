@@ -17,10 +17,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/ps-bridge-out}
 mkdir -p "$OUT"
-GPUSITE=${GPUSITE:-.whl/gpusite.tar.xz}
-[ -d /tmp/gpusite ] || tar -C /tmp -xJf "$GPUSITE" || exit 1
 source tools/gpu_env.sh
-prepare_checkout || exit 1
+gpu_setup || exit 1
 trap save_autotune EXIT
 log="$OUT/run.log"
 LIMIT=${LIMIT:-530}

@@ -24,9 +24,8 @@ if [ -z "${NO_SETUP:-}" ]; then
   GPUSITE=${GPUSITE:-.whl/gpusite.tar.xz}
   [ -f "$GPUSITE" ] || GPUSITE=../../.whl/gpusite.tar.xz
   [ -f .whl/triton-autotune.tar.gz ] || export AUTOTUNE=${AUTOTUNE:-../../.whl/triton-autotune.tar.gz}
-  [ -d /tmp/gpusite ] || tar -C /tmp -xJf "$GPUSITE" || exit 1
   source tools/gpu_env.sh
-  prepare_checkout || exit 1
+  gpu_setup || exit 1
   trap save_autotune EXIT
 else
   save_autotune() { :; }

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The Qwen3 GPU work on one H200 in under 9 minutes: the bench rows first
 # (the figures), then the bf16-vs-fp32 tests, then a verl-check of the Qwen3-8B shape with the time left.
-# Unpacks .whl/gpusite.tar.xz (tools/build_gpu_site.sh) and sets the checkout up with gpu_env.sh's
-# prepare_checkout, as tools/gpu_checks.sh does.
+# Unpacks .whl/gpusite.tar.xz (tools/build_gpu_site.sh) and sets the checkout up with gpu_env.sh's gpu_setup.
 #
 # Usage (repository root): tools/gpu_qwen3.sh
 # $OUT gets:
@@ -16,9 +15,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/ps-bridge-out}
 BUDGET=${BUDGET:-540}
 mkdir -p "$OUT"
-[ -d /tmp/gpusite ] || tar -C /tmp -xJf .whl/gpusite.tar.xz || exit 1
 source tools/gpu_env.sh
-prepare_checkout || exit 1
+gpu_setup || exit 1
 cat "$OUT/versions.txt"
 echo "=== [$SECONDS s] set up" | tee "$OUT/bench.log"
 bench=(python3 -m ps_bridge.tools.cli bench --no-progress --layers 4 --warmup 1 --repeats 3)

@@ -22,9 +22,8 @@ mkdir -p "$OUT"
 TAG=${TAG:-run}  # names this tree's log and results (several trees may run in one run)
 RES=/tmp/ps-bridge-res/$TAG
 mkdir -p "$RES"
-[ -d /tmp/gpusite ] || tar -C /tmp -xJf .whl/gpusite.tar.xz || exit 1
 source tools/gpu_env.sh
-prepare_checkout || exit 1
+gpu_setup || exit 1
 save_all() { save_autotune; tar -C /tmp/ps-bridge-res -czf "$OUT/.res.tmp" . 2>/dev/null && mv "$OUT/.res.tmp" "$OUT/results.tar.gz"; }
 ( while sleep 20; do save_all; done ) &
 saver=$!

@@ -8,6 +8,7 @@ function that turns a name (`auto` included) into the concrete backend for the i
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 from typing import Mapping, Optional, Tuple, TypeVar
@@ -29,6 +30,18 @@ def compile_allowed():
     finally:
         if saved is not None:
             os.environ["TORCHDYNAMO_DISABLE"] = saved
+
+
+@functools.lru_cache(maxsize=1)
+def import_triton():
+    """(triton, triton.language), or None where Triton is not installed. Imported on first use, by
+    the modules whose fused kernels are written in it: Triton is heavy, and only GPU paths need it."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+    return triton, tl
 
 
 @dataclass(frozen=True)

@@ -22,17 +22,16 @@ import functools
 
 import torch
 
+from ps_bridge.kernels.backend import import_triton
+
 BLOCK = 4096  # columns per step (a 152k vocabulary: 38 steps per row)
 
 
 @functools.lru_cache(maxsize=1)
 def _triton():
-    try:
-        # imported here: triton is heavy (GPU kernels only)
-        import triton
-        import triton.language as tl
-    except ImportError:
+    if import_triton() is None:
         return None
+    triton, tl = import_triton()
 
     @triton.jit
     def row_max_sumexp_kernel(logits, stride, m_out, s_out, keep, BV: tl.constexpr):

@@ -17,10 +17,10 @@ its ancestors; the ancestors of a level-d node are one node per level a < d. So:
      and a node without level-d descendants, are batch elements with keys and no queries, so
      neither a copy nor a `seqused_k` (which torch's backward lacks) is needed;
   3. each level's partial results (its own causal call and one per ancestor level) are merged by
-     their log-sum-exp, in float32, once per level.
-  A depth-one layout (prompts, responses) is the old two-call cascade exactly. Kernel launches per
-  layer: 1 + D (D + 1) / 2 for a tree of depth D, whatever its node count; no key/value (or query)
-  is copied: every call reads views of the packed tensors.
+     their log-sum-exp, in float32, once per level, into the first call's output (`merge.py`).
+  Kernel launches per layer: 1 + D (D + 1) / 2 for a tree of depth D, whatever its node count; no
+  key/value (or query) is copied: every call reads views of the packed tensors. On CUDA the ancestor
+  calls run on a second stream beside the segments call (`_SideStream`).
   Backward: each call's flash backward is run with the *merged* output and log-sum-exp of its
   queries and the gradients are summed. That is exact: a flash backward rebuilds the probabilities
   as exp(scores - lse) and the row term from (dout * out), so with the merged values each call
@@ -32,11 +32,13 @@ CUDA flash kernels; on a CPU torch's CPU flash op (slow, used by the tests).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
 import torch
 
+from ps_bridge.kernels.attention.merge import merge_into
 from ps_bridge.kernels.attention.varlen import PlannedAttention, VarlenCall, VarlenKernel, check_shapes, kernel_for
 from ps_bridge.layout import PackedPrefixLayout
 
@@ -127,57 +129,96 @@ def _ancestor_call(ancestor: Sequence[int], offsets: Sequence[int], valid: Seque
     return AncestorCall(call=VarlenCall(cu_q=cu_q, cu_k=cu_k, causal=False), keys=(k_base, offsets[a_hi]))
 
 
-def merge_all(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
-    """Merge attention partials over disjoint key sets of the same queries, in float32.
+class _SideStream:
+    """Which of a pass's calls run on a second CUDA stream, beside the others on the current one.
 
-    outs [T, H, D], lses [H, T] fp32 -> (out [T, H, D] in the first out's dtype, lse [H, T] fp32)."""
-    # two partials (every level of a depth-one layout): logaddexp, no stacked copy
-    lse = torch.logaddexp(lses[0], lses[1]) if len(lses) == 2 else torch.logsumexp(torch.stack(list(lses)), dim=0)
-    acc = torch.promote_types(outs[0].dtype, torch.float32)  # bf16 partials are merged in float32
-    total = None
-    for o, l in zip(outs, lses):
-        term = torch.exp(l - lse).transpose(0, 1).unsqueeze(-1) * o.to(acc)
-        total = term if total is None else total + term
-    return total.to(outs[0].dtype), lse
+    A level's ancestor calls do not depend on the segments call (both only read q, k, v), and the
+    segments call holds few, uneven work blocks when a long prompt is one causal sequence: its tail
+    leaves most of the GPU idle, which the other calls' blocks can fill. `OVERLAP` names what goes
+    on the side stream: "ancestors" (same priority), "segments" (a high-priority stream: the GPU
+    schedules the segments call's blocks first and the ancestor calls' blocks into its tail), or
+    "off"; `OVERLAP_PASSES` in which passes. The side stream waits for the current one on entry
+    (q, k, v and, in backward, the output gradient are ready); `join` makes the current stream wait
+    for the side and marks the side's tensors as used on the current stream, so the caching
+    allocator does not hand their memory to the side stream early. Off CUDA everything runs in order.
+    """
+
+    _streams: dict = {}
+
+    def __init__(self, device: torch.device, which: str):
+        self.mode = OVERLAP if device.type == "cuda" and which in OVERLAP_PASSES else "off"
+        if self.mode != "off":
+            self.main = torch.cuda.current_stream(device)
+            key = (device, self.mode)
+            if key not in self._streams:
+                self._streams[key] = torch.cuda.Stream(device, priority=-1 if self.mode == "segments" else 0)
+            self.side = self._streams[key]
+            self.side.wait_stream(self.main)
+
+    def run(self, calls: str):
+        """The stream context for the `calls` ("segments" or "ancestors")."""
+        return torch.cuda.stream(self.side) if self.mode == calls else contextlib.nullcontext()
+
+    def join(self, *tensors) -> None:
+        if self.mode == "off":
+            return
+        self.main.wait_stream(self.side)
+        for t in _tensors(tensors):
+            t.record_stream(self.main)
 
 
-def merge_partials(out_a, lse_a, out_b, lse_b):
-    """Two partials (`merge_all` of two)."""
-    return merge_all([out_a, out_b], [lse_a, lse_b])
+OVERLAP = "off"  # what `_SideStream` runs on the side stream; module switches for measurements
+OVERLAP_PASSES = ("forward", "backward")
+
+
+def _tensors(items):
+    for x in items:
+        if isinstance(x, torch.Tensor):
+            yield x
+        elif isinstance(x, (list, tuple)):
+            yield from _tensors(x)
 
 
 def cascade_forward(q, k, v, plan: CascadePlan, scale: float, kernel: VarlenKernel):
     """-> (out, merged lse, aux of each call)."""
-    out, lse, aux_seg = kernel.forward(q, k, v, plan.segments, scale)
-    aux_levels = []
-    for level in plan.levels:
+    side = _SideStream(q.device, "forward")
+    with side.run("segments"):
+        out, lse, aux_seg = kernel.forward(q, k, v, plan.segments, scale)
+    partials = []  # per level, (out, lse, aux) of each ancestor call
+    with side.run("ancestors"):
+        for level in plan.levels:
+            queries = slice(*level.queries)
+            partials.append([
+                kernel.forward(q[queries], k[slice(*x.keys)], v[slice(*x.keys)], x.call, scale) for x in level.ancestors
+            ])
+    side.join(out, lse, aux_seg, partials)
+    for level, calls in zip(plan.levels, partials):
         qs, qe = level.queries
-        outs, lses, auxes = [out[qs:qe]], [lse[:, qs:qe]], []
-        for x in level.ancestors:
-            ks, ke = x.keys
-            o, l, aux = kernel.forward(q[qs:qe], k[ks:ke], v[ks:ke], x.call, scale)
-            outs.append(o), lses.append(l), auxes.append(aux)
-        merged, merged_lse = merge_all(outs, lses)
-        out[qs:qe] = merged  # the kernel's fresh output buffers: updating them in place saves a copy
-        lse[:, qs:qe] = merged_lse
-        aux_levels.append(auxes)
-    return out, lse, (aux_seg, aux_levels)
+        # into the segments call's fresh output buffers, in place
+        merge_into(out[qs:qe], lse[:, qs:qe], [o for o, _, _ in calls], [l for _, l, _ in calls])
+    return out, lse, (aux_seg, [[aux for _, _, aux in calls] for calls in partials])
 
 
 def cascade_backward(dout, q, k, v, out, lse, plan: CascadePlan, scale: float, kernel: VarlenKernel, aux):
     aux_seg, aux_levels = aux
-    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, plan.segments, scale, aux_seg)
-    for level, auxes in zip(plan.levels, aux_levels):
-        qs, qe = level.queries
-        level_lse = lse[:, qs:qe].contiguous()
-        for x, aux_x in zip(level.ancestors, auxes):
-            ks, ke = x.keys
-            dq_x, dk_x, dv_x = kernel.backward(
-                dout[qs:qe], q[qs:qe], k[ks:ke], v[ks:ke], out[qs:qe], level_lse, x.call, scale, aux_x
-            )
-            dq[qs:qe] += dq_x
-            dk[ks:ke] += dk_x
-            dv[ks:ke] += dv_x
+    side = _SideStream(q.device, "backward")
+    with side.run("segments"):
+        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, plan.segments, scale, aux_seg)
+    grads = []
+    with side.run("ancestors"):
+        for level, auxes in zip(plan.levels, aux_levels):
+            qs, qe = level.queries
+            level_lse = lse[:, qs:qe].contiguous()
+            for x, aux_x in zip(level.ancestors, auxes):
+                ks, ke = x.keys
+                grads.append(((qs, qe), x.keys, kernel.backward(
+                    dout[qs:qe], q[qs:qe], k[ks:ke], v[ks:ke], out[qs:qe], level_lse, x.call, scale, aux_x
+                )))
+    side.join(dq, dk, dv, [g for _, _, g in grads])
+    for (qs, qe), (ks, ke), (dq_x, dk_x, dv_x) in grads:
+        dq[qs:qe] += dq_x
+        dk[ks:ke] += dk_x
+        dv[ks:ke] += dv_x
     return dq, dk, dv
 
 
