@@ -19,8 +19,7 @@ its ancestors; the ancestors of a level-d node are one node per level a < d. So:
   3. each level's partial results (its own causal call and one per ancestor level) are merged by
      their log-sum-exp, in float32, once per level, into the first call's output (`merge.py`).
   Kernel launches per layer: 1 + D (D + 1) / 2 for a tree of depth D, whatever its node count; no
-  key/value (or query) is copied: every call reads views of the packed tensors. On CUDA the ancestor
-  calls run on a second stream beside the segments call (`_SideStream`).
+  key/value (or query) is copied: every call reads views of the packed tensors.
   Backward: each call's flash backward is run with the *merged* output and log-sum-exp of its
   queries and the gradients are summed. That is exact: a flash backward rebuilds the probabilities
   as exp(scores - lse) and the row term from (dout * out), so with the merged values each call
@@ -32,7 +31,6 @@ CUDA flash kernels; on a CPU torch's CPU flash op (slow, used by the tests).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
@@ -129,96 +127,37 @@ def _ancestor_call(ancestor: Sequence[int], offsets: Sequence[int], valid: Seque
     return AncestorCall(call=VarlenCall(cu_q=cu_q, cu_k=cu_k, causal=False), keys=(k_base, offsets[a_hi]))
 
 
-class _SideStream:
-    """Which of a pass's calls run on a second CUDA stream, beside the others on the current one.
-
-    A level's ancestor calls do not depend on the segments call (both only read q, k, v), and the
-    segments call holds few, uneven work blocks when a long prompt is one causal sequence: its tail
-    leaves most of the GPU idle, which the other calls' blocks can fill. `OVERLAP` names what goes
-    on the side stream: "ancestors" (same priority), "segments" (a high-priority stream: the GPU
-    schedules the segments call's blocks first and the ancestor calls' blocks into its tail), or
-    "off"; `OVERLAP_PASSES` in which passes. The side stream waits for the current one on entry
-    (q, k, v and, in backward, the output gradient are ready); `join` makes the current stream wait
-    for the side and marks the side's tensors as used on the current stream, so the caching
-    allocator does not hand their memory to the side stream early. Off CUDA everything runs in order.
-    """
-
-    _streams: dict = {}
-
-    def __init__(self, device: torch.device, which: str):
-        self.mode = OVERLAP if device.type == "cuda" and which in OVERLAP_PASSES else "off"
-        if self.mode != "off":
-            self.main = torch.cuda.current_stream(device)
-            key = (device, self.mode)
-            if key not in self._streams:
-                self._streams[key] = torch.cuda.Stream(device, priority=-1 if self.mode == "segments" else 0)
-            self.side = self._streams[key]
-            self.side.wait_stream(self.main)
-
-    def run(self, calls: str):
-        """The stream context for the `calls` ("segments" or "ancestors")."""
-        return torch.cuda.stream(self.side) if self.mode == calls else contextlib.nullcontext()
-
-    def join(self, *tensors) -> None:
-        if self.mode == "off":
-            return
-        self.main.wait_stream(self.side)
-        for t in _tensors(tensors):
-            t.record_stream(self.main)
-
-
-OVERLAP = "off"  # what `_SideStream` runs on the side stream; module switches for measurements
-OVERLAP_PASSES = ("forward", "backward")
-
-
-def _tensors(items):
-    for x in items:
-        if isinstance(x, torch.Tensor):
-            yield x
-        elif isinstance(x, (list, tuple)):
-            yield from _tensors(x)
-
-
 def cascade_forward(q, k, v, plan: CascadePlan, scale: float, kernel: VarlenKernel):
     """-> (out, merged lse, aux of each call)."""
-    side = _SideStream(q.device, "forward")
-    with side.run("segments"):
-        out, lse, aux_seg = kernel.forward(q, k, v, plan.segments, scale)
-    partials = []  # per level, (out, lse, aux) of each ancestor call
-    with side.run("ancestors"):
-        for level in plan.levels:
-            queries = slice(*level.queries)
-            partials.append([
-                kernel.forward(q[queries], k[slice(*x.keys)], v[slice(*x.keys)], x.call, scale) for x in level.ancestors
-            ])
-    side.join(out, lse, aux_seg, partials)
-    for level, calls in zip(plan.levels, partials):
+    out, lse, aux_seg = kernel.forward(q, k, v, plan.segments, scale)
+    aux_levels = []
+    for level in plan.levels:
         qs, qe = level.queries
+        outs, lses, auxes = [], [], []
+        for x in level.ancestors:
+            ks, ke = x.keys
+            o, l, aux = kernel.forward(q[qs:qe], k[ks:ke], v[ks:ke], x.call, scale)
+            outs.append(o), lses.append(l), auxes.append(aux)
         # into the segments call's fresh output buffers, in place
-        merge_into(out[qs:qe], lse[:, qs:qe], [o for o, _, _ in calls], [l for _, l, _ in calls])
-    return out, lse, (aux_seg, [[aux for _, _, aux in calls] for calls in partials])
+        merge_into(out[qs:qe], lse[:, qs:qe], outs, lses)
+        aux_levels.append(auxes)
+    return out, lse, (aux_seg, aux_levels)
 
 
 def cascade_backward(dout, q, k, v, out, lse, plan: CascadePlan, scale: float, kernel: VarlenKernel, aux):
     aux_seg, aux_levels = aux
-    side = _SideStream(q.device, "backward")
-    with side.run("segments"):
-        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, plan.segments, scale, aux_seg)
-    grads = []
-    with side.run("ancestors"):
-        for level, auxes in zip(plan.levels, aux_levels):
-            qs, qe = level.queries
-            level_lse = lse[:, qs:qe].contiguous()
-            for x, aux_x in zip(level.ancestors, auxes):
-                ks, ke = x.keys
-                grads.append(((qs, qe), x.keys, kernel.backward(
-                    dout[qs:qe], q[qs:qe], k[ks:ke], v[ks:ke], out[qs:qe], level_lse, x.call, scale, aux_x
-                )))
-    side.join(dq, dk, dv, [g for _, _, g in grads])
-    for (qs, qe), (ks, ke), (dq_x, dk_x, dv_x) in grads:
-        dq[qs:qe] += dq_x
-        dk[ks:ke] += dk_x
-        dv[ks:ke] += dv_x
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, plan.segments, scale, aux_seg)
+    for level, auxes in zip(plan.levels, aux_levels):
+        qs, qe = level.queries
+        level_lse = lse[:, qs:qe].contiguous()
+        for x, aux_x in zip(level.ancestors, auxes):
+            ks, ke = x.keys
+            dq_x, dk_x, dv_x = kernel.backward(
+                dout[qs:qe], q[qs:qe], k[ks:ke], v[ks:ke], out[qs:qe], level_lse, x.call, scale, aux_x
+            )
+            dq[qs:qe] += dq_x
+            dk[ks:ke] += dk_x
+            dv[ks:ke] += dv_x
     return dq, dk, dv
 
 
