@@ -9,6 +9,13 @@ padding. The shared run then gives the unshared run's aux loss value and gradien
 itself (weights 1/0) gives megatron's own value whenever the pack has no padding (megatron counts
 padding tokens, we do not: their routing is meaningless).
 
+In megatron's per-token regime (`calculate_per_token_loss`, which Megatron-Bridge's Qwen3.5 VL provider
+turns on under CP) megatron scales each rank's share of the loss by that rank's token count x the TP x
+CP size, meant to be the micro-batch's token count; under CP the ranks' weighted counts differ (a prompt
+token weighs n; padding weighs 0), so the router passes the TP/CP ranks' mean count instead (megatron's
+own count wherever the ranks' counts are equal), and the gradient does not depend on how the pack's
+tokens fall on the CP ranks.
+
 The same weights make the router's other token statistics equal the unshared run's:
 - the z-loss (`moe_z_loss_coeff`): the weighted mean of `logsumexp(logits)^2` over the tokens of the
   whole micro-batch (the weight total summed over the TP/CP ranks, each rank's share summed in
