@@ -9,6 +9,13 @@ padding. The shared run then gives the unshared run's aux loss value and gradien
 itself (weights 1/0) gives megatron's own value whenever the pack has no padding (megatron counts
 padding tokens, we do not: their routing is meaningless).
 
+In megatron's per-token regime (`calculate_per_token_loss`, which Megatron-Bridge's Qwen3.5 VL provider
+turns on under CP) megatron scales each rank's share of the loss by that rank's token count x the TP x
+CP size, meant to be the micro-batch's token count; under CP the ranks' weighted counts differ (a prompt
+token weighs n; padding weighs 0), so the router passes the TP/CP ranks' mean count instead (megatron's
+own count wherever the ranks' counts are equal), and the gradient does not depend on how the pack's
+tokens fall on the CP ranks.
+
 The same weights make the router's other token statistics equal the unshared run's:
 - the z-loss (`moe_z_loss_coeff`): the weighted mean of `logsumexp(logits)^2` over the tokens of the
   whole micro-batch (the weight total summed over the TP/CP ranks, each rank's share summed in
@@ -97,7 +104,21 @@ class PrefixSharedTopKRouter(TopKRouter):
             moe_aux_loss_coeff=coeff,
             fused=False,
         )
-        return loss, w.sum()
+        return loss, self._per_token_count(w)
+
+    def _per_token_count(self, w: torch.Tensor) -> Optional[torch.Tensor]:
+        """The `valid_token_count` megatron's `attach_and_log_load_balancing_loss` multiplies this
+        rank's share of the loss by (with the TP x CP size) in the per-token regime: the mean over
+        the TP/CP ranks of their weighted token counts, so that count x TP/CP size is the
+        micro-batch's whole (unshared) token count on every rank. Megatron passes the rank's own
+        count, which gives that only when all TP/CP ranks hold equal counts; a shared pack's CP
+        shards do not (a prompt token weighs n), nor do the CP shards of a pack with padding, and
+        the ranks' shares would then be scaled unequally. Outside that regime megatron does not read
+        the count (and the all-reduce is skipped)."""
+        if not self.calculate_per_token_loss:
+            return None
+        size = dist.get_world_size(self.tp_cp_group) if dist.is_initialized() else 1
+        return self._weight_total(w) / size
 
     def _apply_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
         coeff = self.get_aux_loss_coeff("aux_loss")
@@ -112,6 +133,8 @@ class PrefixSharedTopKRouter(TopKRouter):
         coeff = self.get_aux_loss_coeff("global_aux_loss")
         if self.token_weights is None or coeff == 0:
             return super()._apply_global_aux_loss(probs, scores_for_aux_loss, routing_map, with_padding_mask)
+        # the statistics span TP x DP x CP, the per-token count stays TP x CP's: megatron multiplies by
+        # the TP x CP size, and the per-token trainer's divisor sums the DP ranks' micro-batch counts
         loss, valid = self._weighted_loss(scores_for_aux_loss, routing_map, coeff, self.tp_dp_cp_group, True)
         return self.attach_and_log_load_balancing_loss(
             probs, coeff, loss, "global_load_balancing_loss", self.tp_dp_cp_group, needs_dp_avg=False,

@@ -157,24 +157,30 @@ def aux_by_micro_batch(records) -> dict:
 
 
 @contextlib.contextmanager
-def moe_recompute_on_build():
-    """Models built inside the block have megatron's MoE activation recompute switched on in their
-    config (`recompute_granularity="selective"`, `recompute_modules=["moe"]`)."""
+def provider_settings_on_build(**settings):
+    """Models built inside the block have these provider attributes set after the runtime's own
+    configuration, before the model is built (e.g. megatron's MoE recompute or load-balancing type)."""
     # patched where the runtime looks it up (ps_bridge.tools.runtime imports it by name)
     import ps_bridge.tools.runtime as runtime
 
     real = runtime.configure_provider
 
-    def with_moe_recompute(provider, settings):
-        real(provider, settings)
-        provider.recompute_granularity = "selective"
-        provider.recompute_modules = ["moe"]
+    def with_settings(provider, parallel):
+        real(provider, parallel)
+        for name, value in settings.items():
+            setattr(provider, name, value)
 
-    runtime.configure_provider = with_moe_recompute
+    runtime.configure_provider = with_settings
     try:
         yield
     finally:
         runtime.configure_provider = real
+
+
+def moe_recompute_on_build():
+    """Models built inside the block have megatron's MoE activation recompute switched on in their
+    config (`recompute_granularity="selective"`, `recompute_modules=["moe"]`)."""
+    return provider_settings_on_build(recompute_granularity="selective", recompute_modules=["moe"])
 
 
 # `torchrun` itself, found through this interpreter (no console script needed on PATH)

@@ -1,8 +1,9 @@
 """One rank of a multi-process test run, launched by `torchrun` from tests/test_parallel.py.
 
 Loads the checkpoint with the given TP / PP / SP / CP, runs the test micro-batches prefix-shared
-forward+backward (and forward only) through megatron's schedule, and has global rank 0 save the
-log-probs and the full gradients under Hugging Face names. Every rank logs its `[PS]` lines.
+(with --unshared: every sample its own sequence) forward+backward (and forward only) through
+megatron's schedule, and has global rank 0 save the log-probs and the full gradients under Hugging
+Face names. Every rank logs its `[PS]` lines.
 """
 
 import argparse
@@ -17,7 +18,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from parallel_cases import (  # noqa: E402
-    MICRO_BATCHES, aux_by_micro_batch, leave_worker, micro_batch_weights, moe_recompute_on_build, recorded_aux_losses,
+    MICRO_BATCHES, aux_by_micro_batch, leave_worker, micro_batch_weights, moe_recompute_on_build,
+    provider_settings_on_build, recorded_aux_losses,
 )
 
 
@@ -34,6 +36,8 @@ def main() -> None:
     parser.add_argument("--skip-finish-gradients", action="store_true", help="negative control")
     parser.add_argument("--moe-recompute", action="store_true", help="megatron's MoE activation recompute on")
     parser.add_argument("--prompt-values", action="store_true", help="PrefixSharingConfig(prompt_values=True)")
+    parser.add_argument("--moe-load-balancing", choices=["aux_loss", "global_aux_loss"], help="the routers' load-balancing loss")
+    parser.add_argument("--unshared", action="store_true", help="every sample its own sequence (share=False)")
     parser.add_argument("--tree", action="store_true", help="prefix trees: PrefixSharingConfig(tree=True, tree_min_shared=0)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
@@ -50,7 +54,11 @@ def main() -> None:
 
         ps_bridge.tools.schedule.finish_gradients = lambda model, config: None
 
-    with moe_recompute_on_build() if args.moe_recompute else contextlib.nullcontext():
+    with contextlib.ExitStack() as build:
+        if args.moe_recompute:
+            build.enter_context(moe_recompute_on_build())
+        if args.moe_load_balancing:
+            build.enter_context(provider_settings_on_build(moe_router_load_balancing_type=args.moe_load_balancing))
         loaded = load_model(
             args.hf_path,
             PrefixSharingConfig(enabled=True, prompt_values=args.prompt_values, tree=args.tree,
@@ -73,7 +81,7 @@ def main() -> None:
         model.output_layer.register_forward_hook(lambda module, inputs, output: output_rows.append(int(inputs[0].shape[0])))
     loaded.model.zero_grad(set_to_none=True)
     with recorded_aux_losses() as records:
-        shared = logprob_pass(loaded, micro_batches, share=True, loss_weights=micro_batch_weights(micro_batches))
+        shared = logprob_pass(loaded, micro_batches, share=not args.unshared, loss_weights=micro_batch_weights(micro_batches))
     # MoE: each rank's load-balancing loss is its share (its tokens' router probabilities against the
     # token counts of the whole micro-batch); the shares of all ranks add up to the single-rank value
     aux = {}
@@ -84,7 +92,7 @@ def main() -> None:
             aux[key] = aux.get(key, 0.0) + value
     grads = hf_named_gradients(loaded.bridge, loaded.model)
     with torch.no_grad():
-        forward_only = logprob_pass(loaded, micro_batches, share=True)
+        forward_only = logprob_pass(loaded, micro_batches, share=not args.unshared)
     from megatron.core import parallel_state
 
     every_rank = [None] * torch.distributed.get_world_size()
