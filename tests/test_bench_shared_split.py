@@ -53,3 +53,27 @@ def test_shared_run_splits_when_the_whole_tree_does_not_fit(capsys, monkeypatch)
     whole_F = flop_ratio(flop_shape(MODEL_SHAPES["tiny-qwen2.5"], row["layers"]), samples)
     assert 1 < row["flop_ratio"] < whole_F
     assert f"{len(split)} shared micro-batches" in out
+
+
+def test_a_shared_run_that_never_fits_names_the_last_allocation(capsys, monkeypatch):
+    """No split fits: the row's error carries the first line of the last out-of-memory error (torch's
+    says how much it tried to allocate and how much was free)."""
+    real = timing.run_mode
+
+    def never_fits(loaded, layouts, backend, **kw):
+        parts = layouts if isinstance(layouts, (list, tuple)) else [layouts]
+        if any(p.shared for p in parts):
+            raise torch.cuda.OutOfMemoryError(f"Tried to allocate {len(parts)}.00 GiB (simulated)\nmore lines")
+        return real(loaded, layouts, backend, **kw)
+
+    monkeypatch.setattr(timing, "run_mode", never_fits)
+    parser = argparse.ArgumentParser()
+    bench.add_bench_arguments(parser)
+    args = parser.parse_args(["--smoke", "--no-progress", "--models", "tiny-qwen2.5", "--trees", "system",
+                              "--json", "-"])
+    bench.run_bench(args)
+    out = capsys.readouterr().out
+    (row,) = json.loads(out[out.index("{"):])["rows"]
+    assert "did not fit in GPU memory even as" in row["error"]
+    tried = int(row["error"].split("micro-batches")[0].split()[-1])
+    assert f"(Tried to allocate {tried}.00 GiB (simulated))" in row["error"] and "more lines" not in row["error"]

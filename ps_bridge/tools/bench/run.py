@@ -346,7 +346,7 @@ def run_min_shared_row(loaded, model_name, layers, backends, P, R, n, run, args,
 
 def _failure(e: Exception) -> str:
     """A failed row's error cell: the exception's type and first line."""
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:320] if str(e) else ''}"
 
 
 def _min_shared_row(loaded, name, layers, P, R, n, k, args, progress, say) -> List[MinSharedRow]:

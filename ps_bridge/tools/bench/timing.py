@@ -202,19 +202,22 @@ UNSHARED_SPLITS = (1, 2, 4, 8, 16)
 
 def _first_that_fits(loaded, candidates, backend: str, **timing):
     """Time the first packing of `candidates` (each a list of layouts, finer and finer splits) that
-    fits in GPU memory: (its timings, its response log-probs, its layouts, its index), or (None, None,
-    the last layouts tried, -1) when none fits. Out of memory, the gradients and cached blocks of the
-    failed attempt are released before the next."""
+    fits in GPU memory: (its timings, its response log-probs, its layouts, its index, ""), or (None,
+    None, the last layouts tried, -1, the first line of the last out-of-memory error: torch's says how
+    much it tried to allocate and how much was free) when none fits. Out of memory, the gradients and
+    cached blocks of the failed attempt are released before the next."""
     layouts: list = []
+    last_error = ""
     for index, layouts in enumerate(candidates):
         try:
             result, rows = run_mode(loaded, layouts if len(layouts) > 1 else layouts[0], backend, **timing)
-            return result, rows, layouts, index
-        except torch.cuda.OutOfMemoryError:
+            return result, rows, layouts, index, ""
+        except torch.cuda.OutOfMemoryError as e:
+            last_error = str(e).splitlines()[0] if str(e) else ""
             loaded.model.zero_grad(set_to_none=True)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    return None, None, layouts, -1
+    return None, None, layouts, -1, last_error
 
 
 def run_unshared(loaded, samples: list, backend: str, **timing) -> Tuple[Optional[ModeResult], Optional[torch.Tensor], list]:
@@ -226,7 +229,7 @@ def run_unshared(loaded, samples: list, backend: str, **timing) -> Tuple[Optiona
     candidates = ([build_layout(part, share=False, vocab_size=loaded.vocab_size, total_multiple=cp_total_multiple())
                    for part in split_in_order(samples, parts)]
                   for parts in UNSHARED_SPLITS if parts <= len(samples))
-    result, rows, layouts, _ = _first_that_fits(loaded, candidates, backend, **timing)
+    result, rows, layouts, _, _ = _first_that_fits(loaded, candidates, backend, **timing)
     return result, rows, layouts
 
 
@@ -255,10 +258,10 @@ def run_shared(loaded, samples: list, layout, pack, backend: str, **timing) -> T
             splits.append(groups)
             yield [layout] if parts == 1 else [pack([samples[i] for i in group]) for group in groups]
 
-    result, rows, layouts, index = _first_that_fits(loaded, candidates(), backend, **timing)
+    result, rows, layouts, index, error = _first_that_fits(loaded, candidates(), backend, **timing)
     if result is None:
         raise torch.cuda.OutOfMemoryError(
-            f"the shared micro-batch did not fit in GPU memory even as {len(layouts)} micro-batches")
+            f"the shared micro-batch did not fit in GPU memory even as {len(layouts)} micro-batches ({error})")
     return result, _in_sample_order(rows, samples, splits[index]), layouts
 
 
