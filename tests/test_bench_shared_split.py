@@ -15,6 +15,18 @@ from ps_bridge.tools import bench
 from ps_bridge.tools.bench import timing
 
 
+def system_tree_row(capsys):
+    """`ps-bridge bench --smoke --trees system` on the tiny Qwen2.5 shape: (exit status, output, its row)."""
+    parser = argparse.ArgumentParser()
+    bench.add_bench_arguments(parser)
+    args = parser.parse_args(["--smoke", "--no-progress", "--models", "tiny-qwen2.5", "--trees", "system",
+                              "--json", "-"])
+    status = bench.run_bench(args)
+    out = capsys.readouterr().out
+    (row,) = json.loads(out[out.index("{"):])["rows"]
+    return status, out, row
+
+
 def test_shared_run_splits_when_the_whole_tree_does_not_fit(capsys, monkeypatch):
     real = timing.run_mode
     ran = []
@@ -28,14 +40,8 @@ def test_shared_run_splits_when_the_whole_tree_does_not_fit(capsys, monkeypatch)
         return real(loaded, layouts, backend, **kw)
 
     monkeypatch.setattr(timing, "run_mode", whole_does_not_fit)
-    parser = argparse.ArgumentParser()
-    bench.add_bench_arguments(parser)
-    args = parser.parse_args(["--smoke", "--no-progress", "--models", "tiny-qwen2.5", "--trees", "system",
-                              "--json", "-"])
-    assert bench.run_bench(args) == 0
-    out = capsys.readouterr().out
-    doc = json.loads(out[out.index("{"):])
-    (row,) = doc["rows"]
+    status, out, row = system_tree_row(capsys)
+    assert status == 0
     whole, split = ran[0], ran[1]
     assert len(whole) == 1 and len(split) >= 2  # tried whole, then split (at most half its tokens each)
     samples = whole[0][0]
@@ -67,13 +73,7 @@ def test_a_shared_run_that_never_fits_names_the_last_allocation(capsys, monkeypa
         return real(loaded, layouts, backend, **kw)
 
     monkeypatch.setattr(timing, "run_mode", never_fits)
-    parser = argparse.ArgumentParser()
-    bench.add_bench_arguments(parser)
-    args = parser.parse_args(["--smoke", "--no-progress", "--models", "tiny-qwen2.5", "--trees", "system",
-                              "--json", "-"])
-    bench.run_bench(args)
-    out = capsys.readouterr().out
-    (row,) = json.loads(out[out.index("{"):])["rows"]
+    _, _, row = system_tree_row(capsys)
     assert "did not fit in GPU memory even as" in row["error"]
     tried = int(row["error"].split("micro-batches")[0].split()[-1])
     assert f"(Tried to allocate {tried}.00 GiB (simulated))" in row["error"] and "more lines" not in row["error"]
