@@ -32,6 +32,7 @@ Once packed, `pack_images` gives the layout (`PackedPrefixLayout.images`) what t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -113,12 +114,16 @@ class ImageContent:
 @dataclass(frozen=True, eq=False)
 class SampleImage:
     """One image as the model's image processor gives it: `pixel_values` `[t*h*w, C*T*P*P]` (patches,
-    on the device they came on) and its patch grid `grid_thw`; `content`: what sharing compares
-    (`ImageContent`: equal where grid, dtype, shape and pixel bytes are)."""
+    on the device they came on) and its patch grid `grid_thw`."""
 
     pixel_values: torch.Tensor
     grid_thw: Tuple[int, int, int]
-    content: ImageContent
+
+    @functools.cached_property
+    def content(self) -> ImageContent:
+        """What sharing compares (equal where grid, dtype, shape and pixel bytes are); built once, so
+        its fingerprint is taken once per image."""
+        return ImageContent(self.pixel_values, self.grid_thw)
 
     @classmethod
     def of(cls, pixel_values: torch.Tensor, grid_thw) -> "SampleImage":
@@ -129,7 +134,7 @@ class SampleImage:
         if pixels.dim() != 2 or pixels.shape[0] != grid[0] * grid[1] * grid[2]:
             raise ValueError(f"an image of grid {grid} has {grid[0] * grid[1] * grid[2]} patch rows, "
                              f"its pixel_values have shape {tuple(pixels.shape)}")
-        return cls(pixels, grid, ImageContent(pixels, grid))
+        return cls(pixels, grid)
 
     def num_tokens(self, merge: int) -> int:
         """Its placeholder tokens in the language model (one per merged `merge x merge` patch block)."""
@@ -256,6 +261,8 @@ class PackedImages:
 
     @property
     def pixel_values(self) -> torch.Tensor:
+        """The tower's input rows: the distinct blocks concatenated and indexed, a new tensor on every
+        read (the model reads it once per forward)."""
         if not self.pixel_blocks:
             return torch.zeros(0, 0)
         pixels = self.pixel_blocks[0] if len(self.pixel_blocks) == 1 else torch.cat(self.pixel_blocks)
