@@ -44,6 +44,18 @@ def import_triton():
     return triton, tl
 
 
+def triton_kernels(build):
+    """`build(triton, tl)` -> a module's Triton kernels, as a function that builds them on its first
+    call and returns them after (None where Triton is not installed)."""
+
+    @functools.lru_cache(maxsize=1)
+    def kernels():
+        modules = import_triton()
+        return None if modules is None else build(*modules)
+
+    return kernels
+
+
 @dataclass(frozen=True)
 class Backend:
     """name: registry key; description: one line; devices: device types it runs on (None: any),

@@ -18,20 +18,16 @@ they run: a CUDA tensor whose last dimension is contiguous, with Triton importab
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
-from ps_bridge.kernels.backend import import_triton
+from ps_bridge.kernels.backend import triton_kernels
 
 BLOCK = 4096  # columns per step (a 152k vocabulary: 38 steps per row)
 
 
-@functools.lru_cache(maxsize=1)
-def _triton():
-    if import_triton() is None:
-        return None
-    triton, tl = import_triton()
+@triton_kernels
+def _triton(triton, tl):
 
     @triton.jit
     def row_max_sumexp_kernel(logits, stride, m_out, s_out, keep, BV: tl.constexpr):

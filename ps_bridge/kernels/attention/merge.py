@@ -15,12 +15,11 @@ level.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional, Sequence
 
 import torch
 
-from ps_bridge.kernels.backend import import_triton
+from ps_bridge.kernels.backend import triton_kernels
 
 TOKENS = 32  # query rows per Triton program (x one head x the head dim)
 FUSED_PARTIALS = (2, 3)  # the kernel's partial counts: a depth-one level merges 2, a depth-two level 3
@@ -45,11 +44,8 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
     return merge_all([out_a, out_b], [lse_a, lse_b])
 
 
-@functools.lru_cache(maxsize=1)
-def _triton():
-    if import_triton() is None:
-        return None
-    triton, tl = import_triton()
+@triton_kernels
+def _triton(triton, tl):
 
     @triton.jit
     def merge_kernel(out, out_t, out_h, lse, lse_h, o1, o1_t, o1_h, l1, l1_h, o2, o2_t, o2_h, l2, l2_h, T, D,
