@@ -12,9 +12,7 @@ interpreter; they are checked on the GPU (tests/test_gdn_fla_gpu.py).
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -22,10 +20,11 @@ import pytest
 
 pytest.importorskip("fla")
 pytest.importorskip("triton")
+sys.path.insert(0, os.path.dirname(__file__))
+from triton_interpreter import run_interpreted  # noqa: E402
 
 CHILD = textwrap.dedent(
     """
-    import json, os, sys
     from triton.runtime import autotuner
 
     _run = autotuner.Autotuner.run
@@ -36,17 +35,11 @@ CHILD = textwrap.dedent(
 
     autotuner.Autotuner.run = first_config
 
-    import torch
-    sys.path.insert(0, sys.argv[1])
     from gdn_cases import make_case, packed_inputs, sample_outputs
     from ps_bridge.kernels.gdn import GDN_BACKENDS, forked_causal_conv1d, plan_from_layout
     from ps_bridge.kernels.gdn import fla as fla_backend, torch_ref
     from ps_bridge.layout import build_layout
 
-    def rel(a, b):
-        return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
-
-    result = {}
     # 1. the raw op: per-sequence initial states in, final states out
     gen = torch.Generator().manual_seed(0)
     D, W = 8, 4
@@ -88,18 +81,11 @@ CHILD = textwrap.dedent(
     result["forked_vs_torch_ref_grads"] = max(rel(a, c) for a, c in zip(g_f, g_r) if c is not None)
     result["forked_vs_unshared_output"] = rel(y_f, y_u)
     result["forked_vs_unshared_grads"] = max(rel(a, c) for a, c in zip(g_f, g_u) if c is not None)
-    print("RESULT " + json.dumps(result))
     """
 )
 
 
 def test_fla_conv_state_layout_and_forked_conv_match_torch_ref():
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", CHILD, here], env=env, capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    result = json.loads(lines[-1][len("RESULT "):])
-    print(result)
+    result = run_interpreted(CHILD)
     for key, value in result.items():
         assert value < 1e-5, (key, value)
