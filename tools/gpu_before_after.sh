@@ -15,11 +15,10 @@ mkdir -p "$OUT"
 source tools/gpu_env.sh
 gpu_setup || exit 1
 cat "$OUT/versions.txt"
-install() { python3 -m pip install -q --no-deps --no-build-isolation --disable-pip-version-check -e "$1" >/tmp/ps-bridge-install.log 2>&1; }
 IFS='|' read -r -a benches <<<"${BENCHES:?BENCHES: bench arguments, |-separated}"
 for side in before after; do
   dir=.; [ "$side" = before ] && dir=.wt/base
-  install "$dir" || { cat /tmp/ps-bridge-install.log; exit 1; }
+  install_editable "$dir" || exit 1
   for k in "${!benches[@]}"; do
     read -r -a bench_args <<<"${benches[$k]}"
     (cd "$dir" && timeout "$LIMIT" python3 -m ps_bridge.tools.cli bench --no-progress "${bench_args[@]}" \
@@ -27,7 +26,7 @@ for side in before after; do
     echo "=== [$SECONDS s] $side, bench $k (${benches[$k]}): exit $?" | tee -a "$OUT/bench.log"
   done
 done
-install . >/dev/null
+install_editable
 python3 - "$OUT" <<'PY'
 import glob, json, os, sys
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "bench_*.json"))):

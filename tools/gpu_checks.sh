@@ -33,10 +33,7 @@ if [ -f "$GPUSITE" ]; then
   tar -C /tmp -xJf "$GPUSITE" || exit 1
 fi
 source tools/gpu_env.sh
-# ps_bridge (with providers/ and models/ mapped into it by pyproject.toml) through an editable
-# install, offline: no build isolation, no dependencies
-python3 -m pip install -q --no-deps --no-build-isolation --disable-pip-version-check -e . >/tmp/ps-bridge-install.log 2>&1 \
-  || { cat /tmp/ps-bridge-install.log; echo "editable install of ps-bridge failed"; exit 1; }
+install_editable || exit 1
 mkdir -p "$TRITON_CACHE_DIR"
 if [ -f .whl/triton-autotune.tar.gz ]; then
   tar -C "$TRITON_CACHE_DIR" -xzf .whl/triton-autotune.tar.gz \

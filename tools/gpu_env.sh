@@ -34,11 +34,16 @@ gpu_setup() {
   [ -d /tmp/gpusite ] || tar -C /tmp -xJf "${GPUSITE:-.whl/gpusite.tar.xz}" || return 1
   prepare_checkout
 }
+install_editable() {
+  # install_editable [DIR]: ps_bridge of DIR (default the checkout; providers/ and models/ mapped into it
+  # by pyproject.toml) installed editable, offline: no build isolation, no dependencies
+  python3 -m pip install -q --no-deps --no-build-isolation --disable-pip-version-check -e "${1:-.}" >/tmp/ps-bridge-install.log 2>&1 \
+    || { cat /tmp/ps-bridge-install.log; echo "editable install of ps-bridge (${1:-.}) failed"; return 1; }
+}
 prepare_checkout() {
-  # the checkout installed editable (offline: no build isolation, no dependencies), the carried kernel
-  # caches restored (AUTOTUNE, default .whl/triton-autotune.tar.gz), the stack's versions in $OUT/versions.txt
-  python3 -m pip install -q --no-deps --no-build-isolation --disable-pip-version-check -e . >/tmp/ps-bridge-install.log 2>&1 \
-    || { cat /tmp/ps-bridge-install.log; echo "editable install of ps-bridge failed"; return 1; }
+  # the checkout installed editable (install_editable), the carried kernel caches restored (AUTOTUNE,
+  # default .whl/triton-autotune.tar.gz), the stack's versions in $OUT/versions.txt
+  install_editable || return 1
   mkdir -p "$TRITON_CACHE_DIR"
   local autotune=${AUTOTUNE:-.whl/triton-autotune.tar.gz}
   [ -f "$autotune" ] && tar -C "$TRITON_CACHE_DIR" -xzf "$autotune"
