@@ -3,7 +3,7 @@
 `PrefixSharingConfig` is the one object the rest of the code reads. It is built explicitly, or
 from the environment (`ENABLE_PREFIX_SHARING=1`, `PS_BRIDGE_BACKEND`, `PS_BRIDGE_PROVIDER`,
 `PS_BRIDGE_GDN_BACKEND`, `PS_BRIDGE_PROMPT_VALUES`, `PS_BRIDGE_SHARING`, `PS_BRIDGE_TREE`,
-`PS_BRIDGE_TREE_MIN_SHARED`, `PS_BRIDGE_TREE_MAX_DEPTH`), and validates names at construction so that a typo fails here, with the
+`PS_BRIDGE_TREE_MIN_SHARED`, `PS_BRIDGE_TREE_MAX_DEPTH`, `PS_BRIDGE_CUDA_GRAPHS`), and validates names at construction so that a typo fails here, with the
 valid choices, rather than deep inside a forward pass. `PS_BRIDGE_LOG_LEVEL` (the `[PS]` lines under
 verl) is read here too. torchrun's own variables are read where the process group is set up
 (`ps_bridge.parallel.groups`).
@@ -28,6 +28,7 @@ ENV_SHARING = "PS_BRIDGE_SHARING"
 ENV_TREE = "PS_BRIDGE_TREE"
 ENV_TREE_MIN_SHARED = "PS_BRIDGE_TREE_MIN_SHARED"
 ENV_TREE_MAX_DEPTH = "PS_BRIDGE_TREE_MAX_DEPTH"
+ENV_CUDA_GRAPHS = "PS_BRIDGE_CUDA_GRAPHS"
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -95,6 +96,10 @@ class PrefixSharingConfig:
                   level shares it); `PS_BRIDGE_TREE_MIN_SHARED`.
     tree_max_depth:  the tree's depth limit (None: none; 1 is one level of sharing);
                   `PS_BRIDGE_TREE_MAX_DEPTH`.
+    cuda_graphs:  run forward-only passes (verl's old and reference log-probs) as CUDA graphs where a
+                  micro-batch's layout repeats one seen before (`ps_bridge.cuda_graphs`: one GPU, no
+                  TP/PP/CP, no MoE, no images); shared and unshared micro-batches alike.
+                  `PS_BRIDGE_CUDA_GRAPHS=1`.
     """
 
     enabled: bool = True
@@ -107,6 +112,7 @@ class PrefixSharingConfig:
     tree: bool = True
     tree_min_shared: Optional[int] = None
     tree_max_depth: Optional[int] = None
+    cuda_graphs: bool = False
 
     def __post_init__(self):
         # imported here: torch is heavy
@@ -155,7 +161,7 @@ class PrefixSharingConfig:
     def from_env(cls, **overrides) -> "PrefixSharingConfig":
         """Read `ENABLE_PREFIX_SHARING`, `PS_BRIDGE_BACKEND`, `PS_BRIDGE_PROVIDER`,
         `PS_BRIDGE_GDN_BACKEND`, `PS_BRIDGE_PROMPT_VALUES`, `PS_BRIDGE_SHARING`, `PS_BRIDGE_TREE`,
-        `PS_BRIDGE_TREE_MIN_SHARED`, `PS_BRIDGE_TREE_MAX_DEPTH`; overrides win."""
+        `PS_BRIDGE_TREE_MIN_SHARED`, `PS_BRIDGE_TREE_MAX_DEPTH`, `PS_BRIDGE_CUDA_GRAPHS`; overrides win."""
         values = dict(
             enabled=_env_flag(ENV_ENABLE),
             prompt_values=_env_flag(ENV_PROMPT_VALUES),
@@ -166,6 +172,7 @@ class PrefixSharingConfig:
             tree=_env_flag(ENV_TREE, default=True),
             tree_min_shared=_env_count(ENV_TREE_MIN_SHARED),
             tree_max_depth=_env_count(ENV_TREE_MAX_DEPTH),
+            cuda_graphs=_env_flag(ENV_CUDA_GRAPHS),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

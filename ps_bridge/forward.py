@@ -17,6 +17,7 @@ import torch
 from megatron.core import parallel_state
 
 from ps_bridge.config import PrefixSharingConfig
+from ps_bridge.cuda_graphs import graphed
 from ps_bridge.layout import PackedPrefixLayout
 from ps_bridge.models.context_parallel import cp_rank_size
 from ps_bridge.models.packed_seq import PrefixSharedPackedSeqParams
@@ -46,7 +47,15 @@ def shard_tag(layout: PackedPrefixLayout) -> str:
 
 def run_packed(model: torch.nn.Module, layout: PackedPrefixLayout, config: PrefixSharingConfig) -> torch.Tensor:
     """`model` (megatron's module, wrapped or not) on the packed sequence of `layout` (on the model's
-    device), with `config.backend` as the softmax-attention backend."""
+    device), with `config.backend` as the softmax-attention backend. With `config.cuda_graphs` a
+    forward-only pass replays a CUDA graph where one was captured for the layout's structure
+    (`ps_bridge.cuda_graphs`)."""
+    if config.cuda_graphs and not torch.is_grad_enabled():
+        return graphed(model, layout, (config.backend,), lambda own: _run(model, own, config))
+    return _run(model, layout, config)
+
+
+def _run(model: torch.nn.Module, layout: PackedPrefixLayout, config: PrefixSharingConfig) -> torch.Tensor:
     shard = local_shard(layout)
     params = PrefixSharedPackedSeqParams.from_layout(layout, attention_backend=config.backend, cp_shard=shard)
     tokens = layout.tokens if shard is None else layout.tokens[shard]

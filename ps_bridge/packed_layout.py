@@ -6,6 +6,7 @@ import the type without a cycle."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Callable, Hashable, Iterable, List, Optional, TypeVar
@@ -30,6 +31,11 @@ class Sample:
     # the images behind the sequence's image placeholder runs (`ps_bridge.images.ImageSpan`s, in order;
     # `images.attach_images` places them): sharing compares them, the model runs them
     images: Optional[tuple] = None
+
+
+# what `structure_key` leaves out: the token ids and their labels (what a CUDA graph's replay takes
+# new values of), the host copies (derived from the tensors) and the images (refused by the graphs)
+_NOT_STRUCTURE = frozenset({"tokens", "row_label", "host", "images"})
 
 
 @dataclass
@@ -162,12 +168,37 @@ class PackedPrefixLayout:
         """A per-sample tensor field (`sample_prompt_length`, ...) as a host list, read once."""
         return self.derived(("host", name), lambda: getattr(self, name).tolist())
 
+    def structure_key(self) -> str:
+        """A digest of everything in the layout but its token ids and labels: two layouts with the same
+        key hold equal values in every other tensor and field, so every device tensor a forward derives
+        from them (positions, segment offsets, the attention and GDN plans, the read positions) is the
+        same (`ps_bridge.cuda_graphs`). Read from the CPU tensors the layout was moved from, so a
+        layout on the GPU is not read back."""
+
+        def build() -> str:
+            source = self.host.get("cpu_layout", self)
+            digest = hashlib.blake2b(digest_size=16)
+            for name, value in sorted(vars(source).items()):
+                if name in _NOT_STRUCTURE:
+                    continue
+                if isinstance(value, torch.Tensor):
+                    value = value.detach().cpu().contiguous()
+                    digest.update(f"{name}:{value.dtype}:{tuple(value.shape)}:".encode())
+                    digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+                else:
+                    digest.update(f"{name}={value!r};".encode())
+            return digest.hexdigest()
+
+        return self.derived("structure_key", build)
+
     def to(self, device) -> "PackedPrefixLayout":
         """Move the tensors to `device`; host copies stay on the CPU. The rows' offsets (`PackedRows`)
         are read to the host first where they are still there: read back from the device, they would
-        make the host wait for the GPU's queued work."""
+        make the host wait for the GPU's queued work. The CPU layout stays reachable from the shared
+        `host` (`structure_key` reads it)."""
         if self.row_offsets.device.type == "cpu":
             self.host_lengths("row_offsets")
+            self.host.setdefault("cpu_layout", self)
         moved = {}
         for name, value in self.__dict__.items():
             moved[name] = to_device(value, device) if isinstance(value, torch.Tensor) else value

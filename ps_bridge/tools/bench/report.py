@@ -226,10 +226,11 @@ def environment(device: torch.device) -> dict:
 
 
 def payload(env: dict, dtype: torch.dtype, warmup: int, repeats: int, groups: int, models: List[str],
-            results: Sequence[RowResult], min_shared_rows: Optional[Sequence[MinSharedRow]] = None) -> dict:
+            results: Sequence[RowResult], min_shared_rows: Optional[Sequence[MinSharedRow]] = None,
+            cuda_graphs: bool = False) -> dict:
     """What `--json` writes (`min_shared_rows` only for a `--min-shared-sweep` run)."""
     out = dict(environment=env, dtype=str(dtype), warmup=warmup, repeats=repeats, groups=groups,
-               models=models, rows=[asdict(r) for r in results])
+               cuda_graphs=cuda_graphs, models=models, rows=[asdict(r) for r in results])
     if min_shared_rows is not None:
         out["min_shared_rows"] = [asdict(r) for r in min_shared_rows]
     return out

@@ -128,6 +128,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--logprob-chunk", type=int, default=1024,
                         help="rows per float32 log-softmax chunk (default 1024; 0.6 GB at a 152k vocabulary)")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="run the log-prob passes as CUDA graphs (PrefixSharingConfig.cuda_graphs): each packing "
+                             "is captured in the warm-up and replayed when timed; the actor step stays eager")
     parser.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                         help="also write the results as JSON to FILE (stdout when FILE is omitted)")
     parser.add_argument("--plot", default=None, metavar="FILE", help="write a PNG of measured vs ideal speed-up")
@@ -524,7 +527,7 @@ def run_bench(args: argparse.Namespace) -> int:
     say = progress_bar.write if progress_bar else lambda text: out(text, flush=True)
 
     def document():
-        return payload(env, dtype, warmup, repeats, args.groups, model_info, results, sweep)
+        return payload(env, dtype, warmup, repeats, args.groups, model_info, results, sweep, args.cuda_graphs)
 
     def write_json():  # after every row, so a run cut short still leaves its finished rows
         if args.json is None or args.json == "-" or not report:
@@ -536,7 +539,8 @@ def run_bench(args: argparse.Namespace) -> int:
         shape = MODEL_SHAPES[name]
         layers = args.layers or shape.bench_layers
         hf_config = shape_hf_config(shape, layers, args.vision_layers)
-        config = PrefixSharingConfig(enabled=True, backend=args.backends[0], pad_multiple=1, **_tree_option(args))
+        config = PrefixSharingConfig(enabled=True, backend=args.backends[0], pad_multiple=1,
+                                     cuda_graphs=args.cuda_graphs, **_tree_option(args))
         loaded = load_model_from_hf_config(hf_config, config, dtype=dtype, cp=args.cp, ep=args.ep)
         reference = Fp32Reference(hf_config, loaded, args.logprob_chunk) if args.fp32_reference else None
         head_dim = int(loaded.provider.kv_channels)  # Qwen3.5 sets head_dim apart from hidden/heads

@@ -1,0 +1,179 @@
+"""The CUDA-graph path's bookkeeping against eager runs, on the CPU (`ps_bridge.cuda_graphs`).
+
+A graph replays the forward it captured on the captured layout's device tensors, with only the token
+ids copied in. Here the capture is replaced by one that records the forward and reruns it on the
+captured layout (its token buffer refilled, as a replay does): a micro-batch of the same structure
+with other tokens must then give the eager forward's logits exactly, for the shared and the unshared
+pack, softmax attention and Gated DeltaNet alike. Capturing, replaying and dropping graphs are
+counted; a failed capture stays eager. The GPU's own capture is checked in tests/test_cuda_graphs_gpu.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from ps_bridge.config import PrefixSharingConfig
+from ps_bridge.cuda_graphs import ForwardGraphs, graph_refusal
+from ps_bridge.forward import run_packed
+from ps_bridge.layout import Sample, build_layout
+from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
+from qwen35_helpers import load_tiny
+
+
+class RecordedForward:
+    """Stands in for a CUDA graph: `replay()` reruns the recorded forward into the static output."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def replay(self):
+        self.output.copy_(self.run())
+
+
+def record(run):
+    graph = RecordedForward(run)
+    graph.output = run()
+    return graph, graph.output
+
+
+def relabelled(samples, vocab: int, shift: int):
+    """The same samples with every token id moved by `shift` (mod the vocabulary): equal tokens stay
+    equal, so the prefix tree, and with it every layout tensor but the tokens, is the same."""
+    def move(ids):
+        return [(t + shift) % vocab for t in ids]
+
+    return [Sample(prompt=move(s.prompt), response=move(s.response)) for s in samples]
+
+
+@pytest.fixture(scope="module", params=["qwen2.5", "qwen3.5"])
+def loaded(request, tmp_path_factory):
+    _, loaded, _ = load_tiny(request.param, tmp_path_factory)
+    return loaded
+
+
+def _samples(loaded, seed=0):
+    return grpo_like_samples(min(loaded.vocab_size, 248), num_prompts=3, n=3, prompt_len=(5, 13),
+                             response_len=(1, 7), seed=seed)
+
+
+def _layout(loaded, samples, share):
+    return build_layout(samples, share=share, vocab_size=loaded.vocab_size, min_shared=0)
+
+
+def test_structure_key_is_the_layout_without_its_tokens(loaded):
+    samples = _samples(loaded)
+    vocab = min(loaded.vocab_size, 248)
+    for share in (False, True, "tree"):
+        layout = _layout(loaded, samples, share)
+        again = _layout(loaded, relabelled(samples, vocab, 17), share)
+        assert not torch.equal(layout.tokens, again.tokens)
+        assert layout.structure_key() == again.structure_key()
+    keys = {share: _layout(loaded, samples, share).structure_key() for share in (False, True)}
+    assert keys[False] != keys[True]
+    longer = [replace(s) for s in samples]
+    longer[-1] = Sample(prompt=samples[-1].prompt, response=samples[-1].response + [1])
+    assert _layout(loaded, longer, True).structure_key() != keys[True]
+    # a moved copy answers from the CPU layout it was moved from (`to` keeps it in `host`)
+    layout = _layout(loaded, samples, True)
+    moved = layout.to("cpu")
+    assert moved.host["cpu_layout"] is layout
+    assert moved.structure_key() == keys[True]
+
+
+@pytest.mark.parametrize("share", [False, True, "tree"])
+def test_replayed_forward_equals_eager(loaded, share):
+    model, config = loaded.model, replace(loaded.config, cuda_graphs=True)
+    vocab = min(loaded.vocab_size, 248)
+    samples = _samples(loaded)
+    layouts = [_layout(loaded, relabelled(samples, vocab, shift), share) for shift in (0, 5, 11)]
+    graphs = ForwardGraphs(capture=record)
+
+    def forward(layout):
+        return run_packed(model, layout, config)
+
+    outputs = []
+    with torch.no_grad():
+        for layout in layouts:
+            outputs.append(graphs.run(model, layout, ("torch_ref",), forward))
+        eager = [forward(layout) for layout in layouts]
+    assert (graphs.captures, graphs.replays) == (1, 2)  # seen once eagerly, captured on the second
+    for got, want in zip(outputs, eager):
+        assert torch.equal(got, want)
+    assert not torch.equal(eager[1], eager[2])  # the tokens matter: a replay did not return a stale output
+
+
+def test_other_structures_get_their_own_graph_and_old_ones_are_dropped(loaded):
+    model = loaded.model
+    graphs = ForwardGraphs(capture=record, max_graphs=1)
+    samples = _samples(loaded)
+    shared, unshared = _layout(loaded, samples, True), _layout(loaded, samples, False)
+
+    def forward(layout):
+        return run_packed(model, layout, loaded.config)
+
+    with torch.no_grad():
+        for layout in (shared, shared, unshared, unshared, shared):
+            graphs.run(model, layout, ("torch_ref",), forward)
+    # shared captured, then dropped for unshared (one graph kept): its third run is a first sighting
+    assert graphs.captures == 2 and graphs.replays == 2 and len(graphs.graphs) == 1
+
+
+def test_moved_parameters_drop_the_graphs(loaded):
+    model = loaded.model
+    graphs = ForwardGraphs(capture=record)
+    layout = _layout(loaded, _samples(loaded), True)
+
+    def forward(own):
+        return run_packed(model, own, loaded.config)
+
+    with torch.no_grad():
+        graphs.run(model, layout, (), forward)
+        graphs.run(model, layout, (), forward)
+        assert graphs.captures == 1
+        param = next(model.parameters())
+        saved = param.data
+        param.data = saved.clone()  # new storage, as an offload and reload gives
+        try:
+            graphs.run(model, layout, (), forward)
+            assert graphs.replays == 1 and len(graphs.graphs) == 1  # dropped, then seen once more
+            graphs.run(model, layout, (), forward)
+            assert graphs.captures == 2
+        finally:
+            param.data = saved
+
+
+def test_a_failed_capture_stays_eager(loaded, caplog):
+    model = loaded.model
+    calls = []
+
+    def failing(run):
+        calls.append(1)
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    graphs = ForwardGraphs(capture=failing)
+    layout = _layout(loaded, _samples(loaded), True)
+    with torch.no_grad():
+        eager = run_packed(model, layout, loaded.config)
+        got = [graphs.run(model, layout, (), lambda own: run_packed(model, own, loaded.config)) for _ in range(3)]
+    assert len(calls) == 1 and graphs.captures == 0
+    assert all(torch.equal(g, eager) for g in got)
+    assert "capture failed (operation not permitted when stream is capturing)" in caplog.text
+
+
+def test_where_graphs_do_not_run(loaded):
+    layout = _layout(loaded, _samples(loaded), True)
+    assert "CUDA device" in graph_refusal(loaded.model, layout)
+    # with the option on, a CPU run is the eager run (and a pass with gradients never graphs)
+    config = replace(loaded.config, cuda_graphs=True)
+    with torch.no_grad():
+        assert torch.equal(run_packed(loaded.model, layout, config), run_packed(loaded.model, layout, loaded.config))
+
+
+def test_the_option_reads_its_environment_variable(monkeypatch):
+    monkeypatch.setenv("PS_BRIDGE_CUDA_GRAPHS", "1")
+    assert PrefixSharingConfig.from_env().cuda_graphs
+    monkeypatch.setenv("PS_BRIDGE_CUDA_GRAPHS", "0")
+    assert not PrefixSharingConfig.from_env().cuda_graphs
