@@ -1,25 +1,30 @@
-"""CUDA graphs of the model's forward on packed micro-batches whose layout repeats.
+"""CUDA graphs of the model's forward and backward on packed micro-batches whose layout repeats.
 
-A small model's forward on a short pack is host-bound: megatron's modules, fla's Triton launchers
-and the attention calls cost more host time per layer than the GPU spends on the layer's kernels
-(BENCHMARKS.md, "small shapes"). A CUDA graph replays the whole forward's kernels from one host
-call. It replays exactly what was captured: the same kernels, grids and host integers (sequence
-counts, maximum lengths, fla's chunk counts) and the same device buffers. So a graph serves a
-micro-batch only when every device tensor the forward reads, other than the token ids, holds the
-same values as at capture: its layout has the same `structure_key` (a digest of every layout tensor
-but the tokens and labels, and of its other fields). Such a micro-batch's tokens are copied into
-the captured layout's token buffer, the graph is replayed, and its output is copied out (the next
-replay writes the same buffer).
+A small model's step on a short pack is host-bound: megatron's modules, fla's Triton launchers and
+the attention calls cost more host time per layer than the GPU spends on the layer's kernels
+(BENCHMARKS.md, "small shapes"). A CUDA graph replays all of a pass's kernels from one host call.
+It replays exactly what was captured: the same kernels, grids and host integers (sequence counts,
+maximum lengths, fla's chunk counts) and the same device buffers. So a graph serves a micro-batch
+only when every device tensor the forward reads, other than the token ids, holds the same values as
+at capture: its layout has the same `structure_key` (a digest of every layout tensor but the tokens
+and labels, and of its other fields). Such a micro-batch's tokens are copied into the captured
+layout's token buffer, the graph is replayed, and its output is copied out (the next replay writes
+the same buffer).
 
-`ForwardGraphs` keeps one model's graphs: a structure is run eagerly the first time it is seen
+`ModelGraphs` keeps one model's graphs: a structure is run eagerly the first time it is seen
 (that run also does what must not happen under capture: Triton's autotuning, fla's and torch's lazy
 initialisations), captured the second time (after one more eager run on a side stream, as
 `torch.cuda.graphs` requires), and replayed from then on; the least recently used graphs beyond
-`MAX_GRAPHS` are dropped. Graphs serve forward-only passes (`torch.no_grad`: verl's old and
-reference log-probs); a pass with gradients runs eagerly. A capture that fails (a host read of a
-device tensor inside the forward) leaves that structure eager, and says why once. A graph reads the
-parameters' storage as it was at capture: when any parameter or buffer of the model moves (verl's
-parameter offload), every graph of the model is dropped.
+`MAX_GRAPHS` are dropped. A forward-only pass (`torch.no_grad`: verl's old and reference log-probs)
+is one graph. A pass with gradients is two, captured together: the forward, and the backward of its
+output (`torch.autograd.grad` into static parameter gradients, in the forward's memory pool); the
+replayed forward is one autograd node whose backward replays the second graph and hands autograd the
+parameters' gradients, so they accumulate and megatron's gradient hooks run as after an eager
+backward. The loss stays outside the graphs. Until that backward has run, the structure's next
+forward runs eagerly (a replay would overwrite the saved activations). A capture that fails (a host
+read of a device tensor, an RNG state set inside the pass) leaves that structure eager, and says why
+once. A graph reads the parameters' storage as it was at capture: when any parameter or buffer of
+the model moves (verl's parameter offload), every graph of the model is dropped.
 
 `graph_refusal` is the one check of where graphs run: one CUDA device, no tensor, pipeline or
 context parallelism (collectives and stage inputs are not captured), no MoE (its token dispatch
@@ -78,37 +83,91 @@ def storage_fingerprint(model: torch.nn.Module) -> Tuple[int, ...]:
 
 @dataclass
 class _Graph:
-    """One structure's state: how often it was run, and once captured its graph, the layout the
-    graph reads (its tokens are the static input) and the static output."""
+    """One structure's state: how often it was run, and once captured the layout its graphs read (its
+    tokens are the static input), the forward graph and its static output; for a pass with gradients
+    also the backward graph, its static output gradient and the parameters' static gradients."""
 
     seen: int = 0
-    graph: Optional[object] = None
-    layout: Optional[PackedPrefixLayout] = None
-    output: Optional[torch.Tensor] = None
     failed: bool = False
+    layout: Optional[PackedPrefixLayout] = None
+    graph: Optional[object] = None
+    output: Optional[torch.Tensor] = None
+    backward: Optional[object] = None
+    grad_output: Optional[torch.Tensor] = None
+    params: Tuple[torch.Tensor, ...] = ()
+    grads: Tuple[Optional[torch.Tensor], ...] = ()
+    # a replayed forward whose backward has not run yet: its saved activations live in the graph's
+    # memory, which another replay of the same graph would overwrite
+    pending: bool = False
 
 
-def capture_cuda_graph(run: Callable[[], torch.Tensor]) -> Tuple[object, torch.Tensor]:
-    """(graph, static output) of `run` captured with `torch.cuda.graph`, after one eager run on a
-    side stream (torch's rule for lazily initialised libraries: cuBLAS workspaces, Triton's
-    autotuning, flash's and fla's first calls)."""
+def _warm_up(run: Callable[[], None]) -> None:
+    """`run` once on a side stream: torch's rule before a capture, for lazily initialised libraries
+    (cuBLAS workspaces, Triton's autotuning, flash's and fla's first calls)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         run()
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        output = run()
-    return graph, output
 
 
-class ForwardGraphs:
-    """The CUDA graphs of one model's forward, keyed by layout structure (see the module docstring).
-    `capture(run) -> (graph, output)` makes a graph whose `replay()` reruns `run` into `output`
-    (`capture_cuda_graph`; tests pass one that runs eagerly)."""
+class CudaGraphCapture:
+    """Captures with `torch.cuda.graph`. `forward(run) -> (graph, output)`; `training(run, params) ->
+    (forward graph, output, backward graph, output gradient, parameter gradients)`: the backward graph
+    is `torch.autograd.grad` of the captured forward's output, in the forward graph's memory pool
+    (the forward's saved activations are what it reads)."""
 
-    def __init__(self, capture: Callable = capture_cuda_graph, max_graphs: int = MAX_GRAPHS):
+    @staticmethod
+    def forward(run: Callable[[], torch.Tensor]):
+        _warm_up(run)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            output = run()
+        return graph, output
+
+    @staticmethod
+    def training(run: Callable[[], torch.Tensor], params: Tuple[torch.Tensor, ...]):
+        def step():
+            out = run()
+            torch.autograd.grad(out, params, torch.ones_like(out), allow_unused=True)
+
+        _warm_up(step)
+        forward = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(forward):
+            output = run()
+        grad_output = torch.empty_like(output)
+        backward = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(backward, pool=forward.pool()):
+            grads = torch.autograd.grad(output, params, grad_output, allow_unused=True)
+        return forward, output.detach(), backward, grad_output, grads
+
+
+class _Replayed(torch.autograd.Function):
+    """A captured forward as one autograd node: its backward replays the backward graph and hands
+    the parameters their gradients (autograd accumulates them, and megatron's gradient hooks run)."""
+
+    @staticmethod
+    def forward(ctx, entry: _Graph, *params):
+        entry.graph.replay()
+        entry.pending = True
+        ctx.entry = entry
+        return entry.output.clone()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        entry = ctx.entry
+        entry.grad_output.copy_(grad_output)
+        entry.backward.replay()
+        entry.pending = False
+        return (None,) + tuple(entry.grads)
+
+
+class ModelGraphs:
+    """The CUDA graphs of one model, keyed by layout structure and by whether the pass has
+    gradients (see the module docstring). `capture` makes them (`CudaGraphCapture`; tests pass one
+    that reruns the forward eagerly)."""
+
+    def __init__(self, capture=CudaGraphCapture, max_graphs: int = MAX_GRAPHS):
         self.capture = capture
         self.max_graphs = max_graphs
         self.graphs: "OrderedDict[tuple, _Graph]" = OrderedDict()
@@ -126,7 +185,8 @@ class ForwardGraphs:
                 logger.info("[PS][graphs] the model's parameters moved: its %d CUDA graphs are dropped", len(self.graphs))
             self.graphs.clear()
             self.fingerprint = fingerprint
-        key = (layout.structure_key(),) + tuple(key)
+        training = torch.is_grad_enabled()
+        key = (layout.structure_key(), training) + tuple(key)
         entry = self.graphs.get(key)
         if entry is None:
             entry = self.graphs[key] = _Graph()
@@ -135,39 +195,46 @@ class ForwardGraphs:
         self.graphs.move_to_end(key)
         entry.seen += 1
         if entry.graph is None and not entry.failed and entry.seen >= CAPTURE_AT:
-            self._capture(entry, layout, forward)
-        if entry.graph is None:
+            self._capture(entry, model, layout, forward, training)
+        if entry.graph is None or entry.pending:
             return forward(layout)
         entry.layout.tokens.copy_(layout.tokens)
-        entry.graph.replay()
         self.replays += 1
-        return entry.output.clone()
+        if not training:
+            entry.graph.replay()
+            return entry.output.clone()
+        return _Replayed.apply(entry, *entry.params)
 
-    def _capture(self, entry: _Graph, layout: PackedPrefixLayout, forward) -> None:
+    def _capture(self, entry: _Graph, model, layout: PackedPrefixLayout, forward, training: bool) -> None:
         # the graph's own layout: the caller's, with a token buffer of its own (later micro-batches'
         # tokens are copied into it) and the same `host`, so the device tensors derived from it (the
         # attention and GDN plans) are the ones the eager runs built and the graph reads
         own = replace(layout, tokens=layout.tokens.clone())
         try:
-            entry.graph, entry.output = self.capture(lambda: forward(own))
+            if training:
+                params = tuple(p for p in model.parameters() if p.requires_grad)
+                graph, output, backward, grad_output, grads = self.capture.training(lambda: forward(own), params)
+                entry.backward, entry.grad_output, entry.params, entry.grads = backward, grad_output, params, grads
+            else:
+                graph, output = self.capture.forward(lambda: forward(own))
         except RuntimeError as e:
             entry.failed = True
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             logger.warning("[PS][graphs] this micro-batch shape runs without a CUDA graph: capture failed (%s)", first)
             return
-        entry.layout = own
+        entry.layout, entry.graph, entry.output = own, graph, output
         self.captures += 1
 
 
-_GRAPHS: "weakref.WeakKeyDictionary[torch.nn.Module, ForwardGraphs]" = weakref.WeakKeyDictionary()
+_GRAPHS: "weakref.WeakKeyDictionary[torch.nn.Module, ModelGraphs]" = weakref.WeakKeyDictionary()
 _REFUSED: set = set()
 
 
-def forward_graphs(model: torch.nn.Module) -> ForwardGraphs:
+def model_graphs(model: torch.nn.Module) -> ModelGraphs:
     """The graphs of `model` (made on first use, dropped with the model)."""
     graphs = _GRAPHS.get(model)
     if graphs is None:
-        graphs = _GRAPHS[model] = ForwardGraphs()
+        graphs = _GRAPHS[model] = ModelGraphs()
     return graphs
 
 
@@ -181,4 +248,4 @@ def graphed(model: torch.nn.Module, layout: PackedPrefixLayout, key: tuple,
             _REFUSED.add(refusal)
             logger.info("[PS][graphs] the forward runs without CUDA graphs: %s", refusal)
         return forward(layout)
-    return forward_graphs(model).run(model, layout, key, forward)
+    return model_graphs(model).run(model, layout, key, forward)

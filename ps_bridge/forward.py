@@ -47,10 +47,10 @@ def shard_tag(layout: PackedPrefixLayout) -> str:
 
 def run_packed(model: torch.nn.Module, layout: PackedPrefixLayout, config: PrefixSharingConfig) -> torch.Tensor:
     """`model` (megatron's module, wrapped or not) on the packed sequence of `layout` (on the model's
-    device), with `config.backend` as the softmax-attention backend. With `config.cuda_graphs` a
-    forward-only pass replays a CUDA graph where one was captured for the layout's structure
+    device), with `config.backend` as the softmax-attention backend. With `config.cuda_graphs` the
+    forward (and its backward) replays CUDA graphs where they were captured for the layout's structure
     (`ps_bridge.cuda_graphs`)."""
-    if config.cuda_graphs and not torch.is_grad_enabled():
+    if config.cuda_graphs:
         return graphed(model, layout, (config.backend,), lambda own: _run(model, own, config))
     return _run(model, layout, config)
 

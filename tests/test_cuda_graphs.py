@@ -16,27 +16,50 @@ import pytest
 import torch
 
 from ps_bridge.config import PrefixSharingConfig
-from ps_bridge.cuda_graphs import ForwardGraphs, graph_refusal
+from ps_bridge.cuda_graphs import ModelGraphs, graph_refusal
 from ps_bridge.forward import run_packed
 from ps_bridge.layout import Sample, build_layout
 from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
 from qwen35_helpers import load_tiny
 
 
-class RecordedForward:
-    """Stands in for a CUDA graph: `replay()` reruns the recorded forward into the static output."""
+class Rerun:
+    """Stands in for a CUDA graph: `replay()` reruns what was recorded."""
 
     def __init__(self, run):
-        self.run = run
-
-    def replay(self):
-        self.output.copy_(self.run())
+        self.replay = run
 
 
-def record(run):
-    graph = RecordedForward(run)
-    graph.output = run()
-    return graph, graph.output
+class Recorded:
+    """Stands in for `cuda_graphs.CudaGraphCapture`: each "graph" reruns the recorded pass on the
+    captured layout (whose token buffer a replay refills) into the static tensors. The backward's
+    rerun recomputes the forward on the tokens of the last forward replay, as a captured backward
+    reads the activations that replay saved."""
+
+    @staticmethod
+    def forward(run):
+        output = run()
+        return Rerun(lambda: output.copy_(run())), output
+
+    @staticmethod
+    def training(run, params):
+        output = run()
+        grads = torch.autograd.grad(output, params, torch.ones_like(output), allow_unused=True)
+        grads = tuple(None if g is None else torch.empty_like(g) for g in grads)
+        grad_output = torch.empty_like(output)
+        output = output.detach()
+
+        def backward():
+            with torch.enable_grad():  # an autograd Function's backward runs without gradients
+                new = torch.autograd.grad(run(), params, grad_output, allow_unused=True)
+            for static, g in zip(grads, new):
+                if static is not None:
+                    static.copy_(g)
+
+        return Rerun(lambda: output.copy_(run().detach())), output, Rerun(backward), grad_output, grads
+
+
+record = Recorded
 
 
 def relabelled(samples, vocab: int, shift: int):
@@ -89,7 +112,7 @@ def test_replayed_forward_equals_eager(loaded, share):
     vocab = min(loaded.vocab_size, 248)
     samples = _samples(loaded)
     layouts = [_layout(loaded, relabelled(samples, vocab, shift), share) for shift in (0, 5, 11)]
-    graphs = ForwardGraphs(capture=record)
+    graphs = ModelGraphs(capture=record)
 
     def forward(layout):
         return run_packed(model, layout, config)
@@ -105,9 +128,65 @@ def test_replayed_forward_equals_eager(loaded, share):
     assert not torch.equal(eager[1], eager[2])  # the tokens matter: a replay did not return a stale output
 
 
+def _loss_and_grads(model, logits, weights):
+    model.zero_grad(set_to_none=True)
+    (logits.float() * weights).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("share", [False, "tree"])
+def test_replayed_training_pass_equals_eager(loaded, share):
+    """Forward and backward replayed: the logits and every parameter's gradient of each micro-batch
+    equal the eager run's, with the loss (outside the graphs) weighting the logits."""
+    model, config = loaded.model, replace(loaded.config, cuda_graphs=True)
+    vocab = min(loaded.vocab_size, 248)
+    samples = _samples(loaded)
+    layouts = [_layout(loaded, relabelled(samples, vocab, shift), share) for shift in (0, 5, 11)]
+    graphs = ModelGraphs(capture=record)
+    got, want = [], []
+    for i, layout in enumerate(layouts):
+        out = graphs.run(model, layout, (), lambda own: run_packed(model, own, config))
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(i))
+        got.append((out.detach(), _loss_and_grads(model, out, weights)))
+        eager = run_packed(model, layout, loaded.config)
+        want.append((eager.detach(), _loss_and_grads(model, eager, weights)))
+    assert (graphs.captures, graphs.replays) == (1, 2)
+    for (out, grads), (out_e, grads_e) in zip(got, want):
+        assert torch.equal(out, out_e)
+        assert grads.keys() == grads_e.keys()
+        for name in grads:
+            assert torch.equal(grads[name], grads_e[name]), name
+    model.zero_grad(set_to_none=True)
+
+
+def test_a_forward_before_the_last_ones_backward_runs_eagerly(loaded):
+    """Two forwards of one structure before their backwards: the second runs eagerly (a replay
+    would overwrite the activations the first one's backward reads), and both gradients are right."""
+    model, config = loaded.model, replace(loaded.config, cuda_graphs=True)
+    vocab = min(loaded.vocab_size, 248)
+    samples = _samples(loaded)
+    a, b, c = (_layout(loaded, relabelled(samples, vocab, shift), True) for shift in (0, 3, 9))
+    graphs = ModelGraphs(capture=record)
+    for layout in (a, a):  # seen, then captured
+        out = graphs.run(model, layout, (), lambda own: run_packed(model, own, config))
+        out.sum().backward()
+    model.zero_grad(set_to_none=True)
+    first = graphs.run(model, b, (), lambda own: run_packed(model, own, config))
+    second = graphs.run(model, c, (), lambda own: run_packed(model, own, config))
+    assert graphs.replays == 2  # the capture's own replay, then b; c ran eagerly
+    (first.sum() + 2 * second.sum()).backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    (run_packed(model, b, loaded.config).sum() + 2 * run_packed(model, c, loaded.config).sum()).backward()
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(got[n], p.grad, rtol=1e-6, atol=1e-6)
+    model.zero_grad(set_to_none=True)
+
+
 def test_other_structures_get_their_own_graph_and_old_ones_are_dropped(loaded):
     model = loaded.model
-    graphs = ForwardGraphs(capture=record, max_graphs=1)
+    graphs = ModelGraphs(capture=record, max_graphs=1)
     samples = _samples(loaded)
     shared, unshared = _layout(loaded, samples, True), _layout(loaded, samples, False)
 
@@ -123,7 +202,7 @@ def test_other_structures_get_their_own_graph_and_old_ones_are_dropped(loaded):
 
 def test_moved_parameters_drop_the_graphs(loaded):
     model = loaded.model
-    graphs = ForwardGraphs(capture=record)
+    graphs = ModelGraphs(capture=record)
     layout = _layout(loaded, _samples(loaded), True)
 
     def forward(own):
@@ -149,11 +228,13 @@ def test_a_failed_capture_stays_eager(loaded, caplog):
     model = loaded.model
     calls = []
 
-    def failing(run):
-        calls.append(1)
-        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+    class Failing:
+        @staticmethod
+        def forward(run):
+            calls.append(1)
+            raise RuntimeError("operation not permitted when stream is capturing\nmore")
 
-    graphs = ForwardGraphs(capture=failing)
+    graphs = ModelGraphs(capture=Failing)
     layout = _layout(loaded, _samples(loaded), True)
     with torch.no_grad():
         eager = run_packed(model, layout, loaded.config)

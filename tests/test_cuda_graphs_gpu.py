@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ps_bridge.cuda_graphs import forward_graphs
+from ps_bridge.cuda_graphs import model_graphs
 from ps_bridge.forward import run_packed
 from ps_bridge.layout import Sample, build_layout
 
@@ -56,7 +56,7 @@ def test_replayed_graph_equals_eager(tmp_path, name):
     loaded = _loaded(name, tmp_path)
     vocab = loaded.vocab_size
     eager_config = replace(loaded.config, cuda_graphs=False)
-    graphs = forward_graphs(loaded.model)
+    graphs = model_graphs(loaded.model)
     cases = [
         ("unshared", grpo_like_samples(vocab, num_prompts=3, n=4, prompt_len=(20, 90), response_len=(1, 40), seed=1), False),
         ("groups", grpo_like_samples(vocab, num_prompts=3, n=4, prompt_len=(20, 90), response_len=(1, 40), seed=2), True),
@@ -75,3 +75,46 @@ def test_replayed_graph_equals_eager(tmp_path, name):
             assert torch.equal(got, want), f"{name} {label} micro-batch {i}: max diff {(got - want).abs().max()}"
         assert not torch.equal(eager[1], eager[2])
         print(f"{name} {label}: {layouts[0].num_tokens} packed tokens, depth {layouts[0].tree_depth}: replay == eager")
+
+
+def _grads(model, logits, weights):
+    model.zero_grad(set_to_none=True)
+    (logits.float() * weights).sum().backward()
+    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _relative(a: dict, b: dict) -> float:
+    num = sum(float((a[n] - b[n]).norm() ** 2) for n in a) ** 0.5
+    return num / max(sum(float(b[n].norm() ** 2) for n in b) ** 0.5, 1e-30)
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "qwen3.5"])
+def test_replayed_training_pass_equals_eager(tmp_path, name):
+    """Forward and backward graphs: the logits bit for bit, every gradient within the eager backward's
+    own run-to-run spread (flash's backward accumulates with atomics), for a shared tree pack."""
+    from test_bf16_vs_fp32_gpu import gpu_tree_samples
+
+    loaded = _loaded(name, tmp_path)
+    vocab = loaded.vocab_size
+    eager_config = replace(loaded.config, cuda_graphs=False)
+    graphs = model_graphs(loaded.model)
+    samples = gpu_tree_samples(vocab)
+    layouts = [build_layout(relabelled(samples, vocab, shift), share="tree", pad_multiple=8, vocab_size=vocab)
+               .to(loaded.device) for shift in (0, 7, 13)]
+    captures, replays = graphs.captures, graphs.replays
+    for i, layout in enumerate(layouts):
+        weights = torch.randn(layout.num_tokens, generator=torch.Generator().manual_seed(i)).to(loaded.device)
+        out = run_packed(loaded.model, layout, loaded.config)
+        w = weights[: out.reshape(-1, out.shape[-1]).shape[0]].view(*out.shape[:-1], 1)
+        got = _grads(loaded.model, out, w)
+        eager = run_packed(loaded.model, layout, eager_config)
+        want = _grads(loaded.model, eager, w)
+        again = _grads(loaded.model, run_packed(loaded.model, layout, eager_config), w)
+        assert torch.equal(out.detach(), eager.detach()), f"{name} micro-batch {i}: logits differ"
+        spread, err = _relative(again, want), _relative(got, want)
+        print(f"{name} training micro-batch {i}: gradient {err:.2e} from eager (eager's own spread {spread:.2e})")
+        assert err <= max(4 * spread, 1e-3)
+    assert graphs.captures == captures + 1, f"{name}: the training pass was not captured (see the log)"
+    assert graphs.replays == replays + 2

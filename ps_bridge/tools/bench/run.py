@@ -129,8 +129,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rows per float32 log-softmax chunk (default 1024; 0.6 GB at a 152k vocabulary)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--cuda-graphs", action="store_true",
-                        help="run the log-prob passes as CUDA graphs (PrefixSharingConfig.cuda_graphs): each packing "
-                             "is captured in the warm-up and replayed when timed; the actor step stays eager")
+                        help="run the actor steps and log-prob passes as CUDA graphs (PrefixSharingConfig.cuda_graphs), "
+                             "shared and unshared alike: each packing is captured in the warm-up and replayed when timed")
     parser.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                         help="also write the results as JSON to FILE (stdout when FILE is omitted)")
     parser.add_argument("--plot", default=None, metavar="FILE", help="write a PNG of measured vs ideal speed-up")
