@@ -22,8 +22,8 @@ replayed forward is one autograd node whose backward replays the second graph an
 parameters' gradients, so they accumulate and megatron's gradient hooks run as after an eager
 backward. The loss stays outside the graphs. Until that backward has run, the structure's next
 forward runs eagerly (a replay would overwrite the saved activations). A capture that fails (a host
-read of a device tensor, an RNG state set inside the pass) leaves that structure eager, and says why
-once. A graph reads the parameters' storage as it was at capture: when any parameter or buffer of
+read of a device tensor, an RNG state set inside the pass) stops captures in the process (the graphs
+already captured still replay), and says why once. A graph reads the parameters' storage as it was at capture: when any parameter or buffer of
 the model moves (verl's parameter offload), every graph of the model is dropped.
 
 `graph_refusal` is the one check of where graphs run: one CUDA device, no tensor, pipeline or
@@ -111,11 +111,21 @@ def _warm_up(run: Callable[[], None]) -> None:
     torch.cuda.current_stream().wait_stream(side)
 
 
+def parameter_aliases(named: Tuple[Tuple[str, torch.Tensor], ...]) -> dict:
+    """Fresh leaf tensors over the parameters' storage, by name (for `torch.func.functional_call`)."""
+    return {name: p.detach().requires_grad_() for name, p in named}
+
+
 class CudaGraphCapture:
-    """Captures with `torch.cuda.graph`. `forward(run) -> (graph, output)`; `training(run, params) ->
+    """Captures with `torch.cuda.graph`. `forward(run) -> (graph, output)`; `training(run, named) ->
     (forward graph, output, backward graph, output gradient, parameter gradients)`: the backward graph
     is `torch.autograd.grad` of the captured forward's output, in the forward graph's memory pool
-    (the forward's saved activations are what it reads)."""
+    (the forward's saved activations are what it reads). The pass with gradients runs the model on
+    aliases of its parameters (`run(aliases)`, `torch.func.functional_call`): gradients taken at the
+    parameters themselves would go through their gradient-accumulator nodes, which megatron's DDP
+    keeps from its construction on the default stream, and autograd's wait on that stream is not
+    allowed inside a capture (torch/csrc/autograd/input_buffer.cpp, "AccumulateGrad node's stream
+    does not match")."""
 
     @staticmethod
     def forward(run: Callable[[], torch.Tensor]):
@@ -126,19 +136,21 @@ class CudaGraphCapture:
         return graph, output
 
     @staticmethod
-    def training(run: Callable[[], torch.Tensor], params: Tuple[torch.Tensor, ...]):
+    def training(run: Callable[[dict], torch.Tensor], named: Tuple[Tuple[str, torch.Tensor], ...]):
         def step():
-            out = run()
-            torch.autograd.grad(out, params, torch.ones_like(out), allow_unused=True)
+            aliases = parameter_aliases(named)
+            out = run(aliases)
+            torch.autograd.grad(out, tuple(aliases.values()), torch.ones_like(out), allow_unused=True)
 
         _warm_up(step)
+        aliases = parameter_aliases(named)  # made on this stream, their accumulators under the capture
         forward = torch.cuda.CUDAGraph()
         with torch.cuda.graph(forward):
-            output = run()
+            output = run(aliases)
         grad_output = torch.empty_like(output)
         backward = torch.cuda.CUDAGraph()
         with torch.cuda.graph(backward, pool=forward.pool()):
-            grads = torch.autograd.grad(output, params, grad_output, allow_unused=True)
+            grads = torch.autograd.grad(output, tuple(aliases.values()), grad_output, allow_unused=True)
         return forward, output.detach(), backward, grad_output, grads
 
 
@@ -167,6 +179,8 @@ class ModelGraphs:
     gradients (see the module docstring). `capture` makes them (`CudaGraphCapture`; tests pass one
     that reruns the forward eagerly)."""
 
+    stopped: Optional[str] = None  # why captures stopped in this process (the first failed one)
+
     def __init__(self, capture=CudaGraphCapture, max_graphs: int = MAX_GRAPHS):
         self.capture = capture
         self.max_graphs = max_graphs
@@ -176,9 +190,10 @@ class ModelGraphs:
         self.replays = 0
 
     def run(self, model: torch.nn.Module, layout: PackedPrefixLayout, key: tuple,
-            forward: Callable[[PackedPrefixLayout], torch.Tensor]) -> torch.Tensor:
-        """`forward(layout)`, replayed from a graph where one was captured for `layout`'s structure
-        (`key` adds what else the forward depends on: the attention backend)."""
+            forward: Callable[[PackedPrefixLayout, Optional[dict]], torch.Tensor]) -> torch.Tensor:
+        """`forward(layout, None)`, replayed from a graph where one was captured for `layout`'s
+        structure (`key` adds what else the forward depends on: the attention backend).
+        `forward(layout, params)` runs the model with `params` (name -> tensor) in place of its own."""
         fingerprint = storage_fingerprint(model)
         if fingerprint != self.fingerprint:
             if self.graphs:
@@ -194,10 +209,10 @@ class ModelGraphs:
                 self.graphs.popitem(last=False)
         self.graphs.move_to_end(key)
         entry.seen += 1
-        if entry.graph is None and not entry.failed and entry.seen >= CAPTURE_AT:
+        if entry.graph is None and not entry.failed and entry.seen >= CAPTURE_AT and not ModelGraphs.stopped:
             self._capture(entry, model, layout, forward, training)
         if entry.graph is None or entry.pending:
-            return forward(layout)
+            return forward(layout, None)
         entry.layout.tokens.copy_(layout.tokens)
         self.replays += 1
         if not training:
@@ -212,15 +227,20 @@ class ModelGraphs:
         own = replace(layout, tokens=layout.tokens.clone())
         try:
             if training:
-                params = tuple(p for p in model.parameters() if p.requires_grad)
-                graph, output, backward, grad_output, grads = self.capture.training(lambda: forward(own), params)
-                entry.backward, entry.grad_output, entry.params, entry.grads = backward, grad_output, params, grads
+                named = tuple((n, p) for n, p in model.named_parameters() if p.requires_grad)
+                graph, output, backward, grad_output, grads = self.capture.training(
+                    lambda aliases: forward(own, aliases), named)
+                entry.backward, entry.grad_output, entry.grads = backward, grad_output, grads
+                entry.params = tuple(p for _, p in named)
             else:
-                graph, output = self.capture.forward(lambda: forward(own))
+                graph, output = self.capture.forward(lambda: forward(own, None))
         except RuntimeError as e:
             entry.failed = True
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            logger.warning("[PS][graphs] this micro-batch shape runs without a CUDA graph: capture failed (%s)", first)
+            # a capture that failed inside torch.cuda.graph can leave CUDA's RNG in its capture state
+            # (a later random draw then fails), so none is tried again in this process
+            ModelGraphs.stopped = str(e).splitlines()[0] if str(e) else type(e).__name__
+            logger.warning("[PS][graphs] CUDA graphs are off for the rest of this process: a capture failed (%s)",
+                           ModelGraphs.stopped)
             return
         entry.layout, entry.graph, entry.output = own, graph, output
         self.captures += 1
@@ -239,13 +259,13 @@ def model_graphs(model: torch.nn.Module) -> ModelGraphs:
 
 
 def graphed(model: torch.nn.Module, layout: PackedPrefixLayout, key: tuple,
-            forward: Callable[[PackedPrefixLayout], torch.Tensor]) -> torch.Tensor:
-    """`forward(layout)` through the model's graphs where `graph_refusal` allows, else eagerly (the
-    reason logged once per reason)."""
+            forward: Callable[[PackedPrefixLayout, Optional[dict]], torch.Tensor]) -> torch.Tensor:
+    """`forward(layout, None)` through the model's graphs where `graph_refusal` allows, else eagerly
+    (the reason logged once per reason)."""
     refusal = graph_refusal(model, layout)
     if refusal is not None:
         if refusal not in _REFUSED:
             _REFUSED.add(refusal)
             logger.info("[PS][graphs] the forward runs without CUDA graphs: %s", refusal)
-        return forward(layout)
+        return forward(layout, None)
     return model_graphs(model).run(model, layout, key, forward)

@@ -51,17 +51,22 @@ def run_packed(model: torch.nn.Module, layout: PackedPrefixLayout, config: Prefi
     forward (and its backward) replays CUDA graphs where they were captured for the layout's structure
     (`ps_bridge.cuda_graphs`)."""
     if config.cuda_graphs:
-        return graphed(model, layout, (config.backend,), lambda own: _run(model, own, config))
+        return graphed(model, layout, (config.backend,), lambda own, weights: _run(model, own, config, weights))
     return _run(model, layout, config)
 
 
-def _run(model: torch.nn.Module, layout: PackedPrefixLayout, config: PrefixSharingConfig) -> torch.Tensor:
+def _run(model: torch.nn.Module, layout: PackedPrefixLayout, config: PrefixSharingConfig,
+         weights: Optional[dict] = None) -> torch.Tensor:
+    """The model's call; with `weights` (parameter name -> tensor) in place of its parameters."""
     shard = local_shard(layout)
     params = PrefixSharedPackedSeqParams.from_layout(layout, attention_backend=config.backend, cp_shard=shard)
     tokens = layout.tokens if shard is None else layout.tokens[shard]
-    return model(
+    inputs = dict(
         input_ids=tokens.unsqueeze(0),
         position_ids=params.local_positions.unsqueeze(0),
         attention_mask=None,
         packed_seq_params=params,
     )
+    if weights is not None:
+        return torch.func.functional_call(model, weights, args=(), kwargs=inputs)
+    return model(**inputs)

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from ps_bridge.config import PrefixSharingConfig
-from ps_bridge.cuda_graphs import ModelGraphs, graph_refusal
-from ps_bridge.forward import run_packed
+from ps_bridge.cuda_graphs import ModelGraphs, graph_refusal, parameter_aliases
+from ps_bridge.forward import _run, run_packed
 from ps_bridge.layout import Sample, build_layout
 from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
 from qwen35_helpers import load_tiny
@@ -42,8 +42,10 @@ class Recorded:
         return Rerun(lambda: output.copy_(run())), output
 
     @staticmethod
-    def training(run, params):
-        output = run()
+    def training(run, named):
+        aliases = parameter_aliases(named)
+        params = tuple(aliases.values())
+        output = run(aliases)
         grads = torch.autograd.grad(output, params, torch.ones_like(output), allow_unused=True)
         grads = tuple(None if g is None else torch.empty_like(g) for g in grads)
         grad_output = torch.empty_like(output)
@@ -51,12 +53,12 @@ class Recorded:
 
         def backward():
             with torch.enable_grad():  # an autograd Function's backward runs without gradients
-                new = torch.autograd.grad(run(), params, grad_output, allow_unused=True)
+                new = torch.autograd.grad(run(aliases), params, grad_output, allow_unused=True)
             for static, g in zip(grads, new):
                 if static is not None:
                     static.copy_(g)
 
-        return Rerun(lambda: output.copy_(run().detach())), output, Rerun(backward), grad_output, grads
+        return Rerun(lambda: output.copy_(run(aliases).detach())), output, Rerun(backward), grad_output, grads
 
 
 record = Recorded
@@ -114,7 +116,7 @@ def test_replayed_forward_equals_eager(loaded, share):
     layouts = [_layout(loaded, relabelled(samples, vocab, shift), share) for shift in (0, 5, 11)]
     graphs = ModelGraphs(capture=record)
 
-    def forward(layout):
+    def forward(layout, weights=None):
         return run_packed(model, layout, config)
 
     outputs = []
@@ -145,7 +147,7 @@ def test_replayed_training_pass_equals_eager(loaded, share):
     graphs = ModelGraphs(capture=record)
     got, want = [], []
     for i, layout in enumerate(layouts):
-        out = graphs.run(model, layout, (), lambda own: run_packed(model, own, config))
+        out = graphs.run(model, layout, (), lambda own, weights: _run(model, own, config, weights))
         weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(i))
         got.append((out.detach(), _loss_and_grads(model, out, weights)))
         eager = run_packed(model, layout, loaded.config)
@@ -168,11 +170,11 @@ def test_a_forward_before_the_last_ones_backward_runs_eagerly(loaded):
     a, b, c = (_layout(loaded, relabelled(samples, vocab, shift), True) for shift in (0, 3, 9))
     graphs = ModelGraphs(capture=record)
     for layout in (a, a):  # seen, then captured
-        out = graphs.run(model, layout, (), lambda own: run_packed(model, own, config))
+        out = graphs.run(model, layout, (), lambda own, weights: _run(model, own, config, weights))
         out.sum().backward()
     model.zero_grad(set_to_none=True)
-    first = graphs.run(model, b, (), lambda own: run_packed(model, own, config))
-    second = graphs.run(model, c, (), lambda own: run_packed(model, own, config))
+    first = graphs.run(model, b, (), lambda own, weights: _run(model, own, config, weights))
+    second = graphs.run(model, c, (), lambda own, weights: _run(model, own, config, weights))
     assert graphs.replays == 2  # the capture's own replay, then b; c ran eagerly
     (first.sum() + 2 * second.sum()).backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -190,7 +192,7 @@ def test_other_structures_get_their_own_graph_and_old_ones_are_dropped(loaded):
     samples = _samples(loaded)
     shared, unshared = _layout(loaded, samples, True), _layout(loaded, samples, False)
 
-    def forward(layout):
+    def forward(layout, weights=None):
         return run_packed(model, layout, loaded.config)
 
     with torch.no_grad():
@@ -205,7 +207,7 @@ def test_moved_parameters_drop_the_graphs(loaded):
     graphs = ModelGraphs(capture=record)
     layout = _layout(loaded, _samples(loaded), True)
 
-    def forward(own):
+    def forward(own, weights=None):
         return run_packed(model, own, loaded.config)
 
     with torch.no_grad():
@@ -224,7 +226,8 @@ def test_moved_parameters_drop_the_graphs(loaded):
             param.data = saved
 
 
-def test_a_failed_capture_stays_eager(loaded, caplog):
+def test_a_failed_capture_stays_eager(loaded, caplog, monkeypatch):
+    monkeypatch.setattr(ModelGraphs, "stopped", None)
     model = loaded.model
     calls = []
 
@@ -238,10 +241,18 @@ def test_a_failed_capture_stays_eager(loaded, caplog):
     layout = _layout(loaded, _samples(loaded), True)
     with torch.no_grad():
         eager = run_packed(model, layout, loaded.config)
-        got = [graphs.run(model, layout, (), lambda own: run_packed(model, own, loaded.config)) for _ in range(3)]
+        got = [graphs.run(model, layout, (), lambda own, weights: _run(model, own, loaded.config, weights)) for _ in range(3)]
     assert len(calls) == 1 and graphs.captures == 0
     assert all(torch.equal(g, eager) for g in got)
-    assert "capture failed (operation not permitted when stream is capturing)" in caplog.text
+    assert "a capture failed (operation not permitted when stream is capturing)" in caplog.text
+    # no other capture is tried in this process
+    assert ModelGraphs.stopped
+    again = ModelGraphs(capture=Failing)
+    with torch.no_grad():
+        for _ in range(3):
+            again.run(model, layout, (), lambda own, weights: _run(model, own, loaded.config, weights))
+    assert len(calls) == 1
+    monkeypatch.setattr(ModelGraphs, "stopped", None)
 
 
 def test_where_graphs_do_not_run(loaded):

@@ -6,6 +6,8 @@ two packings of one micro-batch timed against each other, interleaved (`run_pair
 
 from __future__ import annotations
 
+import gc
+
 import statistics
 import time
 from dataclasses import dataclass
@@ -214,9 +216,13 @@ def _first_that_fits(loaded, candidates, backend: str, **timing):
             return result, rows, layouts, index, ""
         except torch.cuda.OutOfMemoryError as e:
             last_error = str(e).splitlines()[0] if str(e) else ""
-            loaded.model.zero_grad(set_to_none=True)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        # out of the except block: the exception's traceback holds the failed attempt's frames (its
+        # activations) until it is dropped, and reference cycles through such frames until the
+        # collector runs, so only now can their memory be freed and handed back
+        loaded.model.zero_grad(set_to_none=True)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return None, None, layouts, -1, last_error
 
 
