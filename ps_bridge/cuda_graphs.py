@@ -244,6 +244,8 @@ class ModelGraphs:
             return
         entry.layout, entry.graph, entry.output = own, graph, output
         self.captures += 1
+        logger.info("[PS][graphs] captured the %s of a %d-token micro-batch (depth %d); it replays from now on",
+                    "forward and backward" if training else "forward", layout.num_tokens, layout.tree_depth)
 
 
 _GRAPHS: "weakref.WeakKeyDictionary[torch.nn.Module, ModelGraphs]" = weakref.WeakKeyDictionary()
