@@ -41,6 +41,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel
 
 from ps_bridge.layout import PackedPrefixLayout
 
@@ -77,8 +78,19 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def storage_fingerprint(model: torch.nn.Module) -> Tuple[int, ...]:
-    """Where every parameter and buffer of `model` lives: a graph is valid while this is unchanged."""
-    return tuple(t.data_ptr() for t in model.parameters()) + tuple(t.data_ptr() for t in model.buffers())
+    """Where every parameter and buffer of `model` lives: a graph is valid while this is unchanged.
+    (nn.Module's own methods: megatron's DDP sets an attribute `buffers`, its gradient buffers.)"""
+    params = torch.nn.Module.parameters(model)
+    return tuple(t.data_ptr() for t in params) + tuple(t.data_ptr() for t in torch.nn.Module.buffers(model))
+
+
+def without_data_parallel(model: torch.nn.Module) -> torch.nn.Module:
+    """The module megatron's DDP wraps (or `model`): what `torch.func.functional_call` runs with
+    parameter aliases. Only DDP is unwrapped: its forward is its module's, while megatron's
+    Float16Module, inside it, casts the inputs and the last stage's outputs."""
+    while isinstance(model, DistributedDataParallel):
+        model = model.module
+    return model
 
 
 @dataclass
@@ -227,7 +239,7 @@ class ModelGraphs:
         own = replace(layout, tokens=layout.tokens.clone())
         try:
             if training:
-                named = tuple((n, p) for n, p in model.named_parameters() if p.requires_grad)
+                named = tuple((n, p) for n, p in without_data_parallel(model).named_parameters() if p.requires_grad)
                 graph, output, backward, grad_output, grads = self.capture.training(
                     lambda aliases: forward(own, aliases), named)
                 entry.backward, entry.grad_output, entry.grads = backward, grad_output, grads

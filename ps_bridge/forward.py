@@ -17,7 +17,7 @@ import torch
 from megatron.core import parallel_state
 
 from ps_bridge.config import PrefixSharingConfig
-from ps_bridge.cuda_graphs import graphed
+from ps_bridge.cuda_graphs import graphed, without_data_parallel
 from ps_bridge.layout import PackedPrefixLayout
 from ps_bridge.models.context_parallel import cp_rank_size
 from ps_bridge.models.packed_seq import PrefixSharedPackedSeqParams
@@ -57,7 +57,8 @@ def run_packed(model: torch.nn.Module, layout: PackedPrefixLayout, config: Prefi
 
 def _run(model: torch.nn.Module, layout: PackedPrefixLayout, config: PrefixSharingConfig,
          weights: Optional[dict] = None) -> torch.Tensor:
-    """The model's call; with `weights` (parameter name -> tensor) in place of its parameters."""
+    """The model's call; with `weights` (parameter name -> tensor, names of `without_data_parallel(model)`)
+    in place of its parameters."""
     shard = local_shard(layout)
     params = PrefixSharedPackedSeqParams.from_layout(layout, attention_backend=config.backend, cp_shard=shard)
     tokens = layout.tokens if shard is None else layout.tokens[shard]
@@ -68,5 +69,5 @@ def _run(model: torch.nn.Module, layout: PackedPrefixLayout, config: PrefixShari
         packed_seq_params=params,
     )
     if weights is not None:
-        return torch.func.functional_call(model, weights, args=(), kwargs=inputs)
+        return torch.func.functional_call(without_data_parallel(model), weights, args=(), kwargs=inputs)
     return model(**inputs)

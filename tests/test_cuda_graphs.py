@@ -269,3 +269,35 @@ def test_the_option_reads_its_environment_variable(monkeypatch):
     assert PrefixSharingConfig.from_env().cuda_graphs
     monkeypatch.setenv("PS_BRIDGE_CUDA_GRAPHS", "0")
     assert not PrefixSharingConfig.from_env().cuda_graphs
+
+
+def test_a_data_parallel_wrapped_model(loaded):
+    """verl hands the model inside megatron's DDP, whose `buffers` attribute (its gradient buffers)
+    hides nn.Module's method: graphs fingerprint the parameters through nn.Module's own methods, and
+    the pass with gradients runs the wrapped module on parameter aliases, the gradients reaching the
+    parameters as after an eager backward."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    class WrappedLikeDDP(DistributedDataParallel):
+        def __init__(self, module):  # no process group or gradient buffers: only what graphs read
+            torch.nn.Module.__init__(self)
+            self.module = module
+            self.buffers = []
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+    model = WrappedLikeDDP(loaded.model)
+    config = replace(loaded.config, cuda_graphs=True)
+    vocab = min(loaded.vocab_size, 248)
+    samples = _samples(loaded)
+    graphs = ModelGraphs(capture=record)
+    for i, shift in enumerate((0, 4, 8)):
+        layout = _layout(loaded, relabelled(samples, vocab, shift), True)
+        out = graphs.run(model, layout, (), lambda own, weights: _run(model, own, config, weights))
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(i))
+        got = _loss_and_grads(loaded.model, out, weights)
+        want = _loss_and_grads(loaded.model, _run(model, layout, loaded.config), weights)
+        assert all(torch.equal(got[n], want[n]) for n in want) and got.keys() == want.keys()
+    assert (graphs.captures, graphs.replays) == (1, 2)
+    loaded.model.zero_grad(set_to_none=True)
