@@ -227,6 +227,7 @@ class ModelGraphs:
             return forward(layout, None)
         entry.layout.tokens.copy_(layout.tokens)
         self.replays += 1
+        COUNTS["replays"] += 1
         if not training:
             entry.graph.replay()
             return entry.output.clone()
@@ -256,9 +257,13 @@ class ModelGraphs:
             return
         entry.layout, entry.graph, entry.output = own, graph, output
         self.captures += 1
+        COUNTS["captures"] += 1
         logger.info("[PS][graphs] captured the %s of a %d-token micro-batch (depth %d); it replays from now on",
                     "forward and backward" if training else "forward", layout.num_tokens, layout.tree_depth)
 
+
+# captures and replays of every model of this process (verl-check reports them per phase)
+COUNTS = {"captures": 0, "replays": 0}
 
 _GRAPHS: "weakref.WeakKeyDictionary[torch.nn.Module, ModelGraphs]" = weakref.WeakKeyDictionary()
 _REFUSED: set = set()

@@ -192,6 +192,18 @@ def test_counting_compiles_sees_triton_hooks_and_restores_them():
     assert lines[0].startswith("Triton compiles") and len(lines) == 2 and "step 2 shared update: 2" in lines[1]
 
 
+def test_the_report_counts_cuda_graphs_per_engine_and_phase():
+    from ps_bridge.tools.verl_check.report import graph_lines
+
+    none = {"captures": 0, "replays": 0}
+    steps = [{"step": 1, "cuda_graphs": {"stock": {"update": none}, "shared": {"update": {"captures": 2, "replays": 1},
+                                                                          "old_log_prob": none}}},
+             {"step": 2, "cuda_graphs": {"stock": {"update": none}, "shared": {"update": {"captures": 0, "replays": 4},
+                                                                          "old_log_prob": none}}}]
+    assert graph_lines(steps, ("stock", "shared")) == ["CUDA graphs, shared engine: update 2 captured / 5 replayed"]
+    assert graph_lines([{"step": 1}], ("stock", "shared")) == []  # runs without graphs print nothing
+
+
 def test_verl_check_settings_carry_the_tree_option(monkeypatch):
     from ps_bridge.tools.verl_check.config import CheckSettings
     from ps_bridge.tools.verl_check.roles import shared_tree

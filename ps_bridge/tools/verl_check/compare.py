@@ -36,6 +36,7 @@ def compare(stock: List[dict], shared: List[dict], names=("stock", "shared")) ->
             "micro_batches": {a: sum(s["micro_batches"].values()), b: sum(p["micro_batches"].values())},
             "peak_memory_gib": {a: s["peak_memory_gib"], b: p["peak_memory_gib"]},
             "compiles": {a: s.get("compiles", {}), b: p.get("compiles", {})},
+            "cuda_graphs": {a: s.get("cuda_graphs", {}), b: p.get("cuda_graphs", {})},
             "flops": {a: s.get("flops") or None, b: p.get("flops") or None},
         })
     return steps

@@ -60,6 +60,7 @@ def format_report(doc: dict) -> str:
                          f"ent|d| {s['entropy_max_abs_diff']:.2e}, loss/grad-norm rel {rel:.2e}, "
                          f"micro-batches {s['micro_batches'][a]}/{s['micro_batches'][b]}")
     lines.extend(compile_lines(steps, (a, b)))
+    lines.extend(graph_lines(steps, (a, b)))
     sp, F = cfg["speedup"], cfg.get("flop_ratio_F")
 
     def versus_f(ph):
@@ -92,3 +93,21 @@ def compile_lines(steps, kinds) -> list:
                     lines.append(f"  step {s['step']} {kind} {phase}: {c['count']} kernel compile(s), "
                                  f"{c['seconds']:.2f} s ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})")
     return (["Triton compiles in steps after the first:"] + lines) if lines else []
+
+
+def graph_lines(steps, kinds) -> list:
+    """CUDA graphs captured and replayed per engine and phase over all steps (`PS_BRIDGE_CUDA_GRAPHS=1`),
+    where any was: a graph replays only micro-batches whose layout repeats one captured before."""
+    lines = []
+    for kind in kinds:
+        totals: dict = {}
+        for s in steps:
+            for phase, c in (s.get("cuda_graphs") or {}).get(kind, {}).items():
+                t = totals.setdefault(phase, {"captures": 0, "replays": 0})
+                for k in t:
+                    t[k] += (c or {}).get(k, 0)
+        parts = [f"{phase} {t['captures']} captured / {t['replays']} replayed" for phase, t in totals.items()
+                 if t["captures"] or t["replays"]]
+        if parts:
+            lines.append(f"CUDA graphs, {kind} engine: " + ", ".join(parts))
+    return lines

@@ -10,6 +10,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
+from ps_bridge import cuda_graphs
 from ps_bridge.compat.verl_on_cpu import engine_call_on_cpu
 from ps_bridge.tools.verl_check.compare import compare, speedups
 from ps_bridge.tools.verl_check.compiles import counting_compiles
@@ -100,18 +101,20 @@ def _one_step(kind, step, batch, settings, arr, actor, ref, actor_cfg, resident_
     batch.meta_info["temperature"] = arr.rollout.temperature  # as the rollout leaves it
     # resident_before: what an earlier engine kind left allocated (included in this kind's peaks)
     record: Dict = {"phase_seconds": {}, "peak_memory_gib": {"resident_before": resident_before},
-                    "micro_batches": {}, "compiles": {}, "flops": {}}
+                    "micro_batches": {}, "compiles": {}, "flops": {}, "cuda_graphs": {}}
 
     def phase(name, fn, role):
         _sync()
         _peak_reset()
         before = role.micro_batches
+        graphs_before = dict(cuda_graphs.COUNTS)
         t0 = time.perf_counter()
         with engine_call_on_cpu(), counting_compiles() as compiled:
             out = fn()
             _sync()
         record["phase_seconds"][name] = time.perf_counter() - t0
         record["compiles"][name] = compiled
+        record["cuda_graphs"][name] = {k: cuda_graphs.COUNTS[k] - graphs_before[k] for k in graphs_before}
         if flops is not None:
             record["flops"][name] = flops.take()
         record["peak_memory_gib"][name] = _peak_gib()
