@@ -28,7 +28,9 @@ the model moves (verl's parameter offload), every graph of the model is dropped.
 
 `graph_refusal` is the one check of where graphs run: one CUDA device, no tensor, pipeline or
 context parallelism (collectives and stage inputs are not captured), no MoE (its token dispatch
-reads expert counts on the host), no images (the vision tower's inputs vary with the images).
+reads expert counts on the host), no images (the vision tower's inputs vary with the images), no
+activation recomputation, and no dropout in a pass with gradients (megatron sets the CUDA RNG
+state inside both).
 """
 
 from __future__ import annotations
@@ -68,6 +70,13 @@ def graph_refusal(model: torch.nn.Module, layout: PackedPrefixLayout) -> Optiona
     config = getattr(_unwrap(model), "config", None)
     if getattr(config, "num_moe_experts", None):
         return "an MoE model: its token dispatch reads the experts' token counts on the host"
+    # megatron sets the CUDA RNG state inside these (its RNG tracker's fork around dropout, the
+    # recomputed forward of a checkpointed layer), which a capture does not allow
+    if getattr(config, "recompute_granularity", None):
+        return f"activation recomputation (recompute_granularity={config.recompute_granularity!r})"
+    dropout = {k: getattr(config, k, 0.0) or 0.0 for k in ("hidden_dropout", "attention_dropout")}
+    if any(dropout.values()) and torch.is_grad_enabled():
+        return "dropout (" + ", ".join(f"{k}={v}" for k, v in dropout.items()) + ")"
     return None
 
 

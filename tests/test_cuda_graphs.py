@@ -11,6 +11,7 @@ counted; a failed capture stays eager. The GPU's own capture is checked in tests
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -255,9 +256,20 @@ def test_a_failed_capture_stays_eager(loaded, caplog, monkeypatch):
     monkeypatch.setattr(ModelGraphs, "stopped", None)
 
 
-def test_where_graphs_do_not_run(loaded):
+def test_where_graphs_do_not_run(loaded, monkeypatch):
     layout = _layout(loaded, _samples(loaded), True)
     assert "CUDA device" in graph_refusal(loaded.model, layout)
+    # on a CUDA device: settings of the model under which megatron sets the RNG state inside a pass
+    on_cuda = SimpleNamespace(device=torch.device("cuda"), images=None)  # what graph_refusal reads of a layout
+    assert graph_refusal(loaded.model, on_cuda) is None
+    config = loaded.model.config
+    monkeypatch.setattr(config, "recompute_granularity", "full")
+    assert "activation recomputation" in graph_refusal(loaded.model, on_cuda)
+    monkeypatch.setattr(config, "recompute_granularity", None)
+    monkeypatch.setattr(config, "hidden_dropout", 0.1)
+    assert "dropout (hidden_dropout=0.1" in graph_refusal(loaded.model, on_cuda)
+    with torch.no_grad():  # a forward-only pass draws no dropout
+        assert graph_refusal(loaded.model, on_cuda) is None
     # with the option on, a CPU run is the eager run (and a pass with gradients never graphs)
     config = replace(loaded.config, cuda_graphs=True)
     with torch.no_grad():
