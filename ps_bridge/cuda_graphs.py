@@ -44,6 +44,7 @@ from typing import Callable, Optional, Tuple
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
+from megatron.core.utils import unwrap_model
 
 from ps_bridge.layout import PackedPrefixLayout
 
@@ -67,7 +68,7 @@ def graph_refusal(model: torch.nn.Module, layout: PackedPrefixLayout) -> Optiona
     for name, size in sizes:
         if size > 1:
             return f"{name} parallelism ({name} size {size}): its collectives are not captured"
-    config = getattr(_unwrap(model), "config", None)
+    config = getattr(unwrap_model(model), "config", None)
     if getattr(config, "num_moe_experts", None):
         return "an MoE model: its token dispatch reads the experts' token counts on the host"
     # megatron sets the CUDA RNG state inside these (its RNG tracker's fork around dropout, the
@@ -78,12 +79,6 @@ def graph_refusal(model: torch.nn.Module, layout: PackedPrefixLayout) -> Optiona
     if any(dropout.values()) and torch.is_grad_enabled():
         return "dropout (" + ", ".join(f"{k}={v}" for k, v in dropout.items()) + ")"
     return None
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def storage_fingerprint(model: torch.nn.Module) -> Tuple[int, ...]:
