@@ -28,8 +28,8 @@ the model moves (verl's parameter offload), every graph of the model is dropped.
 
 `graph_refusal` is the one check of where graphs run: one CUDA device, no tensor, pipeline or
 context parallelism (collectives and stage inputs are not captured), no MoE (its token dispatch
-reads expert counts on the host), no images (the vision tower's inputs vary with the images), no
-activation recomputation, and no dropout in a pass with gradients (megatron sets the CUDA RNG
+reads expert counts on the host), no images and no vision-language model (the vision tower's inputs
+vary with the images; the text-only path has not run under capture), no activation recomputation, and no dropout in a pass with gradients (megatron sets the CUDA RNG
 state inside both).
 """
 
@@ -68,7 +68,10 @@ def graph_refusal(model: torch.nn.Module, layout: PackedPrefixLayout) -> Optiona
     for name, size in sizes:
         if size > 1:
             return f"{name} parallelism ({name} size {size}): its collectives are not captured"
-    config = getattr(unwrap_model(model), "config", None)
+    module = unwrap_model(model)
+    if hasattr(module, "vision_model"):
+        return "a vision-language model (its forward has not been checked under capture on a GPU)"
+    config = getattr(module, "config", None)
     if getattr(config, "num_moe_experts", None):
         return "an MoE model: its token dispatch reads the experts' token counts on the host"
     # megatron sets the CUDA RNG state inside these (its RNG tracker's fork around dropout, the

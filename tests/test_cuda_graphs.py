@@ -270,6 +270,9 @@ def test_where_graphs_do_not_run(loaded, monkeypatch):
     assert "dropout (hidden_dropout=0.1" in graph_refusal(loaded.model, on_cuda)
     with torch.no_grad():  # a forward-only pass draws no dropout
         assert graph_refusal(loaded.model, on_cuda) is None
+    monkeypatch.setattr(config, "hidden_dropout", 0.0)
+    monkeypatch.setattr(loaded.model, "vision_model", torch.nn.Identity(), raising=False)
+    assert "vision-language model" in graph_refusal(loaded.model, on_cuda)
     # with the option on, a CPU run is the eager run (and a pass with gradients never graphs)
     config = replace(loaded.config, cuda_graphs=True)
     with torch.no_grad():
