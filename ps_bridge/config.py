@@ -96,9 +96,10 @@ class PrefixSharingConfig:
                   level shares it); `PS_BRIDGE_TREE_MIN_SHARED`.
     tree_max_depth:  the tree's depth limit (None: none; 1 is one level of sharing);
                   `PS_BRIDGE_TREE_MAX_DEPTH`.
-    cuda_graphs:  run forward-only passes (verl's old and reference log-probs) as CUDA graphs where a
-                  micro-batch's layout repeats one seen before (`ps_bridge.cuda_graphs`: one GPU, no
-                  TP/PP/CP, no MoE, no images); shared and unshared micro-batches alike.
+    cuda_graphs:  replay the model's passes (forward-only, and forward with backward) as CUDA graphs
+                  where a micro-batch's layout repeats one seen before, shared and unshared micro-batches
+                  alike; where `ps_bridge.cuda_graphs.graph_refusal` refuses (TP/PP/CP, MoE,
+                  vision-language models, recomputation, dropout with gradients) the pass runs eagerly.
                   `PS_BRIDGE_CUDA_GRAPHS=1`.
     """
 

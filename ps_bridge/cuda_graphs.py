@@ -23,14 +23,15 @@ parameters' gradients, so they accumulate and megatron's gradient hooks run as a
 backward. The loss stays outside the graphs. Until that backward has run, the structure's next
 forward runs eagerly (a replay would overwrite the saved activations). A capture that fails (a host
 read of a device tensor, an RNG state set inside the pass) stops captures in the process (the graphs
-already captured still replay), and says why once. A graph reads the parameters' storage as it was at capture: when any parameter or buffer of
-the model moves (verl's parameter offload), every graph of the model is dropped.
+already captured still replay), and says why once. A graph reads the parameters' storage as it was
+at capture: when any parameter or buffer of the model moves (verl's parameter offload), every graph
+of the model is dropped.
 
 `graph_refusal` is the one check of where graphs run: one CUDA device, no tensor, pipeline or
 context parallelism (collectives and stage inputs are not captured), no MoE (its token dispatch
 reads expert counts on the host), no images and no vision-language model (the vision tower's inputs
-vary with the images; the text-only path has not run under capture), no activation recomputation, and no dropout in a pass with gradients (megatron sets the CUDA RNG
-state inside both).
+vary with the images; the text-only path has not run under capture), no activation recomputation,
+and no dropout in a pass with gradients (megatron sets the CUDA RNG state inside both).
 """
 
 from __future__ import annotations

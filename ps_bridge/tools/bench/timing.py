@@ -7,7 +7,6 @@ two packings of one micro-batch timed against each other, interleaved (`run_pair
 from __future__ import annotations
 
 import gc
-
 import statistics
 import time
 from dataclasses import dataclass
