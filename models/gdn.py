@@ -24,11 +24,20 @@ from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
 from ps_bridge.kernels.gdn import plan_from_layout, prefix_shared_gated_delta_net, resolve_gdn_backend
+from ps_bridge.kernels.gdn.plan import bucketed_conv_tails
 from ps_bridge.models.context_parallel import local_channels, to_head_shard, to_seq_shard
 from ps_bridge.models.packed_seq import require_prefix_layout
 from ps_bridge.parallel_info import rank_tag
 
 logger = logging.getLogger("ps_bridge")
+
+
+def bucketed_inputs(layout, conv_width: int, device) -> dict:
+    """What `prefix_shared_gated_delta_net` takes for a bucketed layout (its valid tokens and the
+    nodes' conv tails in the padded pack: `kernels/gdn/plan.py`); nothing for any other layout."""
+    if not layout.bucketed:
+        return {}
+    return dict(token_mask=layout.valid.to(device), conv_tails=bucketed_conv_tails(layout, conv_width, device))
 
 
 class PrefixSharedGatedDeltaNet(GatedDeltaNet):
@@ -113,6 +122,7 @@ class PrefixSharedGatedDeltaNet(GatedDeltaNet):
             value_head_dim=self.value_head_dim,
             use_qk_l2norm=self.use_qk_l2norm,
             activation=self.activation,
+            **bucketed_inputs(layout, self.conv1d.weight.shape[-1], qkvzba.device),
         )  # [T, HV_local / cp, V]
         if cp > 1:  # back to this rank's shard of every head
             core = to_seq_shard(core.reshape(core.shape[0], -1), cp_group).reshape(S, -1, self.value_head_dim)

@@ -27,11 +27,21 @@ already captured still replay), and says why once. A graph reads the parameters'
 at capture: when any parameter or buffer of the model moves (verl's parameter offload), every graph
 of the model is dropped.
 
+verl's micro-batches differ in their lengths, so their layouts would hardly ever repeat. With
+graphs on, the layouts are built bucketed (`buckets_for`, `tree.materialize.bucket_length`): every
+segment of a tree level is padded to the level's bucket length, and every position is computed. Two
+such layouts of one tree shape and the same buckets have the same `structure_key` whatever their
+lengths inside the buckets; the kernels then read what follows those lengths from device tensors of
+fixed shape (the tokens, positions and valid flags: `BUCKET_INPUTS`; the attention calls' key
+offsets and the Gated DeltaNet conv tails: the layout's `varying` values), which a replay refills
+from the new layout before it runs the graph. The padding is computed, and counted in the FLOPs.
+
 `graph_refusal` is the one check of where graphs run: one CUDA device, no tensor, pipeline or
 context parallelism (collectives and stage inputs are not captured), no MoE (its token dispatch
 reads expert counts on the host), no images and no vision-language model (the vision tower's inputs
 vary with the images; the text-only path has not run under capture), no activation recomputation,
-and no dropout in a pass with gradients (megatron sets the CUDA RNG state inside both).
+and no dropout in a pass with gradients (megatron sets the CUDA RNG state inside both); a bucketed
+layout also needs an attention backend whose varying inputs are registered (`BUCKET_BACKENDS`).
 """
 
 from __future__ import annotations
@@ -48,6 +58,8 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.utils import unwrap_model
 
 from ps_bridge.layout import PackedPrefixLayout
+from ps_bridge.packed_layout import BUCKET_INPUTS
+from ps_bridge.transfer import to_device
 
 logger = logging.getLogger("ps_bridge")
 
@@ -55,12 +67,25 @@ CAPTURE_AT = 2  # a structure is captured the second time it is run: a one-off p
 MAX_GRAPHS = 4  # graphs kept per model (each holds its own memory pool: the forward's peak activations, its output)
 
 
-def graph_refusal(model: torch.nn.Module, layout: PackedPrefixLayout) -> Optional[str]:
-    """Why the forward of `model` on `layout` is not run as a CUDA graph, or None when it can be."""
+# the attention backends whose kernels read a bucketed layout's lengths only through registered
+# `varying` values (`auto` picks the cascade on CUDA)
+BUCKET_BACKENDS = ("auto", "flash_atten_gpu", "torch_ref")
+
+
+def graph_refusal(model: torch.nn.Module, layout: PackedPrefixLayout, backend: Optional[str] = None) -> Optional[str]:
+    """Why the forward of `model` on `layout` (attention backend `backend`) is not run as a CUDA
+    graph, or None when it can be."""
     if layout.device.type != "cuda":
         return f"the model runs on {layout.device.type}, CUDA graphs need a CUDA device"
     if layout.images is not None:
         return "the micro-batch carries images (the vision tower's inputs differ per micro-batch)"
+    if layout.bucketed and backend is not None and backend not in BUCKET_BACKENDS:
+        return f"the attention backend {backend!r} on a bucketed layout (graphs replay buckets with {BUCKET_BACKENDS})"
+    return model_refusal(model)
+
+
+def model_refusal(model: torch.nn.Module) -> Optional[str]:
+    """The part of `graph_refusal` that depends on the model and the parallel layout only."""
     sizes = (
         ("tensor", parallel_state.get_tensor_model_parallel_world_size()),
         ("pipeline", parallel_state.get_pipeline_model_parallel_world_size()),
@@ -83,6 +108,35 @@ def graph_refusal(model: torch.nn.Module, layout: PackedPrefixLayout) -> Optiona
     if any(dropout.values()) and torch.is_grad_enabled():
         return "dropout (" + ", ".join(f"{k}={v}" for k, v in dropout.items()) + ")"
     return None
+
+
+def buckets_for(model: torch.nn.Module, config) -> bool:
+    """Whether the layouts of `model`'s micro-batches are built bucketed (`SharingPlan.bucket`): with
+    `config.cuda_graphs`, on CUDA, where `model_refusal` allows graphs and the attention backend
+    reads buckets (elsewhere the padding would be computed for nothing)."""
+    if not getattr(config, "cuda_graphs", False) or config.backend not in BUCKET_BACKENDS:
+        return False
+    param = next(torch.nn.Module.parameters(model), None)
+    return param is not None and param.device.type == "cuda" and model_refusal(model) is None
+
+
+def static_copy(layout: PackedPrefixLayout) -> PackedPrefixLayout:
+    """A graph's own layout: `layout` with buffers of its own for `BUCKET_INPUTS` (later micro-batches'
+    are copied into them) and a `host` of its own without the derived values: the device tensors
+    derived from it (the attention and GDN plans, the `varying` values) are built by the capture's
+    warm-up, read by the graph and refilled by replays, none of them the caller's."""
+    host = {k: v for k, v in layout.host.items() if k not in ("derived", "varying")}
+    return replace(layout, host=host, **{name: getattr(layout, name).clone() for name in BUCKET_INPUTS})
+
+
+def refill(static: PackedPrefixLayout, layout: PackedPrefixLayout) -> None:
+    """Copies what the forward of bucketed `layout` reads into the captured `static` layout of the same
+    structure: `BUCKET_INPUTS`, and every `varying` value registered on `static` (built from `layout`
+    on the host and copied without waiting for the GPU)."""
+    for name in BUCKET_INPUTS:
+        getattr(static, name).copy_(getattr(layout, name))
+    for build, tensor in static.host.get("varying", {}).values():
+        tensor.copy_(to_device(build(layout), tensor.device))
 
 
 def storage_fingerprint(model: torch.nn.Module) -> Tuple[int, ...]:
@@ -233,7 +287,10 @@ class ModelGraphs:
             self._capture(entry, model, layout, forward, training)
         if entry.graph is None or entry.pending:
             return forward(layout, None)
-        entry.layout.tokens.copy_(layout.tokens)
+        if layout.bucketed:
+            refill(entry.layout, layout)
+        else:
+            entry.layout.tokens.copy_(layout.tokens)
         self.replays += 1
         COUNTS["replays"] += 1
         if not training:
@@ -242,10 +299,7 @@ class ModelGraphs:
         return _Replayed.apply(entry, *entry.params)
 
     def _capture(self, entry: _Graph, model, layout: PackedPrefixLayout, forward, training: bool) -> None:
-        # the graph's own layout: the caller's, with a token buffer of its own (later micro-batches'
-        # tokens are copied into it) and the same `host`, so the device tensors derived from it (the
-        # attention and GDN plans) are the ones the eager runs built and the graph reads
-        own = replace(layout, tokens=layout.tokens.clone())
+        own = static_copy(layout)
         try:
             if training:
                 named = tuple((n, p) for n, p in without_data_parallel(model).named_parameters() if p.requires_grad)
@@ -289,7 +343,7 @@ def graphed(model: torch.nn.Module, layout: PackedPrefixLayout, key: tuple,
             forward: Callable[[PackedPrefixLayout, Optional[dict]], torch.Tensor]) -> torch.Tensor:
     """`forward(layout, None)` through the model's graphs where `graph_refusal` allows, else eagerly
     (the reason logged once per reason)."""
-    refusal = graph_refusal(model, layout)
+    refusal = graph_refusal(model, layout, key[0] if key else None)
     if refusal is not None:
         if refusal not in _REFUSED:
             _REFUSED.add(refusal)

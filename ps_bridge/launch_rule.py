@@ -30,6 +30,10 @@ samples, the model's config, the configured backend names, the device type, whet
 enabled) and integer arithmetic, so every rank that sees the same micro-batch (the TP, CP and PP
 ranks of one data-parallel rank) takes the same path, whatever its own layers or shard.
 
+Where the model's passes replay CUDA graphs (`cuda_graphs`, on bucketed layouts: `graphs=True`), a
+step's host time is one replay whatever its launches, so the shared path costs no host time of its
+own: the rule shares every micro-batch that has something to share.
+
 `PrefixSharingConfig.sharing` (`PS_BRIDGE_SHARING`) forces it: `on` shares whenever a prompt has two
 or more responses, `off` never shares, `auto` (default) applies the rule.
 """
@@ -193,7 +197,7 @@ def concrete_backends(attention: str, gdn: str, device_type: str, dtype_name: st
 
 def sharing_pays(counts: MicroBatchCounts, model: Optional[ModelCost], *, mode: str = "auto",
                    attention_backend: str = "auto", gdn_backend: str = "auto", device_type: str = "cuda",
-                   dtype_name: str = "bfloat16", backward: bool = True) -> SharingDecision:
+                   dtype_name: str = "bfloat16", backward: bool = True, graphs: bool = False) -> SharingDecision:
     """Whether this micro-batch runs shared; see the module docstring. Integers in, the same answer on
     every rank."""
     if mode not in MODES:
@@ -204,6 +208,8 @@ def sharing_pays(counts: MicroBatchCounts, model: Optional[ModelCost], *, mode: 
         return SharingDecision(False, "forced off (PS_BRIDGE_SHARING=off)")
     if mode == "on":
         return SharingDecision(True, "forced on (PS_BRIDGE_SHARING=on)")
+    if graphs:
+        return SharingDecision(True, "pays (the passes replay CUDA graphs: no host-bound cost)")
     if model is None:
         return SharingDecision(True, "no model cost known (rule not applied)")
     attention, gdn = concrete_backends(attention_backend, gdn_backend, device_type, dtype_name, model.head_dim)
@@ -228,12 +234,13 @@ def sharing_pays(counts: MicroBatchCounts, model: Optional[ModelCost], *, mode: 
 
 
 def sharing_for(samples: Sequence, config, model: Optional[ModelCost], device_type: str,
-                dtype_name: str, backward: Optional[bool] = None, trie=None) -> SharingDecision:
+                dtype_name: str, backward: Optional[bool] = None, trie=None, graphs: bool = False) -> SharingDecision:
     """The decision for `samples` under a `PrefixSharingConfig`: what the verl engine and
     `runtime.make_layout` (`ps-bridge logprobs`, the schedule) call. `backward` defaults to whether
     gradients are enabled (verl's log-prob passes and `ps-bridge logprobs` run under `no_grad`).
     `trie`: with `config.tree`, the prefix tree already decided for `samples` (`layout.decide_tree`),
-    whose token count the rule reads; the same tree then goes to `build_layout(tree=...)`."""
+    whose token count the rule reads; the same tree then goes to `build_layout(tree=...)`. `graphs`:
+    the passes replay CUDA graphs (the layouts are bucketed: `plan.SharingPlan.bucket`)."""
     # imported here: torch is heavy (the rule's integer arithmetic imports without it)
     import torch
 
@@ -244,4 +251,4 @@ def sharing_for(samples: Sequence, config, model: Optional[ModelCost], device_ty
                                  min_shared=config.tree_min_shared, max_depth=config.tree_max_depth, trie=trie)
     return sharing_pays(counts, model, mode=config.sharing, attention_backend=config.backend,
                           gdn_backend=config.gdn_backend, device_type=device_type, dtype_name=dtype_name,
-                          backward=backward)
+                          backward=backward, graphs=graphs)

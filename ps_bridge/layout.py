@@ -284,6 +284,7 @@ def build_layout(
     share_classes: Optional[Sequence[Hashable]] = None,
     tree: Optional[PrefixTree] = None,
     order: Optional[PackOrder] = None,
+    bucket: bool = False,
 ) -> PackedPrefixLayout:
     """Pack `samples` (any order) into one prefix-shared THD layout; see the module docstring.
 
@@ -296,7 +297,9 @@ def build_layout(
     a `PrefixSharingConfig` pass its `prompt_values` (default False). `tree`: the prefix tree already
     decided for these samples (`decide_tree` with the same `share` and options, e.g. for the sharing
     rule's counts), packed as it is instead of being decided again; `order`: its pack order
-    (`tree.order.pack_order(tree)`, e.g. from a `plan.SharingPlan`), else computed here."""
+    (`tree.order.pack_order(tree)`, e.g. from a `plan.SharingPlan`), else computed here. `bucket`:
+    every segment of a tree level padded to the level's bucket length, every position computed
+    (`tree.materialize.bucket_length`: the shape CUDA graphs replay, `ps_bridge.cuda_graphs`)."""
     if pad_multiple < 1:
         raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
     if total_multiple < 1:
@@ -316,7 +319,7 @@ def build_layout(
     layout = materialize(
         flat, offsets, prompt_lengths, tree, order,
         shared=share is not False, pad_multiple=pad_multiple, total_multiple=total_multiple,
-        pad_token_id=pad_token_id, prompt_values=prompt_values, vocab_size=vocab_size,
+        pad_token_id=pad_token_id, prompt_values=prompt_values, vocab_size=vocab_size, bucket=bucket,
     )
     if has_images(samples):
         # an unshared pack runs the vision tower once per image run, as the stock model does

@@ -36,6 +36,15 @@ class Sample:
 # what `structure_key` leaves out: the token ids and their labels (what a CUDA graph's replay takes
 # new values of), the host copies (derived from the tensors) and the images (refused by the graphs)
 _NOT_STRUCTURE = frozenset({"tokens", "row_label", "host", "images"})
+# what it also leaves out of a bucketed layout: the values that follow the segments' lengths inside
+# their buckets. A replay refills those the forward reads (`BUCKET_INPUTS` and the `varying` values);
+# the others (the rows, the counts) serve the rows, which are taken from the caller's layout
+_BUCKET_VARYING = frozenset({
+    "positions", "valid", "valid_lengths", "cu_seqlens", "sample_prompt_length", "sample_response_length",
+    "row_offsets", "row_source", "tokens_unshared", "tokens_shared",
+})
+# the per-token tensors of a bucketed layout that its forward reads and a replay refills
+BUCKET_INPUTS = ("tokens", "positions", "valid")
 
 
 @dataclass
@@ -86,6 +95,8 @@ class PackedPrefixLayout:
     num_prompt_segments: int
     tokens_unshared: int
     tokens_shared: int
+    # every segment of a level padded to the level's bucket length (`tree.materialize.bucket_length`)
+    bucketed: bool = False
     # host copies of small per-segment metadata, so kernels need no device->host sync
     host: dict = field(default_factory=dict, repr=False)
     # the model's true vocabulary when the layout was built for one (token ids are checked against
@@ -164,6 +175,15 @@ class PackedPrefixLayout:
             cache[key] = build()
         return cache[key]
 
+    def varying(self, key: Hashable, static: torch.Tensor, build: Callable[["PackedPrefixLayout"], torch.Tensor]) -> torch.Tensor:
+        """Registers `static`, a device tensor a kernel reads that holds `build(self)`: values of a
+        bucketed layout's segment lengths in a shape of its structure (an attention call's key
+        offsets, the conv tails of Gated DeltaNet). A CUDA graph captured on this layout reads
+        `static`; a replay for another layout `L` of the same structure copies `build(L)` into it
+        (`cuda_graphs`). `build` reads only the layout it is given. Returns `static`."""
+        self.host.setdefault("varying", {}).setdefault(key, (build, static))
+        return static
+
     def host_lengths(self, name: str) -> List[int]:
         """A per-sample tensor field (`sample_prompt_length`, ...) as a host list, read once."""
         return self.derived(("host", name), lambda: getattr(self, name).tolist())
@@ -172,14 +192,18 @@ class PackedPrefixLayout:
         """A digest of everything in the layout but its token ids and labels: two layouts with the same
         key hold equal values in every other tensor and field, so every device tensor a forward derives
         from them (positions, segment offsets, the attention and GDN plans, the read positions) is the
-        same (`ps_bridge.cuda_graphs`). Read from the CPU tensors the layout was moved from, so a
-        layout on the GPU is not read back."""
+        same (`ps_bridge.cuda_graphs`). A bucketed layout's key leaves out what follows the segments'
+        lengths inside their buckets too: two bucketed layouts with the same key have the same tree, the
+        same buckets and so the same shapes, and their forwards differ only in `BUCKET_INPUTS` and the
+        `varying` values. Read from the CPU tensors the layout was moved from, so a layout on the GPU
+        is not read back."""
 
         def build() -> str:
             source = self.host.get("cpu_layout", self)
             digest = hashlib.blake2b(digest_size=16)
+            left_out = _NOT_STRUCTURE | _BUCKET_VARYING if self.bucketed else _NOT_STRUCTURE
             for name, value in sorted(vars(source).items()):
-                if name in _NOT_STRUCTURE:
+                if name in left_out:
                     continue
                 if isinstance(value, torch.Tensor):
                     value = value.detach().cpu().contiguous()

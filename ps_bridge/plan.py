@@ -34,7 +34,8 @@ class SharingPlan:
     share ("prompt": identical prompts, one level; "tree": every common prefix; `from_config` takes
     it from `PrefixSharingConfig.tree`, which owns the default). `min_shared` /
     `max_depth`: the tree's limits (None: `layout.DEFAULT_MIN_SHARED` / no limit). `pad_multiple`: each
-    segment's padding multiple (the TP size under verl). `tree`, `order`, `classes`: the prefix tree of
+    segment's padding multiple (the TP size under verl). `bucket`: segments padded to their level's
+    bucket length (`build_layout(bucket=True)`, for CUDA graphs). `tree`, `order`, `classes`: the prefix tree of
     the samples the plan was decided for, its pack order, the share classes it was decided with and
     those samples."""
 
@@ -42,6 +43,7 @@ class SharingPlan:
     min_shared: Optional[int] = None
     max_depth: Optional[int] = None
     pad_multiple: int = 1
+    bucket: bool = False
     tree: Optional[PrefixTree] = field(default=None, compare=False, repr=False)
     order: Optional[PackOrder] = field(default=None, compare=False, repr=False)
     classes: Optional[Tuple[Hashable, ...]] = field(default=None, compare=False, repr=False)
@@ -54,11 +56,12 @@ class SharingPlan:
             raise ValueError(f"pad_multiple must be >= 1, got {self.pad_multiple}")
 
     @classmethod
-    def from_config(cls, config, pad_multiple: int = 1) -> "SharingPlan":
+    def from_config(cls, config, pad_multiple: int = 1, bucket: bool = False) -> "SharingPlan":
         """The plan of a `PrefixSharingConfig`: its tree settings, `pad_multiple` (the caller's: the
-        config's `pad_multiple`, or the TP size)."""
+        config's `pad_multiple`, or the TP size) and `bucket` (the caller's: whether the model's
+        forward runs as CUDA graphs, `cuda_graphs.buckets_for`)."""
         return cls(share="tree" if config.tree else "prompt", min_shared=config.tree_min_shared,
-                   max_depth=config.tree_max_depth, pad_multiple=int(pad_multiple))
+                   max_depth=config.tree_max_depth, pad_multiple=int(pad_multiple), bucket=bool(bucket))
 
     @property
     def layout_share(self):

@@ -48,15 +48,17 @@ def rule_decision(
     tree: Optional[PrefixTree],
     backward: Optional[bool] = None,
     log: bool = True,
+    graphs: bool = False,
 ) -> SharingDecision:
     """Step 2: the sharing rule's decision for `samples`, reading `tree`'s token count where `config`
     packs a prefix tree (`tree`: a `SharingPlan`'s, decided for `samples`; None: the rule counts the
     samples itself).
     `backward`: whether a backward pass follows (default: whether gradients are enabled). `log`: the
-    `[PS][prepare] sharing:` line now (`micro_batch_layout` logs it after its fallback instead)."""
+    `[PS][prepare] sharing:` line now (`micro_batch_layout` logs it after its fallback instead).
+    `graphs`: the passes replay CUDA graphs (`SharingPlan.bucket`)."""
     trie = tree if config.enabled and config.tree else None
     decision = sharing_for(samples, config, cost, device_type, str(dtype).replace("torch.", ""),
-                           backward=backward, trie=trie)
+                           backward=backward, trie=trie, graphs=graphs)
     if log:
         log_decision(decision)
     return decision
@@ -89,7 +91,8 @@ def micro_batch_layout(
         if config.enabled and config.tree:
             plan = plan.for_samples(samples, share_classes=share_classes, vocab_size=vocab_size)
         decision = rule_decision(samples, config, cost, device_type, dtype,
-                                 tree=plan.tree if config.enabled and config.tree else None, log=False)
+                                 tree=plan.tree if config.enabled and config.tree else None, log=False,
+                                 graphs=plan.bucket)
         share = decision.share
     share = config.layout_share(share)
 
@@ -101,7 +104,7 @@ def micro_batch_layout(
             total_multiple=cp_total_multiple() if total_multiple is None else total_multiple,
             prompt_values=config.layout_prompt_values, min_shared=config.tree_min_shared,
             max_depth=config.tree_max_depth, share_classes=share_classes,
-            tree=plan.tree if usable else None, order=plan.order if usable else None,
+            tree=plan.tree if usable else None, order=plan.order if usable else None, bucket=plan.bucket,
         )
 
     layout = pack(share, True)

@@ -118,6 +118,16 @@ def test_forcing_and_the_cases_without_a_measured_cost():
         sharing_pays(counts, q35, mode="sometimes")
 
 
+def test_with_cuda_graphs_every_micro_batch_that_shares_something_is_shared():
+    counts = micro_batch(128, 32, 8, 4)
+    q35 = cost_of("qwen3.5-0.8b")
+    assert not sharing_pays(counts, q35).share  # host-bound without graphs
+    graphed = sharing_pays(counts, q35, graphs=True)
+    assert graphed.share and "CUDA graphs" in graphed.reason
+    assert not sharing_pays(counts, q35, graphs=True, mode="off").share
+    assert not sharing_pays(micro_batch(128, 32, 1, 4), q35, graphs=True).share  # nothing to share
+
+
 def test_config_knob_and_environment(monkeypatch):
     assert PrefixSharingConfig().sharing == "auto"
     monkeypatch.setenv("PS_BRIDGE_SHARING", "Off")

@@ -33,6 +33,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--baseline", choices=("off", "stock"), default="off")
+    parser.add_argument("--baseline-graphs", choices=("on", "off"), default=None,
+                        help="the sharing-off engine's CUDA graphs (default: PS_BRIDGE_CUDA_GRAPHS)")
     parser.add_argument("--shared-first", action="store_true", help="run the shared engine before the baseline")
     parser.add_argument("--interleave", action="store_true", help="both engines resident, steps in turns (A B, B A, ...)")
     parser.add_argument("--workdir", default="/tmp/verl-check")
@@ -64,6 +66,7 @@ def main() -> int:
             model=model, layers=args.layers, prompts=args.prompts, n=args.n, prompt_len=int(P),
             response_len=int(R), steps=args.steps, dtype=args.dtype, overrides=list(args.overrides),
             workdir=args.workdir, baseline=args.baseline, shared_first=args.shared_first,
+            baseline_graphs=None if args.baseline_graphs is None else args.baseline_graphs == "on",
             interleave=args.interleave)
         decisions.clear()
         t0 = time.perf_counter()

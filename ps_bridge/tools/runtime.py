@@ -17,6 +17,7 @@ import torch
 from ps_bridge.compat.quiet import third_party_prints
 from ps_bridge.compat.te_placeholder import import_megatron_bridge
 from ps_bridge.config import PrefixSharingConfig
+from ps_bridge.cuda_graphs import buckets_for
 from ps_bridge.forward import local_shard, run_packed
 from ps_bridge.launch_rule import ModelCost
 from ps_bridge.layout import PackedPrefixLayout
@@ -233,7 +234,8 @@ def make_layout(samples, loaded: LoadedModel, share: Optional[bool] = None) -> P
     it (`prepare.micro_batch_layout`, the step the verl engine runs too)."""
     pad = loaded.config.pad_multiple or int(getattr(loaded.provider, "tensor_model_parallel_size", 1))
     layout, _ = micro_batch_layout(samples, loaded.config, loaded.model_cost, loaded.device.type, loaded.dtype,
-                                   plan=SharingPlan.from_config(loaded.config, pad), vocab_size=loaded.vocab_size,
+                                   plan=SharingPlan.from_config(loaded.config, pad, buckets_for(loaded.model, loaded.config)),
+                                   vocab_size=loaded.vocab_size,
                                    share=share)
     return layout
 

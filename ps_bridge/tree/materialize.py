@@ -26,6 +26,17 @@ def _padded(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def bucket_length(n: int, multiple: int = 1) -> int:
+    """The bucket a segment of `n` tokens is padded to under `bucket=True`: the smallest of 16, 24, 32,
+    48, 64, 96, ... (powers of two and one and a half times them) that holds `n`, rounded up to
+    `multiple`. At most a third of a bucket is padding; few buckets make layouts of one structure
+    recur (a CUDA graph replays only a structure it captured: `ps_bridge.cuda_graphs`)."""
+    b = 16
+    while b < n:
+        b = b * 3 // 2 if b & (b - 1) == 0 else b // 3 * 4
+    return _padded(b, multiple)
+
+
 def _repeat_arange(lengths: np.ndarray):
     """`(index of the run, offset inside the run)` for runs of `lengths`, concatenated."""
     runs = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
@@ -46,16 +57,27 @@ def materialize(
     pad_token_id: int = 0,
     prompt_values: bool = True,
     vocab_size: Optional[int] = None,
+    bucket: bool = False,
 ) -> PackedPrefixLayout:
     """Step 3: the tensors of the pack in `order` (one segment per node, padded at its end to
     `pad_multiple`, the last one further to make the pack a multiple of `total_multiple`) and the
-    way back (each sample's row of `P_i + R_i` packed positions and labels)."""
+    way back (each sample's row of `P_i + R_i` packed positions and labels).
+
+    `bucket=True`: every segment of a tree level is padded to one length, the `bucket_length` of the
+    level's longest, so the pack's shape depends on the tree's shape and the levels' buckets only,
+    not on each segment's length; the output layer then runs on every position (`output_positions`
+    None: which positions the rows read depends on the lengths)."""
     nodes = order.nodes
     N = nodes.size
     B = tree.num_samples
     start, end, owner = tree.node_start[nodes], tree.node_end[nodes], tree.node_sample[nodes]
     valid_lengths = (end - start).tolist()
-    padded_lengths = [_padded(n, pad_multiple) for n in valid_lengths]
+    if bucket:
+        level_length = [bucket_length(max(valid_lengths[a:b]), pad_multiple)
+                        for a, b in zip(order.level_offsets, order.level_offsets[1:])]
+        padded_lengths = [level_length[d] for d in order.level.tolist()]
+    else:
+        padded_lengths = [_padded(n, pad_multiple) for n in valid_lengths]
     padded_lengths[-1] += _padded(sum(padded_lengths), total_multiple) - sum(padded_lengths)
     seg_offsets = cumulative_offsets(padded_lengths)
     cu_valid = cumulative_offsets(valid_lengths)
@@ -105,7 +127,7 @@ def materialize(
     row_label[:-1] = flat[1:]
     row_label[offsets[1:] - 1] = -1
     output_positions = None
-    if shared and not prompt_values:
+    if shared and not prompt_values and not bucket:
         # what verl's losses read: row positions P_i - 1 on (each response, with its fork position)
         # (a mask over the pack, not a sort: linear in the tokens)
         read = np.zeros(segment.size, dtype=bool)
@@ -153,6 +175,7 @@ def materialize(
         row_label=as_long(row_label),
         shared=shared,
         pad_multiple=pad_multiple,
+        bucketed=bucket,
         num_prompt_segments=num_roots,
         tokens_unshared=int(offsets[-1]),
         tokens_shared=int(sum(valid_lengths)),

@@ -48,6 +48,7 @@ from verl.utils.megatron_utils import unwrap_model
 
 from ps_bridge.compat import verl as verl_compat
 from ps_bridge.config import PrefixSharingConfig
+from ps_bridge.cuda_graphs import buckets_for
 from ps_bridge.forward import local_shard, run_packed
 from ps_bridge.launch_rule import ModelCost
 from ps_bridge.parallel.settings import ParallelSettings
@@ -190,9 +191,10 @@ class PrefixSharingEngineMixin:
 
     def _sharing_plan(self) -> SharingPlan:
         """The plan of this engine's config (no tree yet): segments padded to the TP size unless the
-        config sets `pad_multiple`."""
+        config sets `pad_multiple`, to their level's bucket where the model runs as CUDA graphs."""
         cfg = self._prefix_sharing()
-        return SharingPlan.from_config(cfg, cfg.pad_multiple or mpu.get_tensor_model_parallel_world_size())
+        return SharingPlan.from_config(cfg, cfg.pad_multiple or mpu.get_tensor_model_parallel_world_size(),
+                                       bucket=buckets_for(self.module[0], cfg))
 
     def _unwrapped_model(self):
         return unwrap_model(self.module[0])

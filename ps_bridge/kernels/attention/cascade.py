@@ -18,6 +18,10 @@ its ancestors; the ancestors of a level-d node are one node per level a < d. So:
      neither a copy nor a `seqused_k` (which torch's backward lacks) is needed;
   3. each level's partial results (its own causal call and one per ancestor level) are merged by
      their log-sum-exp, in float32, once per level, into the first call's output (`merge.py`).
+  A bucketed layout (`PackedPrefixLayout.bucketed`) keeps its padding element even where it holds no
+  key, and states the ancestor block's length as the calls' longest key run: the calls' batch sizes
+  and maximum lengths then follow the tree and the buckets only, and the key offsets, which follow
+  the nodes' valid lengths, are `varying` values (a CUDA graph's replay refills them).
   Kernel launches per layer: 1 + D (D + 1) / 2 for a tree of depth D, whatever its node count; no
   key/value (or query) is copied: every call reads views of the packed tensors.
   Backward: each call's flash backward is run with the *merged* output and log-sum-exp of its
@@ -79,6 +83,21 @@ def cascade_plan(layout: PackedPrefixLayout) -> CascadePlan:
     return layout.derived("flash_cascade_plan", lambda: _build_cascade_plan(layout))
 
 
+def _bind_varying_offsets(layout: PackedPrefixLayout, plan: CascadePlan, device) -> None:
+    """A bucketed layout's ancestor calls' key offsets on `device`, registered as `varying` values."""
+
+    def bind():
+        for d, level in enumerate(plan.levels):
+            for a, x in enumerate(level.ancestors):
+                static = x.call.device_offsets(device)[1]
+                layout.varying(("cascade_cu_k", d, a, str(device)), static,
+                               lambda other, d=d, a=a: torch.tensor(cascade_plan(other).levels[d].ancestors[a].call.cu_k,
+                                                                    dtype=static.dtype))
+        return True
+
+    layout.derived(("cascade_varying", str(device)), bind)
+
+
 def _build_cascade_plan(layout: PackedPrefixLayout) -> CascadePlan:
     host = layout.host
     offsets = host["cu_seqlens_padded"]
@@ -93,15 +112,17 @@ def _build_cascade_plan(layout: PackedPrefixLayout) -> CascadePlan:
         calls: List[AncestorCall] = []
         for a in range(d - 1, -1, -1):
             ancestor = [parent[s] for s in ancestor]
-            calls.append(_ancestor_call(ancestor, offsets, valid, level_offsets[a], level_offsets[a + 1], lo))
+            calls.append(_ancestor_call(ancestor, offsets, valid, level_offsets[a], level_offsets[a + 1], lo,
+                                        layout.bucketed))
         levels.append(LevelCalls(queries=(offsets[lo], offsets[hi]), ancestors=calls[::-1]))
     return CascadePlan(segments=segments, levels=levels)
 
 
 def _ancestor_call(ancestor: Sequence[int], offsets: Sequence[int], valid: Sequence[int], a_lo: int, a_hi: int,
-                   d_lo: int) -> AncestorCall:
+                   d_lo: int, bucketed: bool = False) -> AncestorCall:
     """The call of level d's queries (segments `d_lo ..`, whose level-a ancestors are `ancestor`)
-    against level a's keys (segments `a_lo .. a_hi`): one batch element per level-a node."""
+    against level a's keys (segments `a_lo .. a_hi`): one batch element per level-a node (and its
+    padding; `bucketed`: see the module docstring)."""
     if any(x > y for x, y in zip(ancestor, ancestor[1:])):
         raise AssertionError("a level's descendants of one node are not one run: the pack is not depth first inside a level")
     q_base, k_base = offsets[d_lo], offsets[a_lo]
@@ -122,9 +143,12 @@ def _ancestor_call(ancestor: Sequence[int], offsets: Sequence[int], valid: Seque
         q_end = run_end.get(A, cu_q[-1])
         valid_end = offsets[A] + valid[A] - k_base
         add(q_end, valid_end)
-        if offsets[A + 1] - k_base > valid_end:  # padding: keys with no queries
+        if bucketed or offsets[A + 1] - k_base > valid_end:  # padding: keys with no queries
             add(q_end, offsets[A + 1] - k_base)
-    return AncestorCall(call=VarlenCall(cu_q=cu_q, cu_k=cu_k, causal=False), keys=(k_base, offsets[a_hi]))
+    call = VarlenCall(cu_q=cu_q, cu_k=cu_k, causal=False)
+    if bucketed:
+        call.max_k = offsets[a_hi] - k_base
+    return AncestorCall(call=call, keys=(k_base, offsets[a_hi]))
 
 
 def cascade_forward(q, k, v, plan: CascadePlan, scale: float, kernel: VarlenKernel):
@@ -163,5 +187,8 @@ def cascade_backward(dout, q, k, v, out, lse, plan: CascadePlan, scale: float, k
 
 def prefix_shared_attention_cascade(q, k, v, layout: PackedPrefixLayout, softmax_scale: float) -> torch.Tensor:
     check_shapes(q, k, v, layout)
-    return PlannedAttention.apply(q, k, v, cascade_plan(layout), float(softmax_scale), kernel_for(q.device))
+    plan = cascade_plan(layout)
+    if layout.bucketed:
+        _bind_varying_offsets(layout, plan, q.device)
+    return PlannedAttention.apply(q, k, v, plan, float(softmax_scale), kernel_for(q.device))
 

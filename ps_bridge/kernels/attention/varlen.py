@@ -185,6 +185,13 @@ class CpuFlashKernel(VarlenKernel):
         return False, torch.zeros(lq, lk, dtype=dtype, device=device).masked_fill(~allowed, float("-inf"))
 
     @staticmethod
+    def _offsets(call, device):
+        """The call's offsets as the CUDA kernels read them, its device tensors (what a bucketed
+        layout's replay refills: `PackedPrefixLayout.varying`)."""
+        cu_q, cu_k = call.device_offsets(device)
+        return cu_q.tolist(), cu_k.tolist()
+
+    @staticmethod
     def _heads(q, k):
         return q.shape[1] // k.shape[1]
 
@@ -194,8 +201,9 @@ class CpuFlashKernel(VarlenKernel):
         # float32 like the CUDA kernels; float64 inputs keep float64 so tests can be exact
         lse = torch.zeros(H, T, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
         rep = self._heads(q, k)
-        for b in range(len(call.cu_q) - 1):
-            qa, qb, ka, kb = call.cu_q[b], call.cu_q[b + 1], call.cu_k[b], call.cu_k[b + 1]
+        cu_q, cu_k = self._offsets(call, q.device)
+        for b in range(len(cu_q) - 1):
+            qa, qb, ka, kb = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
             if qb == qa:
                 continue
             is_causal, mask = self._mask(qb - qa, kb - ka, call.causal, q.dtype, q.device)
@@ -213,8 +221,9 @@ class CpuFlashKernel(VarlenKernel):
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         rep = self._heads(q, k)
         Hkv = k.shape[1]
-        for b in range(len(call.cu_q) - 1):
-            qa, qb, ka, kb = call.cu_q[b], call.cu_q[b + 1], call.cu_k[b], call.cu_k[b + 1]
+        cu_q, cu_k = self._offsets(call, q.device)
+        for b in range(len(cu_q) - 1):
+            qa, qb, ka, kb = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
             if qb == qa:
                 continue
             is_causal, mask = self._mask(qb - qa, kb - ka, call.causal, q.dtype, q.device)

@@ -28,7 +28,7 @@ def fork_states(parent_states: torch.Tensor, parent_index: torch.Tensor) -> torc
     return parent_states.index_select(0, parent_index)
 
 
-def forked_causal_conv1d(x, weight, bias, plan: GDNPlan, backend, activation="silu", fork: bool = True):
+def forked_causal_conv1d(x, weight, bias, plan: GDNPlan, backend, activation="silu", fork: bool = True, tails=None):
     """Causal conv over compacted `x [L, D]`, each node continuing from its ancestor path's inputs.
 
     A conv state is only the last W raw *inputs*, which are known before the conv runs, so unlike the
@@ -36,12 +36,14 @@ def forked_causal_conv1d(x, weight, bias, plan: GDNPlan, backend, activation="si
     the tail of its ancestor path (gathered with `conv_tail_index`, so the backward adds the nodes'
     state gradients into their ancestors' inputs). One call instead of one per level matters where
     the GPU work is small: each fla call costs about a millisecond of host time.
-    `fork=False` starts every node from zeros (a deliberately wrong variant, for negative tests)."""
+    `fork=False` starts every node from zeros (a deliberately wrong variant, for negative tests).
+    `tails`: the `(index, mask)` of `plan.conv_tail_index` given by the caller (a bucketed layout's,
+    `plan.bucketed_conv_tails`)."""
     if plan.depth == 0 or not fork:
         y, _ = backend.causal_conv1d(x, weight, bias, plan.cu_all, plan.cu_all_host, None, False, activation)
         return y
     D, W = weight.shape
-    index, valid = plan.conv_tail_index(W, x.device)
+    index, valid = plan.conv_tail_index(W, x.device) if tails is None else tails
     tails = x.index_select(0, index).view(-1, W, D) * valid.unsqueeze(-1).to(x.dtype)  # [N, W, D]
     init = tails.transpose(1, 2)  # fla's [N, D, W]
     y, _ = backend.causal_conv1d(x, weight, bias, plan.cu_all, plan.cu_all_host, init, False, activation)
@@ -87,11 +89,16 @@ def prefix_shared_gated_delta_net(
     scale: Optional[float] = None,
     activation: str = "silu",
     fork: bool = True,
+    token_mask: Optional[torch.Tensor] = None,
+    conv_tails=None,
 ) -> torch.Tensor:
     """GDN sequence mixing over flattened input tokens (padding included).
 
     mixed_qkv `[N, 2*H*K + HV*V]` (conv input, channels q|k|v), g (log decay) and beta `[N, HV]`,
-    conv_weight `[D, W]`. Returns `[N, HV, V]`, zero at padding positions."""
+    conv_weight `[D, W]`. Returns `[N, HV, V]`, zero at padding positions.
+    A plan of padded segments (a bucketed layout's, `plan.py`) takes `token_mask` `[N]` (True at
+    valid tokens: the padding gets g = 0 and beta = 0, so no state changes there) and `conv_tails`
+    (`plan.bucketed_conv_tails`)."""
     if mixed_qkv.shape[0] != plan.num_input_tokens:
         raise ValueError(
             f"Gated DeltaNet received {mixed_qkv.shape[0]} tokens but the plan describes {plan.num_input_tokens}"
@@ -99,7 +106,10 @@ def prefix_shared_gated_delta_net(
     idx = plan.gather_index
     if idx is not None:  # compact: the valid tokens of every node, level by level
         mixed_qkv, g, beta = mixed_qkv.index_select(0, idx), g.index_select(0, idx), beta.index_select(0, idx)
-    qkv = forked_causal_conv1d(mixed_qkv, conv_weight, conv_bias, plan, backend, activation, fork=fork)
+    if token_mask is not None:
+        keep = token_mask.unsqueeze(-1)
+        g, beta = g * keep.to(g.dtype), beta * keep.to(beta.dtype)
+    qkv = forked_causal_conv1d(mixed_qkv, conv_weight, conv_bias, plan, backend, activation, fork=fork, tails=conv_tails)
     qk_dim = num_key_heads * key_head_dim
     q, k, v = torch.split(qkv, [qk_dim, qk_dim, qkv.shape[-1] - 2 * qk_dim], dim=-1)
     L = qkv.shape[0]
@@ -114,4 +124,6 @@ def prefix_shared_gated_delta_net(
     )
     if idx is not None:
         o = o.new_zeros(plan.num_input_tokens, *o.shape[1:]).index_copy(0, idx, o)
+    if token_mask is not None:
+        o = o * token_mask.view(-1, 1, 1).to(o.dtype)
     return o

@@ -10,6 +10,13 @@ is in the previous level: `GDNLevel.parent`). The conv runs once over all nodes,
 from the last inputs of its ancestor path (`conv_tail_index`).
 
 A plan is built from the packed THD layout (`plan_from_layout`); `build_plan` is its general form.
+
+A bucketed layout (`PackedPrefixLayout.bucketed`: every segment of a level padded to one bucket
+length) is planned on its padded segments instead, so that the kernels' shapes follow its structure
+only: nothing is compacted, the padding runs through the kernels with its decay and write strength
+set to zero (`g = 0`, `beta = 0`: the recurrent state passes it unchanged), and each node's conv
+starts from the last valid inputs of its ancestor path (`bucketed_conv_tails`, a `varying` value of
+the layout, which a CUDA graph's replay refills).
 """
 
 from __future__ import annotations
@@ -86,20 +93,43 @@ class GDNPlan:
         key = ("conv_tail", width, str(device))
         if key not in self._cache:
             cu = self.cu_all_host
-            tail_end: List[List[int]] = []  # the last `width` positions of the path through each node
-            index: List[int] = []
-            valid: List[bool] = []
-            for s, p in enumerate(self.parent_host):
-                before = tail_end[p] if p >= 0 else [-1] * width
-                index.extend(max(i, 0) for i in before)
-                valid.extend(i >= 0 for i in before)
-                a, b = cu[s], cu[s + 1]
-                tail_end.append((before + list(range(max(a, b - width), b)))[-width:])
-            self._cache[key] = (
-                torch.tensor(index, dtype=torch.long, device=device),
-                torch.tensor(valid, dtype=torch.bool, device=device).view(-1, width),
-            )
+            index, valid = conv_tails(cu[:-1], [b - a for a, b in zip(cu, cu[1:])], self.parent_host, width)
+            self._cache[key] = (index.to(device), valid.to(device))
         return self._cache[key]
+
+
+def conv_tails(starts: Sequence[int], lengths: Sequence[int], parent: Sequence[int], width: int):
+    """`GDNPlan.conv_tail_index` for nodes whose valid inputs are `starts[s] .. starts[s] + lengths[s]`
+    (parents before children): an `[N * width]` long index and an `[N, width]` bool mask, on the CPU."""
+    tail_end: List[List[int]] = []  # the last `width` positions of the path through each node
+    index: List[int] = []
+    valid: List[bool] = []
+    for s, p in enumerate(parent):
+        before = tail_end[p] if p >= 0 else [-1] * width
+        index.extend(max(i, 0) for i in before)
+        valid.extend(i >= 0 for i in before)
+        a, b = int(starts[s]), int(starts[s]) + int(lengths[s])
+        tail_end.append((before + list(range(max(a, b - width), b)))[-width:])
+    return torch.tensor(index, dtype=torch.long), torch.tensor(valid, dtype=torch.bool).view(-1, width)
+
+
+def bucketed_conv_tails(layout, width: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The conv tails of a bucketed layout's nodes in its padded pack (the last `width` valid inputs of
+    each node's ancestor path, `conv_tails`) on `device`, registered as the layout's `varying` values."""
+
+    def build(part: int):
+        def of(other):
+            host = other.host
+            return conv_tails(host["cu_seqlens_padded"][:-1], host["valid_lengths"], host["segment_parent"], width)[part]
+        return of
+
+    def on_device():
+        index, valid = (x.to(device) for x in conv_tails(
+            layout.host["cu_seqlens_padded"][:-1], layout.host["valid_lengths"], layout.host["segment_parent"], width))
+        return (layout.varying(("gdn_conv_tail", width, str(device)), index, build(0)),
+                layout.varying(("gdn_conv_mask", width, str(device)), valid, build(1)))
+
+    return layout.derived(("gdn_bucketed_conv_tails", width, str(device)), on_device)
 
 
 def build_plan(
@@ -165,7 +195,7 @@ def plan_from_layout(layout, device=None) -> GDNPlan:
         ("gdn_plan", str(device)),
         lambda: build_plan(
             starts=host["cu_seqlens_padded"][:-1],
-            valid_lengths=host["valid_lengths"],
+            valid_lengths=host["padded_lengths" if layout.bucketed else "valid_lengths"],
             parent=host["segment_parent"],
             level_offsets=host["level_offsets"],
             num_input_tokens=host["cu_seqlens_padded"][-1],

@@ -57,6 +57,9 @@ def add_parser(sub) -> None:
     p.add_argument("--baseline", default="stock", choices=("stock", "off"),
                    help="the first engine: verl's stock engine where it runs the family (default), or 'off': "
                         "ps-bridge's engine with prefix sharing off (sharing on vs off, same model code)")
+    p.add_argument("--baseline-graphs", default=None, choices=("on", "off"),
+                   help="with --baseline off: that engine's CUDA graphs (default: PS_BRIDGE_CUDA_GRAPHS, as the "
+                        "prefix-shared engine's), e.g. 'off' to compare graphs and sharing against neither")
     p.add_argument("--interleave", action="store_true",
                    help="hold both engines at once and run their steps in turns (A B, B A, ...), so neither gains "
                         "from running second (more memory: peaks include the other engine)")
@@ -68,6 +71,11 @@ def add_parser(sub) -> None:
                    help="tiny shapes, fp32, 3 steps, on the CPU: checks exactness, exits 1 if it does not hold")
     p.add_argument("overrides", nargs="*", help="verl trainer-config overrides, key=value (OmegaConf dotlist)")
     p.set_defaults(func=run_verl_check)
+
+
+def _on_off(value):
+    """An optional on/off choice as None / True / False."""
+    return None if value is None else value == "on"
 
 
 def run_verl_check(args) -> int:
@@ -86,7 +94,8 @@ def run_verl_check(args) -> int:
         smoke = dict(SMOKE, **(SMOKE_IMAGES if args.images else {}))
         settings = check.CheckSettings(**smoke, **images, seed=args.seed, system_prompt_len=args.system_prompt_len, tree=args.tree, overrides=SMOKE_OVERRIDES + list(args.overrides),
                                        workdir=args.workdir, noise_floor=args.noise_floor,
-                                       baseline=args.baseline, interleave=args.interleave)
+                                       baseline=args.baseline, interleave=args.interleave,
+                                       baseline_graphs=_on_off(args.baseline_graphs))
     else:
         if not args.model:
             raise UsageError("--model is required (an HF checkpoint directory or a catalogue shape), or --smoke")
@@ -95,7 +104,8 @@ def run_verl_check(args) -> int:
             system_prompt_len=args.system_prompt_len, tree=args.tree,
             response_len=args.response_len, steps=args.steps, dtype=args.dtype, seed=args.seed,
             overrides=list(args.overrides), noise_floor=args.noise_floor, workdir=args.workdir,
-            baseline=args.baseline, interleave=args.interleave, **images)
+            baseline=args.baseline, interleave=args.interleave, baseline_graphs=_on_off(args.baseline_graphs),
+            **images)
     _prepare_process()
     total = (3 if settings.noise_floor else 2) * settings.steps * len(check.PHASES) + 1
     bar = None

@@ -53,6 +53,8 @@ class CheckSettings:
     seed: int = 0
     overrides: List[str] = field(default_factory=list)
     baseline: str = "stock"  # "stock": verl's stock engine where it runs the family; "off": our engine, sharing off
+    # the "off" baseline's CUDA graphs (None: PS_BRIDGE_CUDA_GRAPHS, as the shared engine's)
+    baseline_graphs: Optional[bool] = None
     shared_first: bool = False  # run the shared engine's steps before the first engine's
     interleave: bool = False  # both engines resident, their steps in turns (A B, B A, ...): no order effect
     noise_floor: bool = False  # also run stock with 3/4 of the budgets: stock vs stock, other micro-batch splits

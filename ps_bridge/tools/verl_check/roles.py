@@ -116,7 +116,8 @@ def build_role_engines(kind: str, ckpt: str, settings: CheckSettings, actor_cfg,
             engine = build_stock_engine(ckpt, **kw)
         else:
             engine = build_engine(PrefixSharedMegatronEngine, ckpt, **kw)
-            engine.prefix_sharing_config = PrefixSharingConfig.from_env(enabled=False, backend=shared_backend(settings))
+            engine.prefix_sharing_config = PrefixSharingConfig.from_env(enabled=False, backend=shared_backend(settings),
+                                                                        cuda_graphs=settings.baseline_graphs)
         return engine
 
     actor = one(actor_cfg, False, rollout["max_token_len"])

@@ -231,6 +231,7 @@ def run_check(settings: CheckSettings, progress: Optional[Callable[[str], None]]
         "n": settings.n, "prompt_len": settings.prompt_len, "system_prompt_len": settings.system_prompt_len,
         "tree": shared_tree(settings), "response_len_mean": settings.response_len,
         "engine_order": list(order) + (["interleaved"] if settings.interleave else []), "baseline": settings.baseline,
+        "baseline_graphs": settings.baseline_graphs,
         "steps": settings.steps, "dtype": settings.dtype, "seed": settings.seed,
         "overrides": list(settings.overrides), "ideal_speedup_S": ideal_ratio(settings, lengths, image_tokens),
         "images": images,

@@ -1,0 +1,182 @@
+"""Bucketed layouts (`build_layout(bucket=True)`) and their CUDA-graph replays, on the CPU.
+
+A bucketed layout pads every segment of a tree level to the level's bucket length, so layouts of
+one tree shape with other lengths inside the buckets share a `structure_key`, and a graph captured
+on one replays for the others once `cuda_graphs.refill` has copied in what follows the lengths (the
+tokens, positions and valid flags, the attention calls' key offsets, the Gated DeltaNet conv tails).
+Checked here: the padding changes no log-prob or gradient (against the unbucketed pack and Hugging
+Face), and a replay (the capture replaced by a recording stand-in, as in test_cuda_graphs.py) on
+layouts of other lengths equals the eager run on each, exactly, with and without gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from ps_bridge.cuda_graphs import ModelGraphs, buckets_for, graph_refusal, refill, static_copy
+from ps_bridge.forward import _run, run_packed
+from ps_bridge.kernels.attention.cascade import prefix_shared_attention_cascade
+from ps_bridge.layout import build_layout
+from ps_bridge.rows import PackedRows
+from ps_bridge.tools.runtime import forward_logits
+from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
+from ps_bridge.tree.materialize import bucket_length
+from qwen35_helpers import load_tiny, max_abs
+from test_cuda_graphs import record
+
+
+def test_bucket_lengths():
+    assert [bucket_length(n) for n in (1, 16, 17, 24, 25, 33, 48, 49, 65, 97, 129, 200, 385)] == [
+        16, 16, 24, 24, 32, 48, 48, 64, 96, 128, 192, 256, 512]
+    assert bucket_length(17, 5) == 25 and bucket_length(40, 8) == 48
+    for n in range(1, 3000):  # at most a third of a bucket is padding
+        b = bucket_length(n)
+        assert n <= b and (b <= 16 or 3 * (b - n) < b + 1)
+
+
+def _samples(seed, num_prompts=3, n=3):
+    # prompts of 17..24 tokens (bucket 24), responses of 5..16 (bucket 16): every seed gives the
+    # same buckets, so the same structure, with other lengths
+    return grpo_like_samples(200, num_prompts=num_prompts, n=n, prompt_len=(17, 24), response_len=(5, 16),
+                             seed=seed, shuffle=False)
+
+
+def _bucketed(samples, share, **kw):
+    return build_layout(samples, share=share, vocab_size=200, min_shared=0, bucket=True, **kw)
+
+
+@pytest.mark.parametrize("share", [False, True, "tree"])
+def test_a_bucketed_layout_pads_each_level_to_its_bucket(share):
+    layouts = [_bucketed(_samples(seed), share) for seed in (0, 1, 2)]
+    for layout in layouts:
+        host = layout.host
+        assert layout.bucketed and layout.output_positions is None
+        for d in range(layout.tree_depth + 1):
+            lo, hi = host["level_offsets"][d], host["level_offsets"][d + 1]
+            want = bucket_length(max(host["valid_lengths"][lo:hi]))
+            assert set(host["padded_lengths"][lo:hi]) == {want}
+    assert layouts[0].host["valid_lengths"] != layouts[1].host["valid_lengths"]
+    assert len({layout.structure_key() for layout in layouts}) == 1
+    # another bucket, another structure; the unbucketed keys follow every length
+    longer = _samples(0)
+    longer[-1] = replace(longer[-1], response=longer[-1].response + [1] * 40)
+    assert _bucketed(longer, share).structure_key() != layouts[0].structure_key()
+    plain = [build_layout(_samples(seed), share=share, vocab_size=200, min_shared=0) for seed in (0, 1)]
+    assert plain[0].structure_key() != plain[1].structure_key()
+
+
+@pytest.fixture(scope="module", params=["qwen2.5", "qwen3.5"])
+def tiny(request, tmp_path_factory):
+    hf, loaded, _ = load_tiny(request.param, tmp_path_factory)
+    return hf, loaded
+
+
+def _row_logprobs(loaded, layout):
+    rows = PackedRows.of(layout)
+    return rows.responses(rows.logprobs(forward_logits(loaded, layout)))
+
+
+@pytest.mark.parametrize("share", [False, True, "tree"])
+def test_bucketed_log_probs_and_gradients_equal_the_unbucketed_pack_and_hf(tiny, share):
+    hf, loaded = tiny
+    samples = _samples(3)
+    weights = [torch.randn(len(s.response), generator=torch.Generator().manual_seed(i)) for i, s in enumerate(samples)]
+    results = {}
+    for bucket in (False, True):
+        layout = build_layout(samples, share=share, vocab_size=loaded.vocab_size, min_shared=0, bucket=bucket)
+        loaded.model.zero_grad(set_to_none=True)
+        lps = _row_logprobs(loaded, layout)
+        sum((lp * w).sum() for lp, w in zip(lps, weights)).backward()
+        grads = {n: p.grad.clone() for n, p in loaded.model.named_parameters() if p.grad is not None}
+        results[bucket] = ([lp.detach() for lp in lps], grads)
+    loaded.model.zero_grad(set_to_none=True)
+    assert max_abs(results[True][0], results[False][0]) <= 1e-5
+    assert results[True][1].keys() == results[False][1].keys()
+    for name, g in results[True][1].items():
+        torch.testing.assert_close(g, results[False][1][name], rtol=1e-5, atol=1e-5, msg=name)
+    with torch.no_grad():
+        for s, got in zip(samples, results[True][0]):
+            ids = torch.tensor([s.prompt + s.response])
+            logp = torch.log_softmax(hf(ids).logits[0].float(), -1)
+            P = len(s.prompt)
+            want = logp[P - 1:-1].gather(1, ids[0, P:, None])[:, 0]
+            assert (got - want).abs().max().item() <= 2e-5
+
+
+def _forward(model, config):
+    return lambda own, weights=None: _run(model, own, config, weights)
+
+
+@pytest.mark.parametrize("share", [False, True, "tree"])
+def test_a_replay_on_other_lengths_equals_eager(tiny, share):
+    _, loaded = tiny
+    model, config = loaded.model, replace(loaded.config, cuda_graphs=True)
+    layouts = [_bucketed(_samples(seed), share, ) for seed in (0, 1, 2, 4)]
+    assert len({layout.structure_key() for layout in layouts}) == 1
+    graphs = ModelGraphs(capture=record)
+    with torch.no_grad():
+        got = [graphs.run(model, layout, ("torch_ref",), _forward(model, config)) for layout in layouts]
+        want = [run_packed(model, layout, loaded.config) for layout in layouts]
+    assert (graphs.captures, graphs.replays) == (1, 3)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert not torch.equal(want[2], want[3])
+
+
+@pytest.mark.parametrize("share", [False, "tree"])
+def test_a_training_replay_on_other_lengths_equals_eager(tiny, share):
+    _, loaded = tiny
+    model, config = loaded.model, replace(loaded.config, cuda_graphs=True)
+    layouts = [_bucketed(_samples(seed), share) for seed in (0, 1, 2)]
+    graphs = ModelGraphs(capture=record)
+    for i, layout in enumerate(layouts):
+        out = graphs.run(model, layout, (), _forward(model, config))
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(i))
+        model.zero_grad(set_to_none=True)
+        (out * w).sum().backward()
+        got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        eager = run_packed(model, layout, loaded.config)
+        (eager * w).sum().backward()
+        assert torch.equal(out.detach(), eager.detach())
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                assert torch.equal(got[n], p.grad), n
+    assert (graphs.captures, graphs.replays) == (1, 2)
+    model.zero_grad(set_to_none=True)
+
+
+def test_the_cascade_reads_refilled_key_offsets():
+    """The cascade's ancestor calls on a bucketed layout: their key offsets follow the valid
+    lengths; refilled from another layout of the same structure, the captured layout's calls give
+    that layout's attention (bf16 on the CPU kernels, which read the same device offsets)."""
+    a, b = (_bucketed(_samples(seed, num_prompts=2, n=3), "tree") for seed in (0, 1))
+    assert a.structure_key() == b.structure_key() and a.host["valid_lengths"] != b.host["valid_lengths"]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(a.num_tokens, 4, 16, generator=g).bfloat16()
+    k, v = (torch.randn(a.num_tokens, 2, 16, generator=g).bfloat16() for _ in range(2))
+    own = static_copy(a)
+    prefix_shared_attention_cascade(q, k, v, own, 0.25)  # builds and registers the offsets
+    assert own.host["varying"]
+    refill(own, b)
+    got = prefix_shared_attention_cascade(q, k, v, own, 0.25)
+    want = prefix_shared_attention_cascade(q, k, v, b, 0.25)
+    valid = b.valid
+    assert torch.equal(got[valid], want[valid])
+    stale = prefix_shared_attention_cascade(q, k, v, a, 0.25)
+    assert not torch.equal(stale[valid], want[valid])
+
+
+def test_buckets_only_where_graphs_run(tiny, monkeypatch):
+    _, loaded = tiny
+    config = replace(loaded.config, cuda_graphs=True)
+    assert not buckets_for(loaded.model, loaded.config)  # option off
+    assert not buckets_for(loaded.model, config)  # a CPU model
+    layout = _bucketed(_samples(0), True)
+    on_cuda = replace(layout)
+    monkeypatch.setattr(type(on_cuda), "device", property(lambda self: torch.device("cuda")))
+    assert graph_refusal(loaded.model, on_cuda, "flash_atten_gpu") is None
+    assert "'flex' on a bucketed layout" in graph_refusal(loaded.model, on_cuda, "flex")

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# CUDA graphs on bucketed layouts on one GPU, in one run:
+#   tests   tests/test_cuda_graphs_gpu.py (replays equal eager; bucketed layouts of other lengths);
+#   verl    tools/verl_check_grid.py at the small shapes (24 layers, 8 prompts x n = 8, mini-batch of 4
+#           prompts, GRID_STEPS steps, engines interleaved) with PS_BRIDGE_CUDA_GRAPHS=1 for the
+#           prefix-shared engine, against our engine with sharing off and graphs BASELINE_GRAPHS
+#           (space-separated: "off on" runs the grid twice).
+# Usage (repository root): STEPS="tests verl" GRID="qwen3.5-0.8b:128:32" tools/gpu_cuda_graphs.sh
+# Everything runs within BUDGET_S seconds (default 580). Results in $OUT: cuda-graphs.log, gpu_tests.log,
+# verl-grid-graphs-vs-<off|on>.json, triton-autotune.tar.gz (kernel caches for the next run: copy to .whl/).
+set -uo pipefail
+OUT=${OUT:-/tmp/ps-bridge-out}
+mkdir -p "$OUT"
+source tools/gpu_env.sh
+gpu_setup || exit 1
+LOG="$OUT/cuda-graphs.log"
+BUDGET_S=${BUDGET_S:-580}
+trap save_autotune EXIT
+left() { echo $((BUDGET_S - SECONDS)); }
+for s in ${STEPS:-tests verl}; do
+  case $s in
+    tests)
+      echo "=== [$SECONDS s] GPU tests" | tee -a "$LOG"
+      timeout -k 5 "${TESTS_LIMIT:-240}" python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_cuda_graphs_gpu.py \
+        >"$OUT/gpu_tests.log" 2>&1
+      echo "=== [$SECONDS s] GPU tests exit $?" | tee -a "$LOG"
+      grep -E "passed|failed|error|replay|gradient|bucketed" "$OUT/gpu_tests.log" | tail -40 >>"$LOG"
+      save_autotune ;;
+    verl)
+      for baseline in ${BASELINE_GRAPHS:-off}; do
+        limit=$(left)
+        [ "$limit" -lt 30 ] && { echo "=== verl grid (baseline graphs $baseline): skipped (budget spent)" | tee -a "$LOG"; continue; }
+        echo "=== [$SECONDS s] verl grid, baseline graphs $baseline (limit ${limit}s)" | tee -a "$LOG"
+        PS_BRIDGE_CUDA_GRAPHS=1 timeout -k 5 "$limit" python3 tools/verl_check_grid.py \
+          --runs "${GRID:-qwen3.5-0.8b:128:32,qwen2.5-0.5b:128:32}" --steps "${GRID_STEPS:-9}" --interleave \
+          --baseline-graphs "$baseline" --workdir /tmp/verl-check --json "$OUT/verl-grid-graphs-vs-$baseline.json" >>"$LOG" 2>&1
+        echo "=== [$SECONDS s] verl grid exit $?" | tee -a "$LOG"
+      done ;;
+  esac
+done
+grep -v -i "warn" "$LOG" | grep -v "^\[PS\]\|INFO" | tail -${TAIL:-70}
