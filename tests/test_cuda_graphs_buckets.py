@@ -37,20 +37,33 @@ def test_bucket_lengths():
         assert n <= b and (b <= 16 or 3 * (b - n) < b + 1)
 
 
-def _samples(seed, num_prompts=3, n=3):
+def _samples(seed, num_prompts=3, n=3, system=0):
     # prompts of 17..24 tokens (bucket 24), responses of 5..16 (bucket 16): every seed gives the
-    # same buckets, so the same structure, with other lengths
-    return grpo_like_samples(200, num_prompts=num_prompts, n=n, prompt_len=(17, 24), response_len=(5, 16),
-                             seed=seed, shuffle=False)
+    # same buckets, so the same structure, with other lengths. `system`: a run of that many tokens
+    # every prompt begins with (a tree of depth 2: the run, each prompt's rest, the responses)
+    samples = grpo_like_samples(200, num_prompts=num_prompts, n=n, prompt_len=(17, 24), response_len=(5, 16),
+                                seed=seed, shuffle=False)
+    head = list(range(100, 100 + system))
+    return [replace(s, prompt=head + s.prompt) for s in samples]
+
+
+SHARES = {"unshared": (False, 0), "groups": (True, 0), "tree": ("tree", 0), "system": ("tree", 20)}
 
 
 def _bucketed(samples, share, **kw):
     return build_layout(samples, share=share, vocab_size=200, min_shared=0, bucket=True, **kw)
 
 
-@pytest.mark.parametrize("share", [False, True, "tree"])
-def test_a_bucketed_layout_pads_each_level_to_its_bucket(share):
-    layouts = [_bucketed(_samples(seed), share) for seed in (0, 1, 2)]
+def _case(case, seed, **kw):
+    share, system = SHARES[case]
+    return _bucketed(_samples(seed, system=system, **kw), share)
+
+
+@pytest.mark.parametrize("case", SHARES)
+def test_a_bucketed_layout_pads_each_level_to_its_bucket(case):
+    share, system = SHARES[case]
+    layouts = [_case(case, seed) for seed in (0, 1, 2)]
+    assert layouts[0].tree_depth == {"unshared": 0, "groups": 1, "tree": 1, "system": 2}[case]
     for layout in layouts:
         host = layout.host
         assert layout.bucketed and layout.output_positions is None
@@ -61,10 +74,10 @@ def test_a_bucketed_layout_pads_each_level_to_its_bucket(share):
     assert layouts[0].host["valid_lengths"] != layouts[1].host["valid_lengths"]
     assert len({layout.structure_key() for layout in layouts}) == 1
     # another bucket, another structure; the unbucketed keys follow every length
-    longer = _samples(0)
+    longer = _samples(0, system=system)
     longer[-1] = replace(longer[-1], response=longer[-1].response + [1] * 40)
     assert _bucketed(longer, share).structure_key() != layouts[0].structure_key()
-    plain = [build_layout(_samples(seed), share=share, vocab_size=200, min_shared=0) for seed in (0, 1)]
+    plain = [build_layout(_samples(seed, system=system), share=share, vocab_size=200, min_shared=0) for seed in (0, 1)]
     assert plain[0].structure_key() != plain[1].structure_key()
 
 
@@ -79,10 +92,11 @@ def _row_logprobs(loaded, layout):
     return rows.responses(rows.logprobs(forward_logits(loaded, layout)))
 
 
-@pytest.mark.parametrize("share", [False, True, "tree"])
-def test_bucketed_log_probs_and_gradients_equal_the_unbucketed_pack_and_hf(tiny, share):
+@pytest.mark.parametrize("case", SHARES)
+def test_bucketed_log_probs_and_gradients_equal_the_unbucketed_pack_and_hf(tiny, case):
     hf, loaded = tiny
-    samples = _samples(3)
+    share, system = SHARES[case]
+    samples = _samples(3, system=system)
     weights = [torch.randn(len(s.response), generator=torch.Generator().manual_seed(i)) for i, s in enumerate(samples)]
     results = {}
     for bucket in (False, True):
@@ -110,11 +124,11 @@ def _forward(model, config):
     return lambda own, weights=None: _run(model, own, config, weights)
 
 
-@pytest.mark.parametrize("share", [False, True, "tree"])
-def test_a_replay_on_other_lengths_equals_eager(tiny, share):
+@pytest.mark.parametrize("case", SHARES)
+def test_a_replay_on_other_lengths_equals_eager(tiny, case):
     _, loaded = tiny
     model, config = loaded.model, replace(loaded.config, cuda_graphs=True)
-    layouts = [_bucketed(_samples(seed), share, ) for seed in (0, 1, 2, 4)]
+    layouts = [_case(case, seed) for seed in (0, 1, 2, 4)]
     assert len({layout.structure_key() for layout in layouts}) == 1
     graphs = ModelGraphs(capture=record)
     with torch.no_grad():
@@ -126,11 +140,11 @@ def test_a_replay_on_other_lengths_equals_eager(tiny, share):
     assert not torch.equal(want[2], want[3])
 
 
-@pytest.mark.parametrize("share", [False, "tree"])
-def test_a_training_replay_on_other_lengths_equals_eager(tiny, share):
+@pytest.mark.parametrize("case", ["unshared", "system"])
+def test_a_training_replay_on_other_lengths_equals_eager(tiny, case):
     _, loaded = tiny
     model, config = loaded.model, replace(loaded.config, cuda_graphs=True)
-    layouts = [_bucketed(_samples(seed), share) for seed in (0, 1, 2)]
+    layouts = [_case(case, seed) for seed in (0, 1, 2)]
     graphs = ModelGraphs(capture=record)
     for i, layout in enumerate(layouts):
         out = graphs.run(model, layout, (), _forward(model, config))
@@ -153,7 +167,8 @@ def test_the_cascade_reads_refilled_key_offsets():
     """The cascade's ancestor calls on a bucketed layout: their key offsets follow the valid
     lengths; refilled from another layout of the same structure, the captured layout's calls give
     that layout's attention (bf16 on the CPU kernels, which read the same device offsets)."""
-    a, b = (_bucketed(_samples(seed, num_prompts=2, n=3), "tree") for seed in (0, 1))
+    a, b = (_case("system", seed, num_prompts=2, n=3) for seed in (0, 1))
+    assert a.tree_depth == 2
     assert a.structure_key() == b.structure_key() and a.host["valid_lengths"] != b.host["valid_lengths"]
     g = torch.Generator().manual_seed(0)
     q = torch.randn(a.num_tokens, 4, 16, generator=g).bfloat16()
@@ -175,8 +190,7 @@ def test_buckets_only_where_graphs_run(tiny, monkeypatch):
     config = replace(loaded.config, cuda_graphs=True)
     assert not buckets_for(loaded.model, loaded.config)  # option off
     assert not buckets_for(loaded.model, config)  # a CPU model
-    layout = _bucketed(_samples(0), True)
-    on_cuda = replace(layout)
+    on_cuda = _case("groups", 0)
     monkeypatch.setattr(type(on_cuda), "device", property(lambda self: torch.device("cuda")))
     assert graph_refusal(loaded.model, on_cuda, "flash_atten_gpu") is None
     assert "'flex' on a bucketed layout" in graph_refusal(loaded.model, on_cuda, "flex")

@@ -132,11 +132,16 @@ def test_bucketed_replays_on_other_lengths(tmp_path, name):
     vocab = loaded.vocab_size
     eager_config = replace(loaded.config, cuda_graphs=False)
     graphs = model_graphs(loaded.model)
-    for share in (False, True, "tree"):
-        layouts = [build_layout(grpo_like_samples(vocab, num_prompts=3, n=4, prompt_len=(65, 96), response_len=(33, 48),
-                                                  seed=seed, shuffle=False),
-                                share=share, vocab_size=vocab, min_shared=0, bucket=True).to(loaded.device)
-                   for seed in (1, 2, 3, 4)]
+    def samples(seed, system):
+        # every seed: prompt bucket 96, response bucket 48; `system`: a common run before every prompt
+        # (a tree of depth 2), so the tree case is a structure of its own
+        head = list(range(1, 1 + system))
+        return [replace(s, prompt=head + s.prompt) for s in grpo_like_samples(
+            vocab, num_prompts=3, n=4, prompt_len=(65, 96), response_len=(33, 48), seed=seed, shuffle=False)]
+
+    for share, system in ((False, 0), (True, 0), ("tree", 40)):
+        layouts = [build_layout(samples(seed, system), share=share, vocab_size=vocab, min_shared=0, bucket=True)
+                   .to(loaded.device) for seed in (1, 2, 3, 4)]
         assert len({layout.structure_key() for layout in layouts}) == 1
         for training in (False, True):
             captures, replays = graphs.captures, graphs.replays
@@ -156,9 +161,7 @@ def test_bucketed_replays_on_other_lengths(tmp_path, name):
             assert graphs.captures == captures + 1, f"{name} {share}: not captured (see the log)"
             assert graphs.replays == replays + 3
         with torch.no_grad():
-            plain = build_layout(grpo_like_samples(vocab, num_prompts=3, n=4, prompt_len=(65, 96), response_len=(33, 48),
-                                                   seed=4, shuffle=False),
-                                 share=share, vocab_size=vocab, min_shared=0).to(loaded.device)
+            plain = build_layout(samples(4, system), share=share, vocab_size=vocab, min_shared=0).to(loaded.device)
             a = run_packed(loaded.model, layouts[-1], eager_config)[0].float()
             b = run_packed(loaded.model, plain, eager_config)[0].float()
             rows_a = a.index_select(0, layouts[-1].row_source)

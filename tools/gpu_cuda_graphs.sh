@@ -6,6 +6,7 @@
 #           prefix-shared engine, against our engine with sharing off and graphs BASELINE_GRAPHS
 #           (space-separated: "off on" runs the grid twice).
 # Usage (repository root): STEPS="tests verl" GRID="qwen3.5-0.8b:128:32" tools/gpu_cuda_graphs.sh
+# (TESTS_K: a pytest -k expression narrowing the tests)
 # Everything runs within BUDGET_S seconds (default 580). Results in $OUT: cuda-graphs.log, gpu_tests.log,
 # verl-grid-graphs-vs-<off|on>.json, triton-autotune.tar.gz (kernel caches for the next run: copy to .whl/).
 set -uo pipefail
@@ -21,7 +22,7 @@ for s in ${STEPS:-tests verl}; do
   case $s in
     tests)
       echo "=== [$SECONDS s] GPU tests" | tee -a "$LOG"
-      timeout -k 5 "${TESTS_LIMIT:-240}" python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_cuda_graphs_gpu.py \
+      timeout -k 5 "${TESTS_LIMIT:-240}" python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_cuda_graphs_gpu.py -k "${TESTS_K:-}" \
         >"$OUT/gpu_tests.log" 2>&1
       echo "=== [$SECONDS s] GPU tests exit $?" | tee -a "$LOG"
       grep -E "passed|failed|error|replay|gradient|bucketed" "$OUT/gpu_tests.log" | tail -40 >>"$LOG"
