@@ -168,7 +168,9 @@ class _Graph:
     output: Optional[torch.Tensor] = None
     backward: Optional[object] = None
     grad_output: Optional[torch.Tensor] = None
-    params: Tuple[torch.Tensor, ...] = ()
+    # weak references: megatron's DDP hooks on the parameters reach the model, which keys `_GRAPHS`
+    # weakly; a strong reference here would keep the model, and every graph's memory, alive for good
+    params: Tuple["weakref.ref[torch.Tensor]", ...] = ()
     grads: Tuple[Optional[torch.Tensor], ...] = ()
     # a replayed forward whose backward has not run yet: its saved activations live in the graph's
     # memory, which another replay of the same graph would overwrite
@@ -296,7 +298,7 @@ class ModelGraphs:
         if not training:
             entry.graph.replay()
             return entry.output.clone()
-        return _Replayed.apply(entry, *entry.params)
+        return _Replayed.apply(entry, *(ref() for ref in entry.params))
 
     def _capture(self, entry: _Graph, model, layout: PackedPrefixLayout, forward, training: bool) -> None:
         own = static_copy(layout)
@@ -306,7 +308,7 @@ class ModelGraphs:
                 graph, output, backward, grad_output, grads = self.capture.training(
                     lambda aliases: forward(own, aliases), named)
                 entry.backward, entry.grad_output, entry.grads = backward, grad_output, grads
-                entry.params = tuple(p for _, p in named)
+                entry.params = tuple(weakref.ref(p) for _, p in named)
             else:
                 graph, output = self.capture.forward(lambda: forward(own, None))
         except RuntimeError as e:

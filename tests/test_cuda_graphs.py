@@ -316,3 +316,33 @@ def test_a_data_parallel_wrapped_model(loaded):
         assert all(torch.equal(got[n], want[n]) for n in want) and got.keys() == want.keys()
     assert (graphs.captures, graphs.replays) == (1, 2)
     loaded.model.zero_grad(set_to_none=True)
+
+
+def test_graphs_die_with_their_model():
+    """A model's graphs (and the memory they hold) go when the model goes, even where hooks on its
+    parameters reach the model, as megatron's DDP hooks do."""
+    import gc
+    import weakref
+
+    from ps_bridge.cuda_graphs import model_graphs
+
+    model = torch.nn.Linear(4, 3)
+    for param in model.parameters():
+        param.register_hook(lambda g, m=model: g)  # a hook that reaches the model
+    del param
+    graphs = model_graphs(model)
+    graphs.capture = record
+    layout = build_layout([Sample([1, 2, 3], [4, 5]), Sample([1, 2, 3], [6])], share=True)
+
+    gone = weakref.ref(model)
+
+    def forward(own, weights=None):  # the recording stand-in keeps this function: it holds no model
+        x = own.tokens[:4].float().view(1, 4)
+        return gone()(x) if weights is None else torch.func.functional_call(gone(), weights, (x,))
+
+    for _ in range(3):
+        graphs.run(model, layout, (), forward).sum().backward()
+    assert graphs.captures == 1 and graphs.replays == 2
+    del model, graphs
+    gc.collect()
+    assert gone() is None
