@@ -194,3 +194,28 @@ def test_buckets_only_where_graphs_run(tiny, monkeypatch):
     monkeypatch.setattr(type(on_cuda), "device", property(lambda self: torch.device("cuda")))
     assert graph_refusal(loaded.model, on_cuda, "flash_atten_gpu") is None
     assert "'flex' on a bucketed layout" in graph_refusal(loaded.model, on_cuda, "flex")
+
+
+def test_a_bucketed_shared_pack_larger_than_the_samples_runs_unshared():
+    """Under CUDA graphs the rule shares every micro-batch with something to share; where the
+    bucketed shared pack would hold more than 9/10 of the samples' tokens (uneven long responses
+    padded to their level's bucket), the micro-batch runs unshared and unbucketed: the stock work."""
+    from ps_bridge.config import PrefixSharingConfig
+    from ps_bridge.plan import SharingPlan
+    from ps_bridge.prepare import micro_batch_layout
+
+    config = PrefixSharingConfig(enabled=True, cuda_graphs=True)
+    plan = SharingPlan.from_config(config, 1, bucket=True)
+
+    def run(samples):
+        return micro_batch_layout(samples, config, None, "cuda", "bfloat16", plan=plan, vocab_size=200, total_multiple=1)
+
+    layout, decision = run(_samples(0))
+    assert decision.share and layout.bucketed and layout.num_tokens * 10 <= layout.tokens_unshared * 9
+    uneven = grpo_like_samples(200, num_prompts=3, n=3, prompt_len=(5, 8), response_len=(10, 100), seed=0, shuffle=False)
+    layout, decision = run(uneven)
+    assert not decision.share and "bucketed shared pack holds" in decision.reason
+    assert not layout.bucketed and not layout.shared and layout.num_tokens == layout.tokens_unshared
+    forced, decision = micro_batch_layout(uneven, replace(config, sharing="on"), None, "cuda", "bfloat16", plan=plan,
+                                          vocab_size=200, total_multiple=1)
+    assert decision.share and forced.bucketed
