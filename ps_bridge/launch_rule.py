@@ -33,7 +33,8 @@ ranks of one data-parallel rank) takes the same path, whatever its own layers or
 Where the model's passes replay CUDA graphs (`cuda_graphs`, on bucketed layouts: `graphs=True`), a
 step's host time is one replay whatever its launches, so the shared path costs no host time of its
 own: the rule shares every micro-batch that has something to share (`prepare.micro_batch_layout` then
-runs unshared a micro-batch whose bucketed shared pack would hold more tokens than `BUCKET_PAYS` allows).
+runs eagerly, as decided without graphs, a micro-batch whose bucketed shared pack would hold more
+tokens than `BUCKET_PAYS` allows).
 
 `PrefixSharingConfig.sharing` (`PS_BRIDGE_SHARING`) forces it: `on` shares whenever a prompt has two
 or more responses, `off` never shares, `auto` (default) applies the rule.

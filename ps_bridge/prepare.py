@@ -12,7 +12,8 @@ decided it for these samples already):
    shared, reading the tree's token count (host integers only: every TP/CP/PP rank decides alike);
 3. `build_layout` packs that decision (the plan's tree and order, not decided again; a shared pack
    bucketed where the plan says so, `SharingPlan.bucket`: CUDA graphs); a bucketed shared pack that
-   holds more than `BUCKET_PAYS` of the samples' tokens runs unshared instead (the rule's `auto`); where the rule
+   holds more than `BUCKET_PAYS` of the samples' tokens is not run: the rule decides again for eager
+   passes, and its packing is built unbucketed (the rule's `auto` only); where the rule
    chose to share but the packing holds nothing shared (samples that share a prefix carry different
    share classes), the unshared layout is packed instead, the stock computation;
 4. the `[PS][prepare]` lines: the decision and the layout (`log_layout`).
@@ -41,8 +42,8 @@ logger = logging.getLogger("ps_bridge")
 
 # A bucketed shared pack (CUDA graphs: `SharingPlan.bucket`) runs where it holds at most 9/10 of the
 # samples' tokens: its levels are padded to their longest segment's bucket and every position is
-# computed, so with responses of uneven length it can hold more tokens than the samples themselves,
-# whose unshared stock computation then does less work
+# computed, so with responses of uneven length it can hold more tokens than the samples themselves;
+# such a micro-batch runs eagerly instead, as the rule decides without graphs
 BUCKET_PAYS = (9, 10)
 
 
@@ -104,7 +105,7 @@ def micro_batch_layout(
         share = decision.share
     share = config.layout_share(share)
 
-    def pack(share, reuse_plan: bool):
+    def pack(share, reuse_plan: bool, bucket: bool = plan.bucket):
         # the plan's tree and order where they were decided for these samples and this share mode;
         # bucketed (for CUDA graphs) where shared: an unshared micro-batch is the stock computation
         usable = reuse_plan and share == plan.layout_share and plan.holds_tree_of(samples, share_classes)
@@ -114,15 +115,19 @@ def micro_batch_layout(
             prompt_values=config.layout_prompt_values, min_shared=config.tree_min_shared,
             max_depth=config.tree_max_depth, share_classes=share_classes,
             tree=plan.tree if usable else None, order=plan.order if usable else None,
-            bucket=plan.bucket and share is not False,
+            bucket=bucket and share is not False,
         )
 
     layout = pack(share, True)
     if decision is not None and config.sharing == "auto" and decision.share and layout.bucketed \
             and layout.num_tokens * BUCKET_PAYS[1] > layout.tokens_unshared * BUCKET_PAYS[0]:
-        decision = SharingDecision(False, f"does not pay: the bucketed shared pack holds {layout.num_tokens} tokens, "
-                                          f"the samples {layout.tokens_unshared}")
-        layout = pack(False, False)
+        # the micro-batch runs eagerly, shared where the rule for eager passes says so
+        padded = f"the bucketed shared pack holds {layout.num_tokens} tokens, the samples {layout.tokens_unshared}"
+        eager = rule_decision(samples, config, cost, device_type, dtype,
+                              tree=plan.tree if config.enabled and config.tree else None, log=False)
+        decision = SharingDecision(eager.share, f"{padded}; without graphs: {eager.reason}",
+                                   eager.gpu_unshared_ns, eager.host_shared_ns)
+        layout = pack(config.layout_share(eager.share), True, bucket=False)
     if decision is not None:
         if layout.shared and not layout.has_sharing:
             if decision.share and share_classes is not None:

@@ -199,7 +199,8 @@ def test_buckets_only_where_graphs_run(tiny, monkeypatch):
 def test_a_bucketed_shared_pack_larger_than_the_samples_runs_unshared():
     """Under CUDA graphs the rule shares every micro-batch with something to share; where the
     bucketed shared pack would hold more than 9/10 of the samples' tokens (uneven long responses
-    padded to their level's bucket), the micro-batch runs unshared and unbucketed: the stock work."""
+    padded to their level's bucket), the micro-batch runs eagerly as the rule decides without graphs:
+    here (no model cost: the rule shares) shared and unbucketed, and unshared where sharing is off."""
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.plan import SharingPlan
     from ps_bridge.prepare import micro_batch_layout
@@ -214,8 +215,13 @@ def test_a_bucketed_shared_pack_larger_than_the_samples_runs_unshared():
     assert decision.share and layout.bucketed and layout.num_tokens * 10 <= layout.tokens_unshared * 9
     uneven = grpo_like_samples(200, num_prompts=3, n=3, prompt_len=(5, 8), response_len=(10, 100), seed=0, shuffle=False)
     layout, decision = run(uneven)
-    assert not decision.share and "bucketed shared pack holds" in decision.reason
-    assert not layout.bucketed and not layout.shared and layout.num_tokens == layout.tokens_unshared
+    assert decision.share and "bucketed shared pack holds" in decision.reason and "without graphs" in decision.reason
+    assert not layout.bucketed and layout.has_sharing and layout.output_positions is not None
+    eager = build_layout(uneven, share="tree", vocab_size=200)
+    assert layout.num_tokens == eager.num_tokens and torch.equal(layout.tokens, eager.tokens)
+    off = micro_batch_layout(uneven, replace(config, enabled=False), None, "cuda", "bfloat16", plan=plan,
+                             vocab_size=200, total_multiple=1)[0]
+    assert not off.bucketed and not off.shared and off.num_tokens == off.tokens_unshared
     forced, decision = micro_batch_layout(uneven, replace(config, sharing="on"), None, "cuda", "bfloat16", plan=plan,
                                           vocab_size=200, total_multiple=1)
     assert decision.share and forced.bucketed
