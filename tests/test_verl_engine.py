@@ -646,3 +646,39 @@ def test_tree_batch_rows_and_gradients_by_format(engines, checkpoints, family, f
     worst = max(((g_ours[n] - g_stock[n]).abs().max() / g_stock[n].abs().max().clamp(min=1e-12)).item() for n in g_stock)
     print(f"{family} {fmt} {batching}: worst relative grad diff {worst:.2e}")
     assert worst < TOL
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "qwen3.5"])
+def test_bucketed_micro_batches_match_stock_engine(engines, checkpoints, family, monkeypatch):
+    """With CUDA graphs on the GPU the engine packs shared micro-batches bucketed (each tree level
+    padded to its bucket, every position computed): forced here on the CPU, the rows and every
+    gradient equal verl's stock engine's, as the unbucketed packing's do."""
+    import ps_bridge.verl.engine as engine_module
+
+    made = []
+
+    def recorded(*args, **kwargs):
+        layout, decision = micro_batch_layout(*args, **kwargs)
+        made.append(layout)
+        return layout, decision
+
+    micro_batch_layout = engine_module.micro_batch_layout
+    monkeypatch.setattr(engine_module, "buckets_for", lambda model, config: True)
+    monkeypatch.setattr(engine_module, "micro_batch_layout", recorded)
+    _, hf = checkpoints(family)
+    # prompts longer than the responses: the bucketed pack holds fewer tokens than the samples, so it runs
+    samples = fold_into_vocabulary(grpo_like_samples(256, num_prompts=4, n=4, prompt_len=(40, 48), response_len=(5, 16),
+                                                     seed=5, shuffle=False), hf.config.vocab_size)
+    stock = infer(engines(family, "thd", "stock"), vt.grpo_micro_batch(samples, **BATCHINGS["static"]))
+    made.clear()  # Qwen3.5's baseline is our engine with sharing off
+    ours = infer(engines(family, "thd", "ours"), vt.grpo_micro_batch(samples, **BATCHINGS["static"]))
+    assert made and all(layout.bucketed and layout.has_sharing for layout in made)
+    assert any(layout.num_tokens > layout.tokens_shared for layout in made)  # the buckets padded something
+    read = prompt_lengths(samples)
+    assert max(max_row_diff(ours[k], stock[k], prompt_lengths=read) for k in ("log_probs", "entropy")) < TOL
+    g_stock = grads_after_backward(engines(family, "thd", "stock", forward_only=False),
+                                   vt.grpo_micro_batch(samples, **BATCHINGS["static"]))
+    g_ours = grads_after_backward(engines(family, "thd", "ours", forward_only=False),
+                                  vt.grpo_micro_batch(samples, **BATCHINGS["static"]))
+    worst = max(((g_ours[n] - g_stock[n]).abs().max() / g_stock[n].abs().max().clamp(min=1e-12)).item() for n in g_stock)
+    assert worst < TOL
