@@ -91,8 +91,8 @@ def _bind_varying_offsets(layout: PackedPrefixLayout, plan: CascadePlan, device)
             for a, x in enumerate(level.ancestors):
                 static = x.call.device_offsets(device)[1]
                 layout.varying(("cascade_cu_k", d, a, str(device)), static,
-                               lambda other, d=d, a=a: torch.tensor(cascade_plan(other).levels[d].ancestors[a].call.cu_k,
-                                                                    dtype=static.dtype))
+                               lambda other, d=d, a=a, dtype=static.dtype: torch.tensor(
+                                   cascade_plan(other).levels[d].ancestors[a].call.cu_k, dtype=dtype))
         return True
 
     layout.derived(("cascade_varying", str(device)), bind)

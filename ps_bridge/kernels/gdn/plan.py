@@ -117,17 +117,15 @@ def bucketed_conv_tails(layout, width: int, device) -> Tuple[torch.Tensor, torch
     """The conv tails of a bucketed layout's nodes in its padded pack (the last `width` valid inputs of
     each node's ancestor path, `conv_tails`) on `device`, registered as the layout's `varying` values."""
 
-    def build(part: int):
-        def of(other):
-            host = other.host
-            return conv_tails(host["cu_seqlens_padded"][:-1], host["valid_lengths"], host["segment_parent"], width)[part]
-        return of
+    def on_host(other):  # once per layout, for both of its tensors
+        host = other.host
+        return other.derived(("gdn_conv_tails_host", width), lambda: conv_tails(
+            host["cu_seqlens_padded"][:-1], host["valid_lengths"], host["segment_parent"], width))
 
     def on_device():
-        index, valid = (x.to(device) for x in conv_tails(
-            layout.host["cu_seqlens_padded"][:-1], layout.host["valid_lengths"], layout.host["segment_parent"], width))
-        return (layout.varying(("gdn_conv_tail", width, str(device)), index, build(0)),
-                layout.varying(("gdn_conv_mask", width, str(device)), valid, build(1)))
+        index, valid = (x.to(device) for x in on_host(layout))
+        return (layout.varying(("gdn_conv_tail", width, str(device)), index, lambda other: on_host(other)[0]),
+                layout.varying(("gdn_conv_mask", width, str(device)), valid, lambda other: on_host(other)[1]))
 
     return layout.derived(("gdn_bucketed_conv_tails", width, str(device)), on_device)
 
