@@ -11,7 +11,7 @@ the same model code and the ratio is sharing on / sharing off alone. Everything 
 the small-shape settings (8 prompts x n = 8, 3 steps, bf16, `ppo_mini_batch_size=4`, 24 layers) unless
 given. Runs share one process (imports and CUDA set-up once); the JSON is rewritten after each run,
 with, per run, verl-check's document and how many micro-batches the rule ran shared, by pass
-(`fwd+bwd`: the update; `fwd`: old and ref log-probs), all steps.
+(`fwd+bwd`: the update; `fwd`: old and ref log-probs), all steps, as they were packed.
 """
 
 from __future__ import annotations
@@ -45,20 +45,21 @@ def main() -> int:
     from ps_bridge.tools.cli.verl_check import _prepare_process
 
     _prepare_process()  # before verl's engine is imported
-    from ps_bridge import prepare
+    import torch
+
     from ps_bridge.tools import verl_check as check
+    from ps_bridge.verl import engine as engine_module
 
     decisions = []
-    rule = prepare.sharing_for  # the engine's forward step decides through prepare.micro_batch_layout
+    layout_of = engine_module.micro_batch_layout  # the engine's forward step decides and packs through it
 
     def counted(samples, config, *a, **kw):
-        d = rule(samples, config, *a, **kw)
-        import torch
+        layout, decision = layout_of(samples, config, *a, **kw)
+        # what ran: the final packing (after the rule's fallbacks), shared or not
+        decisions.append((config.enabled, torch.is_grad_enabled(), layout.has_sharing))
+        return layout, decision
 
-        decisions.append((config.enabled, torch.is_grad_enabled(), d.share))
-        return d
-
-    prepare.sharing_for = counted
+    engine_module.micro_batch_layout = counted
     results = []
     for spec in args.runs.split(","):
         model, P, R = spec.split(":")
