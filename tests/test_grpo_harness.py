@@ -128,6 +128,26 @@ def test_a_mismatch_exits_1(fake, tmp_path, capsys):
     assert not json.loads((tmp_path / "verdict.json").read_text())["passed"]
 
 
+@pytest.mark.parametrize("right, system_right, stops", [(20, 20, False), (4, 20, True), (20, 7, True)])
+def test_a_fit_with_too_few_right_answers_stops_before_the_runs(monkeypatch, tmp_path, capsys, right,
+                                                                system_right, stops):
+    """Data whose model is rarely right would give all-0 advantages: the job names the fit and stops."""
+    from ps_bridge.tools.grpo import data
+
+    fit = data.FitSummary(300, 0.2, 64, 64, right, 64, 64, system_right)
+    built = SimpleNamespace(model="M", max_prompt_tokens=40, vocab_size=640, tokenizer_size=531, fit=fit)
+    monkeypatch.setattr(data, "build", lambda out, seed, model, progress: built)
+    if stops:
+        with pytest.raises(harness.WeakFit, match=f"right on {right}/64 sampled answers .{system_right}/64"):
+            harness.build_data(tmp_path, 1, say=lambda line: None)
+        launched = []
+        monkeypatch.setattr(harness, "launch", lambda *a, **kw: launched.append(a))
+        assert harness.main(["--out", str(tmp_path), "--short", "--no-plot"]) == 2
+        assert not launched and "--seed" in capsys.readouterr().err
+    else:
+        assert harness.build_data(tmp_path, 1, say=lambda line: None) is built
+
+
 def test_a_broken_tree_run_exits_2_without_traceback(fake, tmp_path, capsys):
     fake["fail"].add("ps-tree")
     assert harness.main(["--out", str(tmp_path), "--steps", "4", "--no-plot"]) == 2

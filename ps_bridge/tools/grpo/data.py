@@ -79,7 +79,7 @@ MODELS = ("qwen2.5", "qwen3.5")
 VOCAB_MULTIPLE = 128
 
 # bump when the files built here change for the same arguments (the cache key)
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -187,13 +187,18 @@ class FitSummary:
 
 
 def fit_to_format(model, tokenizer, problems: List[Problem], steps: int, seed: int,
-                  batch_size: int = 16, lr: float = 5e-3,
+                  batch_size: int = 16, lr: float = 2e-3,
                   progress: Optional[Callable[[int, float], None]] = None) -> Optional[float]:
     """Adam on the answers' tokens (the prompt's tokens carry no loss) for `steps` steps.
 
     A random model never writes `#### <answer>`: every reward would be 0, every GRPO advantage 0, the weights
     would never move, and a rollout engine left with stale weights would go unnoticed. After the fit the
     model writes the format and is right on a part of the problems, so rewards vary inside each group.
+
+    The learning rate decides how large that part is. At 5e-3 the fit learns the format but not the
+    arithmetic (loss 0.8 after 300 steps, 2-6 of 64 sampled answers right, seed 1): a 3-step run of 8
+    responses per step then draws no right answer at all on some machines (their float rounding fits a
+    slightly different model), and its weights never move. At 2e-3: loss 0.25, about 20 of 64 right.
 
     The fit sees every problem in both prompt forms, without and behind SYSTEM_PROMPT: a model fitted on one
     form only writes the format after that form's prompt; behind the unseen system prompt it then draws no

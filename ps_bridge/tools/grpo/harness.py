@@ -40,6 +40,14 @@ RESUME_AFTER = 3  # the checkpoint step the resume check restarts from
 # the tree pair takes both prompts of a step in one micro-batch, so the system prompt is shared across prompts
 MICRO_BATCH, FLOOR_MICRO_BATCH, TREE_MICRO_BATCH = 4, 2, 8
 TREE_FLOOR_MICRO_BATCH = 4  # half of the tree pair's micro-batch: stock's float32 sums in another grouping
+# the least share of right answers the format fit must leave (sampled after the fit, in each prompt form): at 8
+# responses per step, a model right on 1 in 8 draws no right answer in 3 steps with probability 0.04, and such
+# a run's advantages are all 0: its weights never move, so the verdict could not tell stale weights in vLLM
+MIN_RIGHT = 1 / 8
+
+
+class WeakFit(RuntimeError):
+    pass
 
 
 class RunFailed(RuntimeError):
@@ -144,6 +152,12 @@ def build_data(out: Path, seed: int, say: Callable[[str], None], model: str = "q
         f"sampled answers right after the format fit: {built.fit.correct}/{built.fit.sampled} "
         f"({built.fit.formatted} formatted), behind the system prompt {built.fit.system_correct}/"
         f"{built.fit.system_sampled} ({built.fit.system_formatted} formatted) [{time.time() - start:.0f} s]")
+    fit = built.fit
+    if fit.steps > 0 and min(fit.correct / max(fit.sampled, 1), fit.system_correct / max(fit.system_sampled, 1)) < MIN_RIGHT:
+        raise WeakFit(
+            f"the format fit left the model right on {fit.correct}/{fit.sampled} sampled answers "
+            f"({fit.system_correct}/{fit.system_sampled} behind the system prompt), below {MIN_RIGHT:.3f}: "
+            f"GRPO's advantages would be 0 at most steps. Try another --seed (data in {out / 'data'})")
     return built
 
 
@@ -307,7 +321,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     progress = Progress(planned_steps(plan), args.verbose)
     try:
         checks = run_plan(plan, progress)
-    except RunFailed as e:
+    except (RunFailed, WeakFit) as e:
         progress.close()
         print(f"error: {e}", file=sys.stderr)
         return 2
