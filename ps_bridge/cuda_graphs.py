@@ -341,14 +341,14 @@ def model_graphs(model: torch.nn.Module) -> ModelGraphs:
     return graphs
 
 
-def graphed(model: torch.nn.Module, layout: PackedPrefixLayout, key: tuple,
+def graphed(model: torch.nn.Module, layout: PackedPrefixLayout, backend: Optional[str],
             forward: Callable[[PackedPrefixLayout, Optional[dict]], torch.Tensor]) -> torch.Tensor:
-    """`forward(layout, None)` through the model's graphs where `graph_refusal` allows, else eagerly
-    (the reason logged once per reason)."""
-    refusal = graph_refusal(model, layout, key[0] if key else None)
+    """`forward(layout, None)` through the model's graphs where `graph_refusal` allows for the attention
+    `backend` (a graph is kept per backend), else eagerly (the reason logged once per reason)."""
+    refusal = graph_refusal(model, layout, backend)
     if refusal is not None:
         if refusal not in _REFUSED:
             _REFUSED.add(refusal)
             logger.info("[PS][graphs] the forward runs without CUDA graphs: %s", refusal)
         return forward(layout, None)
-    return model_graphs(model).run(model, layout, key, forward)
+    return model_graphs(model).run(model, layout, (backend,), forward)

@@ -51,7 +51,7 @@ def run_packed(model: torch.nn.Module, layout: PackedPrefixLayout, config: Prefi
     forward (and its backward) replays CUDA graphs where they were captured for the layout's structure
     (`ps_bridge.cuda_graphs`)."""
     if config.cuda_graphs:
-        return graphed(model, layout, (config.backend,), lambda own, weights: _run(model, own, config, weights))
+        return graphed(model, layout, config.backend, lambda own, weights: _run(model, own, config, weights))
     return _run(model, layout, config)
 
 

@@ -32,9 +32,12 @@ ranks of one data-parallel rank) takes the same path, whatever its own layers or
 
 Where the model's passes replay CUDA graphs (`cuda_graphs`, on bucketed layouts: `graphs=True`), a
 step's host time is one replay whatever its launches, so the shared path costs no host time of its
-own: the rule shares every micro-batch that has something to share (`prepare.micro_batch_layout` then
-runs eagerly, as decided without graphs, a micro-batch whose bucketed shared pack would hold more
-tokens than `BUCKET_PAYS` allows).
+own: the rule shares every micro-batch that has something to share, on a bucketed pack
+(`SharingDecision.bucketed`). A bucketed pack pads each tree level to its longest segment's bucket and
+computes every position, so with responses of uneven length it can hold nearly as many tokens as the
+samples themselves: where it holds more than `BUCKET_PAYS` (9/10) of them (`MicroBatchCounts.
+tokens_bucketed`, `tree.materialize.bucketed_tokens`), the micro-batch runs eagerly, unbucketed, and
+the rule decides as it does without graphs.
 
 `PrefixSharingConfig.sharing` (`PS_BRIDGE_SHARING`) forces it: `on` shares whenever a prompt has two
 or more responses, `off` never shares, `auto` (default) applies the rule.
@@ -43,7 +46,7 @@ or more responses, `off` never shares, `auto` (default) applies the rule.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -72,6 +75,8 @@ HOST_NS: Mapping[Tuple[str, str, str, bool], int] = {
 # micro-batches share, which measured 1.16x in `ps-bridge bench` but 0.92x in verl-check
 # (docs/how-it-works.md).
 MARGIN: Tuple[int, int] = (3, 2)
+# Under CUDA graphs a bucketed shared pack runs where it holds at most 9/10 of the samples' tokens
+BUCKET_PAYS: Tuple[int, int] = (9, 10)
 MODES = ("auto", "on", "off")
 
 
@@ -137,13 +142,17 @@ class MicroBatchCounts:
     tokens_unshared: int  # sum of P_i + R_i
     tokens_shared: int  # each distinct prompt once, plus every response
     outputs_shared: int  # positions the shared output layer runs on
+    tokens_bucketed: Optional[int] = None  # the bucketed shared pack's tokens (CUDA graphs), where counted
 
     @classmethod
     def of(cls, samples: Sequence, prompt_values: bool = False, tree: bool = False,
-           min_shared: Optional[int] = None, max_depth: Optional[int] = None, trie=None) -> "MicroBatchCounts":
+           min_shared: Optional[int] = None, max_depth: Optional[int] = None, trie=None,
+           tokens_bucketed: Optional[int] = None) -> "MicroBatchCounts":
         """Counts of the packing sharing would run: identical prompts (`tree=False`), or the prefix tree
         (`tree=True`: `tokens_shared` is the trie's tokens, as `build_layout(share="tree")` stores them;
-        `trie`: that tree already decided, `layout.decide_tree`, read instead of built again)."""
+        `trie`: that tree already decided, `layout.decide_tree`, read instead of built again).
+        `tokens_bucketed`: the bucketed pack's tokens, counted by the caller (`tree.materialize.
+        bucketed_tokens`)."""
         # imported here: torch is heavy
         from ps_bridge.layout import find_groups
 
@@ -154,7 +163,8 @@ class MicroBatchCounts:
         shared = prompts + responses
         if tree:
             shared = trie.trie_tokens if trie is not None else tree_tokens(samples, min_shared, max_depth)
-        return cls(len(samples), len(groups), unshared, shared, shared if prompt_values else len(groups) + responses)
+        return cls(len(samples), len(groups), unshared, shared, shared if prompt_values else len(groups) + responses,
+                   tokens_bucketed)
 
     @property
     def nothing_shared(self) -> bool:
@@ -181,6 +191,7 @@ class SharingDecision:
     reason: str
     gpu_unshared_ns: Optional[int] = None
     host_shared_ns: Optional[int] = None
+    bucketed: bool = False  # a shared pack is bucketed: its passes replay CUDA graphs
 
     def describe(self) -> str:
         return f"{'shared' if self.share else 'unshared'}: {self.reason}"
@@ -209,9 +220,23 @@ def sharing_pays(counts: MicroBatchCounts, model: Optional[ModelCost], *, mode: 
     if mode == "off":
         return SharingDecision(False, "forced off (PS_BRIDGE_SHARING=off)")
     if mode == "on":
-        return SharingDecision(True, "forced on (PS_BRIDGE_SHARING=on)")
+        return SharingDecision(True, "forced on (PS_BRIDGE_SHARING=on)", bucketed=graphs)
+    padded = ""
     if graphs:
-        return SharingDecision(True, "pays (the passes replay CUDA graphs: no host-bound cost)")
+        bucketed = counts.tokens_bucketed
+        num, den = BUCKET_PAYS
+        if bucketed is None or bucketed * den <= counts.tokens_unshared * num:
+            return SharingDecision(True, "pays (the passes replay CUDA graphs: no host-bound cost)", bucketed=True)
+        # runs eagerly: decided as without graphs
+        padded = (f"the bucketed shared pack would hold {bucketed} tokens, the samples {counts.tokens_unshared}; "
+                  "without graphs: ")
+    decision = _eager_decision(counts, model, attention_backend, gdn_backend, device_type, dtype_name, backward)
+    return replace(decision, reason=padded + decision.reason) if padded else decision
+
+
+def _eager_decision(counts: MicroBatchCounts, model: Optional[ModelCost], attention_backend: str,
+                    gdn_backend: str, device_type: str, dtype_name: str, backward: bool) -> SharingDecision:
+    """The rule where each launch costs host time: the unshared GPU work against the shared host time."""
     if model is None:
         return SharingDecision(True, "no model cost known (rule not applied)")
     attention, gdn = concrete_backends(attention_backend, gdn_backend, device_type, dtype_name, model.head_dim)
@@ -236,13 +261,15 @@ def sharing_pays(counts: MicroBatchCounts, model: Optional[ModelCost], *, mode: 
 
 
 def sharing_for(samples: Sequence, config, model: Optional[ModelCost], device_type: str,
-                dtype_name: str, backward: Optional[bool] = None, trie=None, graphs: bool = False) -> SharingDecision:
+                dtype_name: str, backward: Optional[bool] = None, trie=None, graphs: bool = False,
+                tokens_bucketed: Optional[int] = None) -> SharingDecision:
     """The decision for `samples` under a `PrefixSharingConfig`: what the verl engine and
     `runtime.make_layout` (`ps-bridge logprobs`, the schedule) call. `backward` defaults to whether
     gradients are enabled (verl's log-prob passes and `ps-bridge logprobs` run under `no_grad`).
     `trie`: with `config.tree`, the prefix tree already decided for `samples` (`layout.decide_tree`),
     whose token count the rule reads; the same tree then goes to `build_layout(tree=...)`. `graphs`:
-    the passes replay CUDA graphs (the layouts are bucketed: `plan.SharingPlan.bucket`)."""
+    the passes replay CUDA graphs (the layouts are bucketed: `plan.SharingPlan.bucket`), and
+    `tokens_bucketed` is the bucketed shared pack's token count."""
     # imported here: torch is heavy (the rule's integer arithmetic imports without it)
     import torch
 
@@ -250,7 +277,8 @@ def sharing_for(samples: Sequence, config, model: Optional[ModelCost], device_ty
     if not config.enabled:
         return SharingDecision(False, "prefix sharing disabled")
     counts = MicroBatchCounts.of(samples, prompt_values=config.prompt_values, tree=config.tree,
-                                 min_shared=config.tree_min_shared, max_depth=config.tree_max_depth, trie=trie)
+                                 min_shared=config.tree_min_shared, max_depth=config.tree_max_depth, trie=trie,
+                                 tokens_bucketed=tokens_bucketed)
     return sharing_pays(counts, model, mode=config.sharing, attention_backend=config.backend,
                           gdn_backend=config.gdn_backend, device_type=device_type, dtype_name=dtype_name,
                           backward=backward, graphs=graphs)

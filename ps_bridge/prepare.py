@@ -5,15 +5,14 @@ the verl engine's forward step (`ps_bridge.verl.engine`) both run, with the micr
 `plan.SharingPlan` (the tree settings and padding; under verl also the tree, where the micro-batcher
 decided it for these samples already):
 
-1. with a prefix tree to share (`config.tree`), the plan is decided for the samples
-   (`SharingPlan.for_samples`: the tree and its pack order, built only where the plan does not hold
-   them; samples of different share classes, e.g. sampling temperatures, share no position);
+1. with a prefix tree to share (`config.tree`), or a bucketed pack to count (`SharingPlan.bucket`:
+   CUDA graphs), the plan is decided for the samples (`SharingPlan.for_samples`: the tree and its pack
+   order, built only where the plan does not hold them; samples of different share classes, e.g.
+   sampling temperatures, share no position);
 2. the sharing rule (`rule_decision`: `launch_rule.sharing_for`) decides whether the micro-batch runs
-   shared, reading the tree's token count (host integers only: every TP/CP/PP rank decides alike);
-3. `build_layout` packs that decision (the plan's tree and order, not decided again; a shared pack
-   bucketed where the plan says so, `SharingPlan.bucket`: CUDA graphs); a bucketed shared pack that
-   holds more than `BUCKET_PAYS` of the samples' tokens is not run: the rule decides again for eager
-   passes, and its packing is built unbucketed (the rule's `auto` only); where the rule
+   shared, and under CUDA graphs whether on a bucketed pack, reading the tree's token count and the
+   bucketed pack's (host integers only: every TP/CP/PP rank decides alike);
+3. `build_layout` packs that decision (the plan's tree and order, not decided again); where the rule
    chose to share but the packing holds nothing shared (samples that share a prefix carry different
    share classes), the unshared layout is packed instead, the stock computation;
 4. the `[PS][prepare]` lines: the decision and the layout (`log_layout`).
@@ -37,15 +36,9 @@ from ps_bridge.launch_rule import ModelCost, SharingDecision, sharing_for
 from ps_bridge.layout import PackedPrefixLayout, PrefixTree, build_layout, log_layout
 from ps_bridge.parallel_info import rank_tag
 from ps_bridge.plan import SharingPlan
+from ps_bridge.tree.materialize import bucketed_tokens
 
 logger = logging.getLogger("ps_bridge")
-
-# A bucketed shared pack (CUDA graphs: `SharingPlan.bucket`) runs where it holds at most 9/10 of the
-# samples' tokens: its levels are padded to their longest segment's bucket and every position is
-# computed, so with responses of uneven length it can hold more tokens than the samples themselves;
-# such a micro-batch runs eagerly instead, as the rule decides without graphs
-BUCKET_PAYS = (9, 10)
-
 
 def rule_decision(
     samples: Sequence,
@@ -58,16 +51,18 @@ def rule_decision(
     backward: Optional[bool] = None,
     log: bool = True,
     graphs: bool = False,
+    tokens_bucketed: Optional[int] = None,
 ) -> SharingDecision:
     """Step 2: the sharing rule's decision for `samples`, reading `tree`'s token count where `config`
     packs a prefix tree (`tree`: a `SharingPlan`'s, decided for `samples`; None: the rule counts the
     samples itself).
     `backward`: whether a backward pass follows (default: whether gradients are enabled). `log`: the
-    `[PS][prepare] sharing:` line now (`micro_batch_layout` logs it after its fallback instead).
-    `graphs`: the passes replay CUDA graphs (`SharingPlan.bucket`)."""
+    `[PS][prepare] sharing:` line now (`micro_batch_layout` logs it with the layout instead).
+    `graphs`: the passes replay CUDA graphs (`SharingPlan.bucket`), `tokens_bucketed`: the bucketed
+    shared pack's tokens (`tree.materialize.bucketed_tokens`)."""
     trie = tree if config.enabled and config.tree else None
     decision = sharing_for(samples, config, cost, device_type, str(dtype).replace("torch.", ""),
-                           backward=backward, trie=trie, graphs=graphs)
+                           backward=backward, trie=trie, graphs=graphs, tokens_bucketed=tokens_bucketed)
     if log:
         log_decision(decision)
     return decision
@@ -96,38 +91,33 @@ def micro_batch_layout(
     its name), `cost`: the model's `ModelCost` (None: the rule always shares), `total_multiple`: what the
     pack is padded to (None: `cp_total_multiple()`, equal context-parallel shards)."""
     decision = None
+    total_multiple = cp_total_multiple() if total_multiple is None else total_multiple
+    # a caller that gives `share` packs it bucketed where the plan is (CUDA graphs)
+    bucket = plan.bucket
     if share is None:
-        if config.enabled and config.tree:
+        if config.enabled and (config.tree or plan.bucket):
             plan = plan.for_samples(samples, share_classes=share_classes, vocab_size=vocab_size)
+        tokens_bucketed = (bucketed_tokens(plan.tree, plan.order, plan.pad_multiple, total_multiple)
+                           if config.enabled and plan.bucket else None)
         decision = rule_decision(samples, config, cost, device_type, dtype,
                                  tree=plan.tree if config.enabled and config.tree else None, log=False,
-                                 graphs=plan.bucket)
-        share = decision.share
+                                 graphs=plan.bucket, tokens_bucketed=tokens_bucketed)
+        share, bucket = decision.share, plan.bucket and decision.bucketed
     share = config.layout_share(share)
 
-    def pack(share, reuse_plan: bool, bucket: bool = plan.bucket):
+    def pack(share, reuse_plan: bool):
         # the plan's tree and order where they were decided for these samples and this share mode;
         # bucketed (for CUDA graphs) where shared: an unshared micro-batch is the stock computation
         usable = reuse_plan and share == plan.layout_share and plan.holds_tree_of(samples, share_classes)
         return build_layout(
             samples, share=share, pad_multiple=plan.pad_multiple, vocab_size=vocab_size,
-            total_multiple=cp_total_multiple() if total_multiple is None else total_multiple,
-            prompt_values=config.layout_prompt_values, min_shared=config.tree_min_shared,
-            max_depth=config.tree_max_depth, share_classes=share_classes,
+            total_multiple=total_multiple, prompt_values=config.layout_prompt_values,
+            min_shared=config.tree_min_shared, max_depth=config.tree_max_depth, share_classes=share_classes,
             tree=plan.tree if usable else None, order=plan.order if usable else None,
             bucket=bucket and share is not False,
         )
 
     layout = pack(share, True)
-    if decision is not None and config.sharing == "auto" and decision.share and layout.bucketed \
-            and layout.num_tokens * BUCKET_PAYS[1] > layout.tokens_unshared * BUCKET_PAYS[0]:
-        # the micro-batch runs eagerly, shared where the rule for eager passes says so
-        padded = f"the bucketed shared pack holds {layout.num_tokens} tokens, the samples {layout.tokens_unshared}"
-        eager = rule_decision(samples, config, cost, device_type, dtype,
-                              tree=plan.tree if config.enabled and config.tree else None, log=False)
-        decision = SharingDecision(eager.share, f"{padded}; without graphs: {eager.reason}",
-                                   eager.gpu_unshared_ns, eager.host_shared_ns)
-        layout = pack(config.layout_share(eager.share), True, bucket=False)
     if decision is not None:
         if layout.shared and not layout.has_sharing:
             if decision.share and share_classes is not None:

@@ -196,11 +196,27 @@ def test_buckets_only_where_graphs_run(tiny, monkeypatch):
     assert "'flex' on a bucketed layout" in graph_refusal(loaded.model, on_cuda, "flex")
 
 
-def test_a_bucketed_shared_pack_larger_than_the_samples_runs_unshared():
+@pytest.mark.parametrize("case", SHARES)
+@pytest.mark.parametrize("pad_multiple, total_multiple", [(1, 1), (2, 1), (4, 24)])
+def test_bucketed_tokens_are_the_bucketed_packs_tokens(case, pad_multiple, total_multiple):
+    """The rule counts the bucketed pack before packing it: the count is the pack's size."""
+    from ps_bridge.layout import decide_tree
+    from ps_bridge.tree.materialize import bucketed_tokens
+    from ps_bridge.tree.order import pack_order
+
+    share, system = SHARES[case]
+    samples = _samples(1, system=system)
+    tree = decide_tree(samples, share, vocab_size=200, min_shared=0)
+    layout = _bucketed(samples, share, pad_multiple=pad_multiple, total_multiple=total_multiple)
+    assert bucketed_tokens(tree, pack_order(tree), pad_multiple, total_multiple) == layout.num_tokens
+
+
+def test_a_bucketed_shared_pack_larger_than_the_samples_runs_unshared(monkeypatch):
     """Under CUDA graphs the rule shares every micro-batch with something to share; where the
     bucketed shared pack would hold more than 9/10 of the samples' tokens (uneven long responses
     padded to their level's bucket), the micro-batch runs eagerly as the rule decides without graphs:
     here (no model cost: the rule shares) shared and unbucketed, and unshared where sharing is off."""
+    from ps_bridge import prepare
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.plan import SharingPlan
     from ps_bridge.prepare import micro_batch_layout
@@ -208,14 +224,23 @@ def test_a_bucketed_shared_pack_larger_than_the_samples_runs_unshared():
     config = PrefixSharingConfig(enabled=True, cuda_graphs=True)
     plan = SharingPlan.from_config(config, 1, bucket=True)
 
+    packed = []
+
     def run(samples):
+        packed.clear()
         return micro_batch_layout(samples, config, None, "cuda", "bfloat16", plan=plan, vocab_size=200, total_multiple=1)
 
+    monkeypatch.setattr(prepare, "build_layout", lambda *a, **kw: packed.append(kw["bucket"]) or build_layout(*a, **kw))
     layout, decision = run(_samples(0))
-    assert decision.share and layout.bucketed and layout.num_tokens * 10 <= layout.tokens_unshared * 9
+    assert decision.share and decision.bucketed and layout.bucketed and packed == [True]
+    assert layout.num_tokens * 10 <= layout.tokens_unshared * 9
     uneven = grpo_like_samples(200, num_prompts=3, n=3, prompt_len=(5, 8), response_len=(10, 100), seed=0, shuffle=False)
+    bucketed = build_layout(uneven, share="tree", vocab_size=200, bucket=True)
+    assert bucketed.num_tokens * 10 > bucketed.tokens_unshared * 9
     layout, decision = run(uneven)
-    assert decision.share and "bucketed shared pack holds" in decision.reason and "without graphs" in decision.reason
+    assert decision.share and not decision.bucketed and packed == [False]  # decided once, packed once
+    assert f"bucketed shared pack would hold {bucketed.num_tokens} tokens" in decision.reason
+    assert "without graphs" in decision.reason
     assert not layout.bucketed and layout.has_sharing and layout.output_positions is not None
     eager = build_layout(uneven, share="tree", vocab_size=200)
     assert layout.num_tokens == eager.num_tokens and torch.equal(layout.tokens, eager.tokens)

@@ -37,6 +37,22 @@ def bucket_length(n: int, multiple: int = 1) -> int:
     return _padded(b, multiple)
 
 
+def bucketed_lengths(tree: PrefixTree, order: PackOrder, pad_multiple: int = 1) -> List[int]:
+    """Each segment's length in pack order under `bucket=True`: the `bucket_length` of its tree level's
+    longest segment."""
+    nodes = order.nodes
+    valid = (tree.node_end[nodes] - tree.node_start[nodes]).tolist()
+    level_length = [bucket_length(max(valid[a:b]), pad_multiple)
+                    for a, b in zip(order.level_offsets, order.level_offsets[1:])]
+    return [level_length[d] for d in order.level.tolist()]
+
+
+def bucketed_tokens(tree: PrefixTree, order: PackOrder, pad_multiple: int = 1, total_multiple: int = 1) -> int:
+    """The tokens of the bucketed pack of `tree` (`materialize(..., bucket=True)`), from host integers:
+    what the sharing rule weighs against the samples' own tokens before anything is packed."""
+    return _padded(sum(bucketed_lengths(tree, order, pad_multiple)), total_multiple)
+
+
 def _repeat_arange(lengths: np.ndarray):
     """`(index of the run, offset inside the run)` for runs of `lengths`, concatenated."""
     runs = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
@@ -73,9 +89,7 @@ def materialize(
     start, end, owner = tree.node_start[nodes], tree.node_end[nodes], tree.node_sample[nodes]
     valid_lengths = (end - start).tolist()
     if bucket:
-        level_length = [bucket_length(max(valid_lengths[a:b]), pad_multiple)
-                        for a, b in zip(order.level_offsets, order.level_offsets[1:])]
-        padded_lengths = [level_length[d] for d in order.level.tolist()]
+        padded_lengths = bucketed_lengths(tree, order, pad_multiple)
     else:
         padded_lengths = [_padded(n, pad_multiple) for n in valid_lengths]
     padded_lengths[-1] += _padded(sum(padded_lengths), total_multiple) - sum(padded_lengths)
