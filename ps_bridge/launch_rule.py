@@ -35,9 +35,9 @@ step's host time is one replay whatever its launches, so the shared path costs n
 own: the rule shares every micro-batch that has something to share, on a bucketed pack
 (`SharingDecision.bucketed`). A bucketed pack pads each tree level to its longest segment's bucket and
 computes every position, so with responses of uneven length it can hold nearly as many tokens as the
-samples themselves: where it holds more than `BUCKET_PAYS` (9/10) of them (`MicroBatchCounts.
-tokens_bucketed`, `tree.materialize.bucketed_tokens`), the micro-batch runs eagerly, unbucketed, and
-the rule decides as it does without graphs.
+samples themselves: where it holds more than `BUCKET_PAYS` (9/10) of them (counted before packing:
+`tree.materialize.bucketed_tokens`, `MicroBatchCounts.tokens_bucketed`), the micro-batch runs eagerly,
+unbucketed, and the rule decides as it does without graphs.
 
 `PrefixSharingConfig.sharing` (`PS_BRIDGE_SHARING`) forces it: `on` shares whenever a prompt has two
 or more responses, `off` never shares, `auto` (default) applies the rule.
