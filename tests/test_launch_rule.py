@@ -12,8 +12,6 @@ import dataclasses
 import os
 import sys
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -130,16 +128,16 @@ def test_with_cuda_graphs_every_micro_batch_that_shares_something_is_shared():
     assert not sharing_pays(micro_batch(128, 32, 1, 4), q35, graphs=True).share  # nothing to share
     # a bucketed pack of at most 9/10 of the samples' tokens shares under graphs; a larger one runs eagerly,
     # as the rule decides without graphs (here: unshared, host-bound)
-    fits = replace(counts, tokens_bucketed=counts.tokens_unshared * 9 // 10)
+    fits = dataclasses.replace(counts, tokens_bucketed=counts.tokens_unshared * 9 // 10)
     assert sharing_pays(fits, q35, graphs=True).bucketed
-    padded = sharing_pays(replace(counts, tokens_bucketed=fits.tokens_bucketed + 1), q35, graphs=True)
+    padded = sharing_pays(dataclasses.replace(counts, tokens_bucketed=fits.tokens_bucketed + 1), q35, graphs=True)
     assert not padded.share and not padded.bucketed
     assert padded.reason.startswith(f"the bucketed shared pack would hold {fits.tokens_bucketed + 1} tokens")
     assert "does not pay" in padded.reason
     big = micro_batch(4096, 256, 16, 1)
-    eager = sharing_pays(replace(big, tokens_bucketed=big.tokens_unshared), q35, graphs=True)
+    eager = sharing_pays(dataclasses.replace(big, tokens_bucketed=big.tokens_unshared), q35, graphs=True)
     assert eager.share and not eager.bucketed  # pays without graphs: shared, unbucketed
-    assert sharing_pays(replace(big, tokens_bucketed=big.tokens_unshared), q35, graphs=True, mode="on").bucketed
+    assert sharing_pays(dataclasses.replace(big, tokens_bucketed=big.tokens_unshared), q35, graphs=True, mode="on").bucketed
 
 
 def test_config_knob_and_environment(monkeypatch):

@@ -47,7 +47,7 @@ MIN_RIGHT = 1 / 8
 
 
 class WeakFit(RuntimeError):
-    pass
+    """The format fit left the model right on fewer than MIN_RIGHT of its sampled answers."""
 
 
 class RunFailed(RuntimeError):
@@ -153,7 +153,8 @@ def build_data(out: Path, seed: int, say: Callable[[str], None], model: str = "q
         f"({built.fit.formatted} formatted), behind the system prompt {built.fit.system_correct}/"
         f"{built.fit.system_sampled} ({built.fit.system_formatted} formatted) [{time.time() - start:.0f} s]")
     fit = built.fit
-    if fit.steps > 0 and min(fit.correct / max(fit.sampled, 1), fit.system_correct / max(fit.system_sampled, 1)) < MIN_RIGHT:
+    right = min(fit.correct / max(fit.sampled, 1), fit.system_correct / max(fit.system_sampled, 1))
+    if fit.steps > 0 and right < MIN_RIGHT:
         raise WeakFit(
             f"the format fit left the model right on {fit.correct}/{fit.sampled} sampled answers "
             f"({fit.system_correct}/{fit.system_sampled} behind the system prompt), below {MIN_RIGHT:.3f}: "
