@@ -77,3 +77,61 @@ def test_a_shared_run_that_never_fits_names_the_last_allocation(capsys, monkeypa
     assert "did not fit in GPU memory even as" in row["error"]
     tried = int(row["error"].split("micro-batches")[0].split()[-1])
     assert f"(Tried to allocate {tried}.00 GiB (simulated))" in row["error"] and "more lines" not in row["error"]
+
+
+def test_an_attempt_that_runs_out_of_memory_in_an_mlp_leaves_nothing_allocated(monkeypatch):
+    """megatron-core's `TransformerLayer` keeps its MLP's input (and through it the autograd graph of the
+    earlier layers) when the MLP raises; the bench's retry releases it (`compat.megatron_core.
+    release_failed_forward`), so the failed attempt's activations are freed before the next one."""
+    import gc
+
+    import megatron.core.transformer.mlp as megatron_mlp
+
+    from ps_bridge.compat.megatron_core import release_failed_forward
+    from ps_bridge.config import PrefixSharingConfig
+    from ps_bridge.tools.bench.catalog import make_samples, qwen2_hf_config
+    from ps_bridge.tools.runtime import load_model_from_hf_config
+
+    dims = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
+    loaded = load_model_from_hf_config(qwen2_hf_config(dims, 3), PrefixSharingConfig(enabled=True, backend="torch_ref"))
+    layout = timing.build_layout(make_samples(64, 16, 4, 1, 1000, 0), share=False, vocab_size=1000)
+    params = {id(p) for p in loaded.model.parameters()}
+
+    def activations():
+        gc.collect()
+        return sum(t.numel() for t in gc.get_objects()
+                   if isinstance(t, torch.Tensor) and id(t) not in params and t.numel() >= layout.num_tokens * 64)
+
+    real_forward, calls = megatron_mlp.MLP.forward, []
+
+    def third_mlp_runs_out_of_memory(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.cuda.OutOfMemoryError("in the third layer's MLP (simulated)")
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(megatron_mlp.MLP, "forward", third_mlp_runs_out_of_memory)
+    timing_args = dict(warmup=1, repeats=1, chunk=1024, progress=lambda *a: None)
+    before = activations()
+    try:
+        timing.run_mode(loaded, layout, "torch_ref", **timing_args)
+    except torch.cuda.OutOfMemoryError:
+        pass
+    if any(hasattr(m, "mlp_norm_manager") for m in loaded.model.modules()):  # megatron-core 0.19's fault
+        assert activations() > before
+        assert release_failed_forward(loaded.model) == 1  # the third layer
+    assert release_failed_forward(loaded.model) == 0
+    assert activations() == before
+    # the bench's retry does it: the next attempt starts with nothing of the failed one held (a forward
+    # that reaches the layer's MLP again would drop it too; one that runs out of memory before does not)
+    calls.clear()
+    held_at_start = []
+
+    def run_mode(*args, **kwargs):
+        held_at_start.append(activations())
+        return real_run_mode(*args, **kwargs)
+
+    real_run_mode = timing.run_mode
+    monkeypatch.setattr(timing, "run_mode", run_mode)
+    result, _, _, index, _ = timing._first_that_fits(loaded, [[layout], [layout]], "torch_ref", **timing_args)
+    assert index == 1 and result is not None and held_at_start == [before, before]

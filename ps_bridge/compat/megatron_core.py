@@ -9,6 +9,10 @@ release read; 0.19.0 - 0.19.1 were not read):
   MLP, `offload_modules=["fused_group_mlp"]`): set by 0.19's `TEGroupedMLP.__init__`; 0.18 has no
   such offloading (`offloads_fused_group_mlp`).
 
+A fault of 0.19, mended where it bites: a forward that raises inside a `TransformerLayer`'s MLP (out of
+memory) leaves the layer holding that MLP's input, and with it the autograd graph of every earlier layer
+(`release_failed_forward`; 0.18's layer keeps no such reference).
+
 Differences that need no adapter, because our code is written to hold on both:
 - `TEGroupedMLP.forward`: 0.19 takes `output_buffer` / `grad_input_buffer` (NCCL-EP zero-copy), which
   its `MoELayer` passes by keyword and only when set; 0.18 takes neither. `GroupedMMExperts.forward`
@@ -44,3 +48,21 @@ def offloads_fused_group_mlp(experts) -> bool:
     MLP's activations: its `offload_fused_group_mlp` flag (megatron-core 0.19); 0.18 has no such
     offloading and no flag: False."""
     return bool(getattr(experts, "offload_fused_group_mlp", False))
+
+
+def release_failed_forward(model) -> int:
+    """After a forward of `model` raised: drop what its megatron-core layers still hold of it. Returns
+    how many layers held something.
+
+    0.19's `TransformerLayer._forward_pre_mlp_layernorm` (megatron/core/transformer/transformer_layer.py,
+    `self.mlp_norm_manager = self.off_interface(self.offload_mlp_norm, hidden_states, "mlp_norm")`)
+    keeps the MLP's input in `mlp_norm_manager`, and `_forward_mlp` sets it back to None only after the
+    MLP (`self.mlp_norm_manager = None`). A forward that raises in between, out of memory in the MLP,
+    leaves it set: on an H200 (Qwen2.5-7B shape, 270k tokens) 134 GiB of activations stayed allocated,
+    held by no Python object the collector reaches, and every later attempt ran out of memory."""
+    held = 0
+    for module in model.modules():
+        if getattr(module, "mlp_norm_manager", None) is not None:
+            module.mlp_norm_manager = None
+            held += 1
+    return held

@@ -14,6 +14,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from ps_bridge.compat.megatron_core import release_failed_forward
 from ps_bridge.forward import cp_total_multiple
 from ps_bridge.layout import build_layout
 from ps_bridge.parallel.gradients import finish_gradients
@@ -218,6 +219,7 @@ def _first_that_fits(loaded, candidates, backend: str, **timing):
         # out of the except block: the exception's traceback holds the failed attempt's frames (its
         # activations) until it is dropped, and reference cycles through such frames until the
         # collector runs, so only now can their memory be freed and handed back
+        release_failed_forward(loaded.model)
         loaded.model.zero_grad(set_to_none=True)
         gc.collect()
         if torch.cuda.is_available():
