@@ -185,6 +185,25 @@ def test_qwen3_bf16_shared_is_as_close_to_fp32_as_unshared(tmp_path, kind):
     check_against_fp32(loaded, str(tmp_path), samples, backends, "qwen3" + suffix, share=share)
 
 
+def test_qwen3_bf16_long_prompts_on_cudnn_as_close_to_fp32_as_unshared(tmp_path):
+    """Prompts and samples past 2048 tokens: where cuDNN's attention is used (Hopper,
+    `kernels.attention.cudnn`), their causal elements and the responses' calls against their prompt
+    run on it, padded to its length quantum, the prompt keys cut with a flash tail."""
+    from ps_bridge.config import PrefixSharingConfig
+    from ps_bridge.kernels.attention import cudnn
+    from ps_bridge.tools.runtime import load_model
+    from ps_bridge.tools.tiny_checkpoints import build_tiny_qwen3, grpo_like_samples
+
+    available, why = cudnn.cudnn_dense_available(torch.device("cuda"))
+    if not available:
+        pytest.skip(why)
+    build_tiny_qwen3(str(tmp_path), vocab_size=2047, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
+                     num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=4096)
+    loaded = load_model(str(tmp_path), PrefixSharingConfig(backend="flash_atten_gpu"), dtype=torch.bfloat16)
+    samples = grpo_like_samples(2047, num_prompts=2, n=6, prompt_len=(2100, 2600), response_len=(300, 500))
+    check_against_fp32(loaded, str(tmp_path), samples, ["flash_atten_gpu"], "qwen3 long prompts", share=True)
+
+
 def test_qwen3_moe_bf16_shared_is_as_close_to_fp32_as_unshared(tmp_path):
     """Qwen3 MoE on the GPU MoE path (alltoall dispatcher, grouped experts, no shared expert,
     norm_topk_prob), a dense layer among the MoE layers, head dim 128, in bf16, shared and unshared,

@@ -2,6 +2,8 @@
 
     python3 tools/profile_bench_row.py --models qwen3.5-0.8b,qwen2.5-0.5b --layers 24 --row 128,32,8 --groups 4 --out DIR
 
+(`--cuda-graphs`: each pass captured in the warm-up and replayed when measured.)
+
 Builds each model shape as the bench does (random weights, bf16), packs the row's micro-batch
 unshared and shared, warms up, and for the actor step (forward, log-probs, loss, backward) and the
 log-prob pass (forward only, no_grad) of each packing measures:
@@ -63,7 +65,8 @@ def _profiled(fn):
     return gpu_us / 1e3, launches, syncs, copies, averages
 
 
-def profile_model(name: str, layers_arg, row, groups: int, backend: str, out: str, lines: list) -> None:
+def profile_model(name: str, layers_arg, row, groups: int, backend: str, out: str, lines: list,
+                  cuda_graphs: bool = False) -> None:
     from ps_bridge.tools.bench.catalog import FAMILIES, MODEL_SHAPES, make_samples, response_row_mask
     from ps_bridge.tools.bench.timing import run_actor_step
     from ps_bridge.config import PrefixSharingConfig
@@ -73,7 +76,7 @@ def profile_model(name: str, layers_arg, row, groups: int, backend: str, out: st
     P, R, n = row
     shape = MODEL_SHAPES[name]
     layers = layers_arg or shape.bench_layers
-    config = PrefixSharingConfig(enabled=True, backend=backend, pad_multiple=1)
+    config = PrefixSharingConfig(enabled=True, backend=backend, pad_multiple=1, cuda_graphs=cuda_graphs)
     loaded = load_model_from_hf_config(FAMILIES[shape.family](shape.dims, layers), config, dtype=torch.bfloat16)
     samples = make_samples(P, R, n, groups, loaded.vocab_size, 1234)
     loaded.model.train()
@@ -91,9 +94,9 @@ def profile_model(name: str, layers_arg, row, groups: int, backend: str, out: st
             with torch.no_grad():
                 row_logprobs(loaded, layout, chunk_rows=1024)
 
-        packing = "shared" if share else "unshared"
+        packing = ("shared" if share else "unshared") + (", graphs" if cuda_graphs else "")
         for what, fn in (("actor", actor), ("logprob", logprob)):
-            for _ in range(3):
+            for _ in range(3):  # with graphs: eager, captured, replayed
                 fn()
             wall, host = _time(fn)
             gpu, launches, syncs, copies, averages = _profiled(fn)
@@ -102,7 +105,7 @@ def profile_model(name: str, layers_arg, row, groups: int, backend: str, out: st
                     f"{gpu / layers:.2f} | {launches} | {launches / layers:.0f} | {syncs} | {copies} |")
             print(line, flush=True)
             lines.append(line)
-            with open(os.path.join(out, f"profile_{name}_{packing}_{what}.txt"), "w") as f:
+            with open(os.path.join(out, f"profile_{name}_{packing.replace(', ', '-')}_{what}.txt"), "w") as f:
                 f.write(f"{line}\n\nhost: top ops by self CPU time\n")
                 f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
                 f.write("\n\nGPU: top kernels by GPU time\n")
@@ -126,6 +129,8 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=4, help="prompts (groups of n responses) per micro-batch")
     parser.add_argument("--backend", default="flash_atten_gpu")
     parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="replay the passes as CUDA graphs (PrefixSharingConfig.cuda_graphs): captured in the warm-up")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     row = tuple(int(x) for x in args.row.split(","))
@@ -133,7 +138,7 @@ def main() -> None:
     print(HEADER, flush=True)
     lines = []
     for name in [m for m in args.models.split(",") if m]:
-        profile_model(name, args.layers, row, args.groups, args.backend, args.out, lines)
+        profile_model(name, args.layers, row, args.groups, args.backend, args.out, lines, args.cuda_graphs)
         with open(os.path.join(args.out, "profile-summary.md"), "w") as f:
             f.write(f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n\n{HEADER}\n" + "\n".join(lines) + "\n")
 

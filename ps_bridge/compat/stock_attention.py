@@ -14,9 +14,8 @@ import math
 
 import torch
 
-from ps_bridge.kernels.attention.varlen import (
-    PlannedAttention, VarlenCall, flash_supports, flash_takes, kernel_for,
-)
+from ps_bridge.kernels.attention.kernel_choice import kernel_for
+from ps_bridge.kernels.attention.varlen import PlannedAttention, VarlenCall, flash_supports, flash_takes
 
 def _causal_attention(q, k, v, key_valid, scale):
     """q [H, S, D], k/v [Hkv, S, D], key_valid [S] -> [H, S, D] (float32 math)."""

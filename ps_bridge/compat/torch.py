@@ -3,6 +3,9 @@
 - The grouped matrix multiply of the grouped MoE experts (`models/experts.py`): public as
   `torch.nn.functional.grouped_mm` in 2.14.1; 2.9.1 has only the private `torch._grouped_mm` (same
   arguments: `(mat_a, mat_b, offs=...)`). Releases in between were not read (`grouped_mm`).
+- cuDNN's fused attention, `aten._scaled_dot_product_cudnn_attention` and its `_backward` (the dense
+  form `kernels/attention/cudnn.py` calls): in both 2.11.0 (the GPU stack, run) and 2.14.1 (read), same
+  schema; a torch without them gets flash only (`has_cudnn_attention`).
 """
 
 from __future__ import annotations
@@ -17,3 +20,9 @@ def grouped_mm():
     if fn is None:
         raise RuntimeError("torch.nn.functional.grouped_mm is missing: torch >= 2.9 is needed for grouped experts")
     return fn
+
+
+def has_cudnn_attention() -> bool:
+    """Whether this torch has cuDNN's fused attention ops, forward and backward."""
+    return hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention") and hasattr(
+        torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward")

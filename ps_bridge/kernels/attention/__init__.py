@@ -17,6 +17,8 @@ One module per design:
 - `npu.py`: `flash_atten_npu`, the expand design on Ascend's `npu_fusion_attention` (UNVERIFIED: no
   NPU here; tested only against a stand-in that follows the op's documented semantics);
 - `varlen.py`: the varlen flash kernels (flash-attn, torch CUDA, torch CPU) the flash designs run on;
+- `cudnn.py`: cuDNN's dense attention for a call's long elements on Hopper, flash for the rest;
+- `kernel_choice.py`: which of those kernels runs on a device (`kernel_for`);
 - `registry.py`: `BACKENDS` by name, and `auto` (`flash_atten_gpu` on CUDA in fp16/bf16 with a
   head dim the flash kernels take, `torch_ref` elsewhere).
 """

@@ -41,7 +41,8 @@ from typing import List, Sequence, Tuple
 import torch
 
 from ps_bridge.kernels.attention.merge import merge_into
-from ps_bridge.kernels.attention.varlen import PlannedAttention, VarlenCall, VarlenKernel, check_shapes, kernel_for
+from ps_bridge.kernels.attention.kernel_choice import kernel_for
+from ps_bridge.kernels.attention.varlen import PlannedAttention, VarlenCall, VarlenKernel, check_shapes
 from ps_bridge.layout import PackedPrefixLayout
 
 
@@ -190,5 +191,6 @@ def prefix_shared_attention_cascade(q, k, v, layout: PackedPrefixLayout, softmax
     plan = cascade_plan(layout)
     if layout.bucketed:
         _bind_varying_offsets(layout, plan, q.device)
-    return PlannedAttention.apply(q, k, v, plan, float(softmax_scale), kernel_for(q.device))
+    # a bucketed layout's key offsets are refilled on the device at a graph's replay: flash reads them there
+    return PlannedAttention.apply(q, k, v, plan, float(softmax_scale), kernel_for(q.device, dense=not layout.bucketed))
 

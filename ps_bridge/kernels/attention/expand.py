@@ -15,7 +15,8 @@ from typing import List
 
 import torch
 
-from ps_bridge.kernels.attention.varlen import PlannedAttention, VarlenCall, check_shapes, kernel_for
+from ps_bridge.kernels.attention.kernel_choice import kernel_for
+from ps_bridge.kernels.attention.varlen import PlannedAttention, VarlenCall, check_shapes
 from ps_bridge.layout import PackedPrefixLayout
 
 

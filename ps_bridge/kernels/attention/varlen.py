@@ -18,11 +18,13 @@ Kernels:
   native grouped-query attention (fewer key/value heads than query heads).
 - `CpuFlashKernel`: torch's CPU flash op, one batch element at a time. Slow; it exists so the designs
   built on top (the cascade's LSE merge and its backward, the expand gather) run in CI on a CPU.
+- `cudnn.DenseSplitKernel`: on Hopper, a call's long elements on cuDNN's dense attention, the rest on
+  one of the above (`cudnn.py`).
+`kernel_choice.kernel_for` picks the kernel for a device.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -248,30 +250,6 @@ class CpuFlashKernel(VarlenKernel):
             dk[ka:kb] += g_k[0].transpose(0, 1).reshape(lk, Hkv, rep, -1).sum(2)
             dv[ka:kb] += g_v[0].transpose(0, 1).reshape(lk, Hkv, rep, -1).sum(2)
         return dq, dk, dv
-
-
-_KERNELS: Dict[str, VarlenKernel] = {}
-
-
-def flash_attn_installed() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
-
-
-def kernel_for(device: torch.device) -> VarlenKernel:
-    """flash-attn on CUDA when installed, else torch's CUDA flash kernels; the CPU op on a CPU."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        key = "flash_attn" if flash_attn_installed() else "torch"
-    elif device.type == "cpu":
-        key = "cpu"
-    else:
-        raise ValueError(
-            f"the varlen flash backends run on CUDA (and on the CPU for tests), not on {device.type!r}; "
-            "use the torch_ref backend there"
-        )
-    if key not in _KERNELS:
-        _KERNELS[key] = {"flash_attn": FlashAttnKernel, "torch": TorchFlashKernel, "cpu": CpuFlashKernel}[key]()
-    return _KERNELS[key]
 
 
 # ---- what the designs on top share ------------------------------------------------------------

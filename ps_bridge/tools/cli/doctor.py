@@ -207,7 +207,7 @@ def check_backends(device_type: str) -> tuple:
     attention["rule"] = BACKENDS[AUTO].description
     if device_type == "cuda":
         # imported here: torch is heavy
-        from ps_bridge.kernels.attention.varlen import kernel_for
+        from ps_bridge.kernels.attention.kernel_choice import kernel_for
 
         try:
             attention["varlen_kernels"] = kernel_for(device).name
