@@ -64,6 +64,11 @@ class DensePiece:
     lk_dense: int
     tail: Optional[VarlenCall]
 
+    @property
+    def keys_end(self) -> int:
+        """End of the element's keys that the dense call reads (a causal element's padding is not keys)."""
+        return self.ka + min(self.lk, self.lk_dense)
+
 
 @dataclass
 class VarlenPiece:
@@ -184,8 +189,8 @@ class DenseSplitKernel(VarlenKernel):
                 aux.append(a)
                 continue
             qd = _bhsd(_padded(q[p.qa:p.qa + p.lq], p.lq_pad))
-            kd = _bhsd(_padded(k[p.ka:p.ka + min(p.lk, p.lk_dense)], p.lk_dense))
-            vd = _bhsd(_padded(v[p.ka:p.ka + min(p.lk, p.lk_dense)], p.lk_dense))
+            kd = _bhsd(_padded(k[p.ka:p.keys_end], p.lk_dense))
+            vd = _bhsd(_padded(v[p.ka:p.keys_end], p.lk_dense))
             o, l, a = self.dense.forward(qd, kd, vd, p.causal, scale)
             out[p.qa:p.qa + p.lq] = _packed(o)[: p.lq]
             lse[:, p.qa:p.qa + p.lq] = l[0, :, : p.lq, 0]
@@ -213,7 +218,7 @@ class DenseSplitKernel(VarlenKernel):
                 continue
             dense_aux, tail_aux = a
             rows = slice(p.qa, p.qa + p.lq)
-            keys = p.ka + min(p.lk, p.lk_dense)
+            keys = p.keys_end
             lse_rows = _padded(lse[:, rows].t(), p.lq_pad, PAD_LSE).t()  # [H, lq_pad]
             g = self.dense.backward(
                 _bhsd(_padded(dout[rows], p.lq_pad)), _bhsd(_padded(q[rows], p.lq_pad)),
