@@ -166,12 +166,8 @@ class DenseSplitKernel(VarlenKernel):
     def _pieces(self, call: VarlenCall, q: torch.Tensor):
         if not self._takes(q):
             return None
-        key = ("dense_split", self.quantum, self.min_work)
-        cached = call.__dict__.get("_split")
-        if cached is None or cached[0] != key:
-            cached = (key, split_call(call, self.quantum, self.min_work))
-            call.__dict__["_split"] = cached
-        pieces = cached[1]
+        pieces = call.derived(("dense_split", self.quantum, self.min_work),
+                              lambda: split_call(call, self.quantum, self.min_work))
         return None if all(isinstance(p, VarlenPiece) for p in pieces) else pieces
 
     def forward(self, q, k, v, call, scale):

@@ -26,12 +26,14 @@ Kernels:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, Hashable, List, Optional, Tuple, TypeVar
 
 import torch
 
 from ps_bridge.compat import flash_attn as compat_flash_attn
 from ps_bridge.transfer import to_device
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -45,6 +47,7 @@ class VarlenCall:
     cu_k: List[int]
     causal: bool
     _device_cu: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    _derived: Dict[Hashable, object] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
         if len(self.cu_q) != len(self.cu_k):
@@ -64,6 +67,14 @@ class VarlenCall:
     @property
     def total_q(self) -> int:
         return self.cu_q[-1]
+
+    def derived(self, key: Hashable, build: Callable[[], T]) -> T:
+        """A value a kernel derives from the offsets alone (`cudnn.split_call`'s pieces), built on first
+        use and then shared by every layer, as `PackedPrefixLayout.derived` is. `key` names the value
+        and the kernel's parameters."""
+        if key not in self._derived:
+            self._derived[key] = build()
+        return self._derived[key]
 
     def device_offsets(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
         device = torch.device(device)
