@@ -15,7 +15,8 @@ log-prob pass (forward only, no_grad) of each packing measures:
   blocking device-to-host reads: `.item()`, `.tolist()`), host-to-device copies (one profiled step).
 Per layer = the figure over the decoder layers. One line per (model, packing, pass) to stdout and
 DIR/profile-summary.md; per packing the top host ops (by self CPU time) and GPU kernels to
-DIR/profile_<model>_<packing>_<pass>.txt.
+DIR/profile_<model>_<packing>_<pass>.txt, and every op's self GPU time to
+DIR/kernels_<model>_<packing>_<pass>.tsv.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import os
 import statistics
 import time
+from typing import Optional
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -31,6 +33,46 @@ from torch.profiler import ProfilerActivity, profile
 LAUNCH = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 SYNC = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
 H2D = ("cudaMemcpyAsync", "cudaMemcpy")
+
+
+# GPU kernels by kind of work, first match wins (torch's, cuBLAS's, CUTLASS's, fla's and our kernels' names)
+KINDS = (
+    ("grouped GEMM (MoE experts)", ("GroupProblemShape",)),
+    ("attention (flash, cuDNN, merge)", ("flash", "cudnn", "merge_kernel")),
+    ("dense GEMM (projections, output layer)", ("nvjet", "gemm", "Gemm", "cutlass")),
+    ("vocabulary softmax", ("row_max_sumexp", "minus_weighted_softmax")),
+    ("Gated DeltaNet and its conv (fla)", ("chunk", "wy_repr", "recompute_w_u", "kernel_h", "dhu", "causal_conv1d",
+                                           "kernel_kernel", "l2norm", "cumsum", "solve_tril", "merge_16x16")),
+    ("gather, scatter, sort, top-k", ("gather", "scatter", "index", "Index", "sort", "Sort", "topk", "TopK")),
+    ("fused by torch.compile (Triton)", ("triton_",)),
+    ("copies and fills", ("Memcpy", "Memset", "copy", "Fill", "Cat")),
+)
+
+
+def kind_of(kernel: str) -> str:
+    for kind, marks in KINDS:
+        if any(mark in kernel for mark in marks):
+            return kind
+    return "other elementwise and reductions"
+
+
+def kinds_table(shared: dict, unshared: dict, token_ratio: float) -> str:
+    """Markdown: GPU ms per kind of work of the shared and the unshared packing ({kernel: (calls, us)}),
+    their ratio, and the shared time above the unshared time / S (work that scales with tokens)."""
+    totals = {}
+    for side, kernels in (("shared", shared), ("unshared", unshared)):
+        for kernel, (_, us) in kernels.items():
+            totals.setdefault(kind_of(kernel), {"shared": 0.0, "unshared": 0.0})[side] += us / 1e3
+    lines = ["| kind of work | shared ms | unshared ms | unshared / shared | shared ms above unshared / S |",
+             "|---|---|---|---|---|"]
+    for kind, t in sorted(totals.items(), key=lambda item: -item[1]["shared"]):
+        ratio = f"{t['unshared'] / t['shared']:.2f}" if t["shared"] else "-"
+        lines.append(f"| {kind} | {t['shared']:.1f} | {t['unshared']:.1f} | {ratio} | "
+                     f"{t['shared'] - t['unshared'] / token_ratio:.1f} |")
+    all_s = sum(t["shared"] for t in totals.values())
+    all_u = sum(t["unshared"] for t in totals.values())
+    lines.append(f"| all | {all_s:.1f} | {all_u:.1f} | {all_u / all_s:.2f} | {all_s - all_u / token_ratio:.1f} |")
+    return "\n".join(lines)
 
 
 def _time(fn, repeats: int = 5):
@@ -48,25 +90,31 @@ def _time(fn, repeats: int = 5):
     return statistics.median(wall), statistics.median(host)
 
 
-def _profiled(fn):
-    """(GPU busy ms, launches, syncs, copies, key averages) of one step."""
+def _profiled(fn, shapes: bool = False):
+    """(GPU busy ms, launches, syncs, copies, key averages, {kernel name: (calls, GPU us)}) of one step."""
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=shapes) as prof:
         fn()
         torch.cuda.synchronize()
-    gpu_us = sum(e.time_range.elapsed_us() for e in prof.events()
-                 if e.device_type == torch.autograd.DeviceType.CUDA)
+    kernels = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            calls, us = kernels.get(e.name, (0, 0.0))
+            kernels[e.name] = (calls + 1, us + e.time_range.elapsed_us())
+    gpu_us = sum(us for _, us in kernels.values())
     averages = prof.key_averages()
     count = {e.key: e.count for e in averages}
     launches = sum(count.get(k, 0) for k in LAUNCH)
     # the step's own final synchronize is not the step's
     syncs = sum(count.get(k, 0) for k in SYNC) - 1
     copies = sum(count.get(k, 0) for k in H2D)
-    return gpu_us / 1e3, launches, syncs, copies, averages
+    by_shape = prof.key_averages(group_by_input_shape=True) if shapes else None
+    return gpu_us / 1e3, launches, syncs, copies, averages, kernels, by_shape
 
 
 def profile_model(name: str, layers_arg, row, groups: int, backend: str, out: str, lines: list,
-                  cuda_graphs: bool = False) -> None:
+                  cuda_graphs: bool = False, unshared_splits: int = 1, shapes: bool = False,
+                  kind_tables: Optional[list] = None) -> None:
     from ps_bridge.tools.bench.catalog import FAMILIES, MODEL_SHAPES, make_samples, response_row_mask
     from ps_bridge.tools.bench.timing import run_actor_step
     from ps_bridge.config import PrefixSharingConfig
@@ -74,42 +122,69 @@ def profile_model(name: str, layers_arg, row, groups: int, backend: str, out: st
     from ps_bridge.tools.runtime import load_model_from_hf_config, row_logprobs
 
     P, R, n = row
+    kind_tables = [] if kind_tables is None else kind_tables
     shape = MODEL_SHAPES[name]
     layers = layers_arg or shape.bench_layers
     config = PrefixSharingConfig(enabled=True, backend=backend, pad_multiple=1, cuda_graphs=cuda_graphs)
     loaded = load_model_from_hf_config(FAMILIES[shape.family](shape.dims, layers), config, dtype=torch.bfloat16)
     samples = make_samples(P, R, n, groups, loaded.vocab_size, 1234)
     loaded.model.train()
+    kernels_of, tokens_of = {}, {}
     for share in (False, True):
-        layout = build_layout(samples, share=share, vocab_size=loaded.vocab_size,
-                              prompt_values=config.layout_prompt_values).to(loaded.device)
-        mask = response_row_mask(layout).to(loaded.device)
-        count = float(mask.sum())
+        # the unshared samples as `unshared_splits` micro-batches of whole groups (as the bench runs
+        # the rows whose unshared micro-batch does not fit at once)
+        parts = 1 if share else unshared_splits
+        per_part = -(-groups // parts) * n
+        layouts = [build_layout(samples[i:i + per_part], share=share, vocab_size=loaded.vocab_size,
+                                prompt_values=config.layout_prompt_values).to(loaded.device)
+                   for i in range(0, len(samples), per_part)]
+        masks = [response_row_mask(layout).to(loaded.device) for layout in layouts]
+        count = float(sum(mask.sum() for mask in masks))
+        tokens = sum(layout.num_tokens for layout in layouts)
+        tokens_of[share] = tokens
 
         def actor():
             loaded.model.zero_grad(set_to_none=True)
-            run_actor_step(loaded, [layout], [mask], count, 1024)
+            run_actor_step(loaded, layouts, masks, count, 1024)
 
         def logprob():
             with torch.no_grad():
-                row_logprobs(loaded, layout, chunk_rows=1024)
+                for layout in layouts:
+                    row_logprobs(loaded, layout, chunk_rows=1024)
 
-        packing = ("shared" if share else "unshared") + (", graphs" if cuda_graphs else "")
+        packing = ("shared" if share else "unshared") + (f" x {len(layouts)}" if len(layouts) > 1 else "") \
+            + (", graphs" if cuda_graphs else "")
         for what, fn in (("actor", actor), ("logprob", logprob)):
             for _ in range(3):  # with graphs: eager, captured, replayed
                 fn()
             wall, host = _time(fn)
-            gpu, launches, syncs, copies, averages = _profiled(fn)
-            line = (f"| {name} | {layers} | ({P}, {R}, {n}) x {groups} | {packing} | {what} | {layout.num_tokens} | "
+            gpu, launches, syncs, copies, averages, kernels, by_shape = _profiled(fn, shapes)
+            line = (f"| {name} | {layers} | ({P}, {R}, {n}) x {groups} | {packing} | {what} | {tokens} | "
                     f"{wall:.1f} | {host:.1f} | {gpu:.1f} | {wall / layers:.2f} | {host / layers:.2f} | "
                     f"{gpu / layers:.2f} | {launches} | {launches / layers:.0f} | {syncs} | {copies} |")
             print(line, flush=True)
             lines.append(line)
-            with open(os.path.join(out, f"profile_{name}_{packing.replace(', ', '-')}_{what}.txt"), "w") as f:
+            kernels_of[(share, what)] = kernels
+            stem = f"{name}_{packing.replace(', ', '-').replace(' x ', '-x')}_{what}"
+            with open(os.path.join(out, f"profile_{stem}.txt"), "w") as f:
                 f.write(f"{line}\n\nhost: top ops by self CPU time\n")
                 f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
                 f.write("\n\nGPU: top kernels by GPU time\n")
                 f.write(averages.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
+                if by_shape is not None:
+                    f.write("\n\nGPU: top ops by GPU time, by input shapes\n")
+                    f.write(by_shape.table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=40,
+                                           max_shapes_column_width=80))
+            # every GPU kernel's and copy's time, for sums by kind of work (experts' GEMMs, attention, permutation)
+            with open(os.path.join(out, f"kernels_{stem}.tsv"), "w") as f:
+                f.write("name\tcalls\tgpu_us\n")
+                for key, (calls, us) in sorted(kernels.items(), key=lambda item: -item[1][1]):
+                    f.write(f"{key}\t{calls}\t{us:.1f}\n")
+    token_ratio = tokens_of[False] / tokens_of[True]
+    for what in ("actor", "logprob"):
+        table = kinds_table(kernels_of[(True, what)], kernels_of[(False, what)], token_ratio)
+        print(f"\n{name}, {what}: GPU time by kind of work (S = {token_ratio:.2f})\n{table}\n", flush=True)
+        kind_tables.append(f"{name}, {what} pass: GPU time by kind of work (S = {token_ratio:.2f})\n\n{table}")
     del loaded
     torch.cuda.empty_cache()
 
@@ -131,16 +206,23 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="replay the passes as CUDA graphs (PrefixSharingConfig.cuda_graphs): captured in the warm-up")
+    parser.add_argument("--unshared-splits", type=int, default=1,
+                        help="run the unshared samples as this many micro-batches (whole groups each), as the bench does "
+                             "where the unshared micro-batch does not fit at once")
+    parser.add_argument("--shapes", action="store_true",
+                        help="record the ops' input shapes: a table of the top ops by GPU time per input shape")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     row = tuple(int(x) for x in args.row.split(","))
     os.makedirs(args.out, exist_ok=True)
     print(HEADER, flush=True)
-    lines = []
+    lines, kind_tables = [], []
     for name in [m for m in args.models.split(",") if m]:
-        profile_model(name, args.layers, row, args.groups, args.backend, args.out, lines, args.cuda_graphs)
+        profile_model(name, args.layers, row, args.groups, args.backend, args.out, lines, args.cuda_graphs,
+                      args.unshared_splits, args.shapes, kind_tables)
         with open(os.path.join(args.out, "profile-summary.md"), "w") as f:
             f.write(f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n\n{HEADER}\n" + "\n".join(lines) + "\n")
+            f.write("".join(f"\n{table}\n" for table in kind_tables))
 
 
 if __name__ == "__main__":

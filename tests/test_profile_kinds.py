@@ -1,0 +1,40 @@
+"""tools/profile_bench_row.py's GPU time by kind of work: kernel names land in their kind (flash's names
+contain "cutlass", CUTLASS's grouped GEMM contains "Gemm"), and the table's sums, ratios and excess over
+the token ratio follow from the kernels' times."""
+
+import importlib.util
+import pathlib
+
+SPEC = importlib.util.spec_from_file_location(
+    "profile_bench_row", pathlib.Path(__file__).resolve().parents[1] / "tools" / "profile_bench_row.py")
+profile_bench_row = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(profile_bench_row)
+
+FLASH = ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<"
+         "Flash_bwd_kernel_traits<256, 64, 64, cutlass::bfloat16_t>>")
+GROUPED = ("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9x"
+           "INS_4gemm6kernel13GemmUniversalINS5_17GroupProblemShape")
+
+
+def test_kernel_names_land_in_their_kind():
+    kind_of = profile_bench_row.kind_of
+    assert kind_of(FLASH).startswith("attention")
+    assert kind_of(GROUPED).startswith("grouped GEMM")
+    assert kind_of("nvjet_sm90_tst_192x192_64x3_1x2_h_bz_coopB_NNN").startswith("dense GEMM")
+    assert kind_of("chunk_gated_delta_rule_fwd_kernel_h_blockdim64").startswith("Gated DeltaNet")
+    assert kind_of("causal_conv1d_bwd_kernel").startswith("Gated DeltaNet")
+    assert kind_of("row_max_sumexp_kernel") == "vocabulary softmax"
+    assert kind_of("void at::native::vectorized_gather_kernel<16, long>") == "gather, scatter, sort, top-k"
+    assert kind_of("Memcpy DtoD (Device -> Device)") == "copies and fills"
+    assert kind_of("void at::native::reduce_kernel<128, 4>") == "other elementwise and reductions"
+
+
+def test_kinds_table_sums_ratios_and_excess():
+    shared = {FLASH: (1, 3000.0), "nvjet_a": (2, 10000.0), "causal_conv1d_fwd_kernel": (1, 1000.0)}
+    unshared = {FLASH: (2, 6000.0), "nvjet_b": (4, 40000.0), "causal_conv1d_fwd_kernel": (2, 4000.0)}
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:]
+            for line in profile_bench_row.kinds_table(shared, unshared, 4.0).splitlines()[2:]}
+    assert rows["attention (flash, cuDNN, merge)"] == ["3.0", "6.0", "2.00", "1.5 |"]
+    assert rows["dense GEMM (projections, output layer)"] == ["10.0", "40.0", "4.00", "0.0 |"]
+    assert rows["Gated DeltaNet and its conv (fla)"] == ["1.0", "4.0", "4.00", "0.0 |"]
+    assert rows["all"] == ["14.0", "50.0", "3.57", "1.5 |"]
