@@ -15,7 +15,7 @@ log-prob pass (forward only, no_grad) of each packing measures:
   blocking device-to-host reads: `.item()`, `.tolist()`), host-to-device copies (one profiled step).
 Per layer = the figure over the decoder layers. One line per (model, packing, pass) to stdout and
 DIR/profile-summary.md; per packing the top host ops (by self CPU time) and GPU kernels to
-DIR/profile_<model>_<packing>_<pass>.txt, and every op's self GPU time to
+DIR/profile_<model>_<packing>_<pass>.txt, and every GPU kernel's and copy's time to
 DIR/kernels_<model>_<packing>_<pass>.tsv.
 """
 
@@ -25,7 +25,6 @@ import argparse
 import os
 import statistics
 import time
-from typing import Optional
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -113,16 +112,15 @@ def _profiled(fn, shapes: bool = False):
 
 
 def profile_model(name: str, layers_arg, row, groups: int, backend: str, out: str, lines: list,
-                  cuda_graphs: bool = False, unshared_splits: int = 1, shapes: bool = False,
-                  kind_tables: Optional[list] = None) -> None:
+                  kind_tables: list, cuda_graphs: bool = False, unshared_splits: int = 1,
+                  shapes: bool = False) -> None:
     from ps_bridge.tools.bench.catalog import FAMILIES, MODEL_SHAPES, make_samples, response_row_mask
-    from ps_bridge.tools.bench.timing import run_actor_step
+    from ps_bridge.tools.bench.timing import run_actor_step, split_in_order
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.layout import build_layout
     from ps_bridge.tools.runtime import load_model_from_hf_config, row_logprobs
 
     P, R, n = row
-    kind_tables = [] if kind_tables is None else kind_tables
     shape = MODEL_SHAPES[name]
     layers = layers_arg or shape.bench_layers
     config = PrefixSharingConfig(enabled=True, backend=backend, pad_multiple=1, cuda_graphs=cuda_graphs)
@@ -131,17 +129,14 @@ def profile_model(name: str, layers_arg, row, groups: int, backend: str, out: st
     loaded.model.train()
     kernels_of, tokens_of = {}, {}
     for share in (False, True):
-        # the unshared samples as `unshared_splits` micro-batches of whole groups (as the bench runs
-        # the rows whose unshared micro-batch does not fit at once)
-        parts = 1 if share else unshared_splits
-        per_part = -(-groups // parts) * n
-        layouts = [build_layout(samples[i:i + per_part], share=share, vocab_size=loaded.vocab_size,
-                                prompt_values=config.layout_prompt_values).to(loaded.device)
-                   for i in range(0, len(samples), per_part)]
+        # the unshared samples as `unshared_splits` micro-batches, cut as the bench cuts the rows whose
+        # unshared micro-batch does not fit at once
+        parts = split_in_order(samples, 1 if share else unshared_splits)
+        layouts = [build_layout(part, share=share, vocab_size=loaded.vocab_size,
+                                prompt_values=config.layout_prompt_values).to(loaded.device) for part in parts]
         masks = [response_row_mask(layout).to(loaded.device) for layout in layouts]
         count = float(sum(mask.sum() for mask in masks))
-        tokens = sum(layout.num_tokens for layout in layouts)
-        tokens_of[share] = tokens
+        tokens = tokens_of[share] = sum(layout.num_tokens for layout in layouts)
 
         def actor():
             loaded.model.zero_grad(set_to_none=True)
@@ -207,7 +202,7 @@ def main() -> None:
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="replay the passes as CUDA graphs (PrefixSharingConfig.cuda_graphs): captured in the warm-up")
     parser.add_argument("--unshared-splits", type=int, default=1,
-                        help="run the unshared samples as this many micro-batches (whole groups each), as the bench does "
+                        help="run the unshared samples as this many micro-batches, cut as the bench cuts them "
                              "where the unshared micro-batch does not fit at once")
     parser.add_argument("--shapes", action="store_true",
                         help="record the ops' input shapes: a table of the top ops by GPU time per input shape")
@@ -218,8 +213,8 @@ def main() -> None:
     print(HEADER, flush=True)
     lines, kind_tables = [], []
     for name in [m for m in args.models.split(",") if m]:
-        profile_model(name, args.layers, row, args.groups, args.backend, args.out, lines, args.cuda_graphs,
-                      args.unshared_splits, args.shapes, kind_tables)
+        profile_model(name, args.layers, row, args.groups, args.backend, args.out, lines, kind_tables,
+                      args.cuda_graphs, args.unshared_splits, args.shapes)
         with open(os.path.join(args.out, "profile-summary.md"), "w") as f:
             f.write(f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n\n{HEADER}\n" + "\n".join(lines) + "\n")
             f.write("".join(f"\n{table}\n" for table in kind_tables))
