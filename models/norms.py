@@ -12,13 +12,16 @@
   norm, whose HF weight is a plain scale. megatron-core's local `WrappedTorchNorm` refuses
   zero-centred gamma and TE's norm is not available everywhere. Its parameter is called `weight`,
   like megatron's norms, so Megatron-Bridge's names apply (`input_layernorm.weight`,
-  `self_attention.q_layernorm.weight`, `self_attention.out_norm.weight`, ...).
+  `self_attention.q_layernorm.weight`, `self_attention.out_norm.weight`, ...). It computes with
+  `ps_bridge.kernels.rms_norm` (fused on CUDA).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from ps_bridge.kernels.rms_norm import rms_norm
 
 
 class TorchNormForSequenceParallel:
@@ -66,10 +69,7 @@ class ZeroCenteredRMSNorm(nn.Module):
         setattr(self.weight, "sequence_parallel", bool(getattr(config, "sequence_parallel", False)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        acc = torch.promote_types(x.dtype, torch.float32)  # float32 at least; float64 stays float64
-        xf = x.to(acc)
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.to(acc))).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, zero_centered=True)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, zero_centered_gamma=True"
