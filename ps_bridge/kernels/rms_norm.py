@@ -28,21 +28,22 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def _scale(weight: torch.Tensor, zero_centered: bool) -> torch.Tensor:
-    w = _wide(weight)
+def _scale(weight: torch.Tensor, zero_centered: bool, dtype: torch.dtype) -> torch.Tensor:
+    w = weight.to(dtype)  # the input's computing dtype: float32, or float64 for a float64 input
     return 1.0 + w if zero_centered else w
 
 
 def naive(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
     xf = _wide(x)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * _scale(weight, zero_centered)).to(x.dtype)
+    return (y * _scale(weight, zero_centered, xf.dtype)).to(x.dtype)
 
 
 def _backward(grad, x, weight, eps: float, zero_centered: bool):
-    xf, g = _wide(x), _wide(grad)
+    xf = _wide(x)
+    g = grad.to(xf.dtype)
     r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    gs = g * _scale(weight, zero_centered)
+    gs = g * _scale(weight, zero_centered, xf.dtype)
     dx = r * gs - xf * (r * r * r) * (gs * xf).mean(-1, keepdim=True)
     dw = (g * xf * r).reshape(-1, x.shape[-1]).sum(0)
     return dx.to(x.dtype), dw.to(weight.dtype)
