@@ -32,6 +32,11 @@ def compile_allowed():
             os.environ["TORCHDYNAMO_DISABLE"] = saved
 
 
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """`t` in float32 at least (float64 stays float64): the dtype the fused element-wise kernels compute in."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 @functools.lru_cache(maxsize=1)
 def import_triton():
     """(triton, triton.language), or None where Triton is not installed. Imported on first use, by

@@ -21,11 +21,7 @@ import functools
 
 import torch
 
-from ps_bridge.kernels.backend import compile_allowed
-
-
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+from ps_bridge.kernels.backend import compile_allowed, wide
 
 
 def _scale(weight: torch.Tensor, zero_centered: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -34,13 +30,13 @@ def _scale(weight: torch.Tensor, zero_centered: bool, dtype: torch.dtype) -> tor
 
 
 def naive(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
-    xf = _wide(x)
+    xf = wide(x)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y * _scale(weight, zero_centered, xf.dtype)).to(x.dtype)
 
 
 def _backward(grad, x, weight, eps: float, zero_centered: bool):
-    xf = _wide(x)
+    xf = wide(x)
     g = grad.to(xf.dtype)
     r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     gs = g * _scale(weight, zero_centered, xf.dtype)

@@ -22,7 +22,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ps_bridge.kernels.backend import compile_allowed
+from ps_bridge.kernels.backend import compile_allowed, wide
 
 
 def naive(h: torch.Tensor, prob: torch.Tensor) -> torch.Tensor:
@@ -30,18 +30,14 @@ def naive(h: torch.Tensor, prob: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate) * up * prob.unsqueeze(-1)).to(h.dtype)
 
 
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
 def _forward(h, prob):
-    gate, up = _wide(h).chunk(2, dim=-1)
+    gate, up = wide(h).chunk(2, dim=-1)
     return (F.silu(gate) * up * prob.unsqueeze(-1)).to(h.dtype)
 
 
 def _backward(grad, h, prob):
-    gate, up = _wide(h).chunk(2, dim=-1)
-    g = _wide(grad)
+    gate, up = wide(h).chunk(2, dim=-1)
+    g = wide(grad)
     s = torch.sigmoid(gate)
     silu = gate * s
     gp = g * prob.unsqueeze(-1)
