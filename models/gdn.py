@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import logging
 import torch
-import torch.nn.functional as F
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-from ps_bridge.kernels.gdn import plan_from_layout, prefix_shared_gated_delta_net, resolve_gdn_backend
+from ps_bridge.kernels.gdn import gates, plan_from_layout, prefix_shared_gated_delta_net, resolve_gdn_backend
 from ps_bridge.kernels.gdn.plan import bucketed_conv_tails
 from ps_bridge.models.context_parallel import local_channels, to_head_shard, to_seq_shard
 from ps_bridge.models.packed_seq import require_prefix_layout
@@ -95,9 +94,7 @@ class PrefixSharedGatedDeltaNet(GatedDeltaNet):
         mixed_qkv, z, beta_logits, alpha = torch.split(qkvzba, split, dim=-1)
         # log decay in float32 at least, as HF and megatron compute it (float64 stays float64, so that
         # float64 runs are exact: the decay-gate gradients are checked against finite differences)
-        acc = torch.promote_types(torch.promote_types(alpha.dtype, self.A_log.dtype), torch.float32)
-        g = -self.A_log.to(acc).exp() * F.softplus(alpha.to(acc) + self.dt_bias.to(acc))
-        beta = beta_logits.sigmoid()
+        g, beta = gates(alpha, beta_logits, self.A_log, self.dt_bias)
         qkv_sections = (self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp)
         if cp > 1:  # this rank's shard of every head -> the whole pack with 1/cp of the heads
             mixed_qkv = to_head_shard(mixed_qkv, cp_group, qkv_sections)
@@ -127,19 +124,17 @@ class PrefixSharedGatedDeltaNet(GatedDeltaNet):
         if cp > 1:  # back to this rank's shard of every head
             core = to_seq_shard(core.reshape(core.shape[0], -1), cp_group).reshape(S, -1, self.value_head_dim)
         # gated output norm per value head: out_norm(o) * silu(z)
-        y = self._out_norm(core.reshape(-1, self.value_head_dim))
-        z = z.reshape(-1, self.value_head_dim)
-        y = (y * F.silu(z.to(torch.promote_types(z.dtype, torch.float32)))).to(core.dtype)
+        y = self._out_norm(core.reshape(-1, self.value_head_dim), z.reshape(-1, self.value_head_dim))
         return self.out_proj(y.reshape(B, S, -1).transpose(0, 1).contiguous())
 
-    def _out_norm(self, x: torch.Tensor) -> torch.Tensor:
-        """`out_norm(x)`; at TP > 1 with its parameters passed through megatron's copy-to-TP region
-        (identity forward, all-reduce over TP backward), so their gradients sum the heads of every
-        TP rank (see `__init__`)."""
+    def _out_norm(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """`out_norm(x) * silu(gate)`; at TP > 1 with the norm's parameters passed through megatron's
+        copy-to-TP region (identity forward, all-reduce over TP backward), so their gradients sum the
+        heads of every TP rank (see `__init__`)."""
         if not self._out_norm_tp_reduce:
-            return self.out_norm(x)
+            return self.out_norm(x, gate)
         params = {
             name: copy_to_tensor_model_parallel_region(p, group=self.pg_collection.tp)
             for name, p in self.out_norm.named_parameters()
         }
-        return torch.func.functional_call(self.out_norm, params, (x,))
+        return torch.func.functional_call(self.out_norm, params, (x, gate))

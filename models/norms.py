@@ -18,10 +18,12 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
-from ps_bridge.kernels.rms_norm import rms_norm
+from ps_bridge.kernels.rms_norm import gated_rms_norm, rms_norm
 
 
 class TorchNormForSequenceParallel:
@@ -68,8 +70,11 @@ class ZeroCenteredRMSNorm(nn.Module):
         # all-reduced over the TP group, which megatron does for parameters flagged like this
         setattr(self.weight, "sequence_parallel", bool(getattr(config, "sequence_parallel", False)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, zero_centered=True)
+    def forward(self, x: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The norm of `x`; with `gate` (Gated DeltaNet's output norm) times `silu(gate)`, in one kernel."""
+        if gate is None:
+            return rms_norm(x, self.weight, self.eps, zero_centered=True)
+        return gated_rms_norm(x, self.weight, gate, self.eps, zero_centered=True)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, zero_centered_gamma=True"

@@ -37,6 +37,47 @@ def wide(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
+class CompiledOp:
+    """An element-wise op as two functions torch.compile compiles on first use (dynamic shapes: the
+    token count changes with every micro-batch): `forward(*tensors, *constants)` and
+    `backward(*output_grads, *tensors, *constants)` -> the gradients of `tensors`. The forward saves
+    its input tensors only; the backward recomputes what it needs from them (one pass over the inputs
+    instead of keeping intermediates). `op(*tensors, *constants)` runs it under autograd, on contiguous
+    copies of the tensors unless `contiguous=False` (the compiled kernels read any strides)."""
+
+    def __init__(self, forward, backward, num_tensors: int, contiguous: bool = True):
+        self.num_tensors, self.contiguous = num_tensors, contiguous
+        self._functions = (forward, backward)
+
+    @functools.cached_property
+    def compiled(self):
+        with compile_allowed():
+            return tuple(torch.compile(f, dynamic=True) for f in self._functions)
+
+    def __call__(self, *args):
+        n = self.num_tensors
+        tensors = tuple(t.contiguous() for t in args[:n]) if self.contiguous else args[:n]
+        return _CompiledOpFunction.apply(self, *tensors, *args[n:])
+
+
+class _CompiledOpFunction(torch.autograd.Function):
+    # The compiled functions get detached tensors: dynamo guards on each input's `requires_grad`, so
+    # passes with and without gradients would compile separate variants, and past torch's recompile
+    # limit a variant runs uncompiled (other roundings than the compiled one: a CUDA graph's replay
+    # would then differ from the eager pass).
+    @staticmethod
+    def forward(ctx, op, *args):
+        tensors, ctx.op, ctx.constants = args[: op.num_tensors], op, args[op.num_tensors:]
+        ctx.save_for_backward(*tensors)
+        return op.compiled[0](*(t.detach() for t in tensors), *ctx.constants)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grads = tuple(g.detach().contiguous() for g in grads)
+        out = ctx.op.compiled[1](*grads, *(t.detach() for t in ctx.saved_tensors), *ctx.constants)
+        return (None, *out, *(None,) * len(ctx.constants))
+
+
 @functools.lru_cache(maxsize=1)
 def import_triton():
     """(triton, triton.language), or None where Triton is not installed. Imported on first use, by

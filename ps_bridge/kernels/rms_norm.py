@@ -12,16 +12,22 @@ stays float64) and rounded once to the input's dtype; `scale` is `1 + w` where t
   row's `rsqrt` instead of saving it and returns the input's and the weight's gradients:
       dx = r * g s - x r^3 mean(g s x),   dw = sum over rows of g x r   (r = rsqrt(mean(x^2) + eps)).
 
-`rms_norm` picks `fused` on CUDA and `naive` elsewhere (the CPU, Ascend NPUs: not compiled).
+`gated_rms_norm` is Gated DeltaNet's output norm, `rms_norm(x) * silu(gate)`: the norm rounded to the
+input's dtype (as the norm module returns it), times `silu` of the gate in float32, rounded once more; its
+fused backward keeps the norm's output gradient in float32 (one rounding fewer than autograd through the
+plain expression, which rounds it to the norm's dtype):
+    d(norm) = g silu(z),   dz = g norm sigma(z) (1 + z (1 - sigma(z))).
+
+`rms_norm` and `gated_rms_norm` pick `fused` on CUDA and `naive` elsewhere (the CPU, Ascend NPUs: not
+compiled).
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
+import torch.nn.functional as F
 
-from ps_bridge.kernels.backend import compile_allowed, wide
+from ps_bridge.kernels.backend import CompiledOp, wide
 
 
 def _scale(weight: torch.Tensor, zero_centered: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -35,40 +41,58 @@ def naive(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool
     return (y * _scale(weight, zero_centered, xf.dtype)).to(x.dtype)
 
 
+def _rms_backward(dy, xf, r, s):
+    """The norm's input and weight gradients (in `xf`'s dtype) from its output gradient `dy`."""
+    gs = dy * s
+    dx = r * gs - xf * (r * r * r) * (gs * xf).mean(-1, keepdim=True)
+    dw = (dy * xf * r).reshape(-1, xf.shape[-1]).sum(0)
+    return dx, dw
+
+
 def _backward(grad, x, weight, eps: float, zero_centered: bool):
     xf = wide(x)
-    g = grad.to(xf.dtype)
     r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    gs = g * _scale(weight, zero_centered, xf.dtype)
-    dx = r * gs - xf * (r * r * r) * (gs * xf).mean(-1, keepdim=True)
-    dw = (g * xf * r).reshape(-1, x.shape[-1]).sum(0)
+    dx, dw = _rms_backward(grad.to(xf.dtype), xf, r, _scale(weight, zero_centered, xf.dtype))
     return dx.to(x.dtype), dw.to(weight.dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled():
-    with compile_allowed():  # dynamic: the token count changes with every micro-batch
-        return torch.compile(naive, dynamic=True), torch.compile(_backward, dynamic=True)
+def naive_gated(x, weight, gate, eps: float, zero_centered: bool) -> torch.Tensor:
+    y = naive(x, weight, eps, zero_centered)
+    return (wide(y) * F.silu(wide(gate))).to(x.dtype)
 
 
-class _Fused(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps, zero_centered):
-        ctx.save_for_backward(x, weight)
-        ctx.eps, ctx.zero_centered = eps, zero_centered
-        return _compiled()[0](x, weight, eps, zero_centered)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        dx, dw = _compiled()[1](grad.contiguous(), x, weight, ctx.eps, ctx.zero_centered)
-        return dx, dw, None, None
+def _gated_backward(grad, x, weight, gate, eps: float, zero_centered: bool):
+    xf, zf = wide(x), wide(gate)
+    g = grad.to(xf.dtype)
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    s = _scale(weight, zero_centered, xf.dtype)
+    y = (xf * r * s).to(x.dtype).to(xf.dtype)  # the norm's output as the forward rounded it
+    sig = torch.sigmoid(zf)
+    dz = g * y * sig * (1.0 + zf * (1.0 - sig))
+    dx, dw = _rms_backward(g * (zf * sig), xf, r, s)
+    return dx.to(x.dtype), dw.to(weight.dtype), dz.to(gate.dtype)
 
 
-def fused(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
-    return _Fused.apply(x.contiguous(), weight, eps, zero_centered)
+fused = CompiledOp(naive, _backward, num_tensors=2)
+fused_gated = CompiledOp(naive_gated, _gated_backward, num_tensors=3)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` as rows of its last dimension: the compiled kernels see one rank whatever the caller's
+    (hidden states `[T, 1, H]`, per-head q/k `[T, 1, heads, D]`), so that torch.compile does not
+    recompile per rank (past its recompile limit it would run the plain expression instead)."""
+    return x.reshape(-1, x.shape[-1])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
     """`fused` on CUDA, `naive` elsewhere."""
-    return fused(x, weight, eps, zero_centered) if x.is_cuda else naive(x, weight, eps, zero_centered)
+    if x.is_cuda:
+        return fused(_rows(x), weight, eps, zero_centered).view(x.shape)
+    return naive(x, weight, eps, zero_centered)
+
+
+def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
+    """`rms_norm(x, weight, eps, zero_centered) * silu(gate)`: `fused_gated` on CUDA, `naive_gated` elsewhere."""
+    if x.is_cuda:
+        return fused_gated(_rows(x), weight, _rows(gate), eps, zero_centered).view(x.shape)
+    return naive_gated(x, weight, gate, eps, zero_centered)

@@ -10,19 +10,17 @@ forward + backward.
 - `fused`: one compiled kernel forward and one backward (torch.compile on CUDA), computing in float32
   and rounding once; the backward writes the `[gate | up]` gradient whole. The same formula as
   megatron's `weighted_bias_swiglu_impl`, which is compiled at import and so stays uncompiled where
-  `TORCHDYNAMO_DISABLE=1` (our CLI, our tests); ours is compiled on first use (`compile_allowed`).
+  `TORCHDYNAMO_DISABLE=1` (our CLI, our tests); ours is compiled on first use (`backend.CompiledOp`).
 
 `weighted_swiglu` picks `fused` on CUDA and `naive` elsewhere (the CPU, Ascend NPUs: not compiled).
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from ps_bridge.kernels.backend import compile_allowed, wide
+from ps_bridge.kernels.backend import CompiledOp, wide
 
 
 def naive(h: torch.Tensor, prob: torch.Tensor) -> torch.Tensor:
@@ -47,26 +45,7 @@ def _backward(grad, h, prob):
     return torch.cat([d_gate, d_up], dim=-1).to(h.dtype), d_prob.to(prob.dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled():
-    with compile_allowed():  # dynamic: the routed row count changes with every micro-batch
-        return torch.compile(_forward, dynamic=True), torch.compile(_backward, dynamic=True)
-
-
-class _Fused(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h, prob):
-        ctx.save_for_backward(h, prob)
-        return _compiled()[0](h, prob)
-
-    @staticmethod
-    def backward(ctx, grad):
-        h, prob = ctx.saved_tensors
-        return _compiled()[1](grad.contiguous(), h, prob)
-
-
-def fused(h: torch.Tensor, prob: torch.Tensor) -> torch.Tensor:
-    return _Fused.apply(h.contiguous(), prob.contiguous())
+fused = CompiledOp(_forward, _backward, num_tensors=2)
 
 
 def weighted_swiglu(h: torch.Tensor, prob: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 One module per part:
 - `forked.py`: the algorithm (`prefix_shared_gated_delta_net`: forked causal conv, forked delta rule,
-  `fork_states`, `l2_normalize`);
+  `fork_states`);
+- `inputs.py`: the decay and beta gates and the q/k l2 norm, plain and fused (`gates`, `l2_normalize`);
 - `plan.py`: where the kernels find prompts, responses and the fork between them (`GDNPlan`);
 - `torch_ref.py`: the `torch_ref` backend, plain PyTorch, exact, any device (the reference);
 - `fla.py`: the `fla` backend, fla-core's Triton kernels (CUDA);
@@ -14,9 +15,9 @@ from ps_bridge.kernels.gdn.forked import (
     fork_states,
     forked_causal_conv1d,
     forked_gated_delta_rule,
-    l2_normalize,
     prefix_shared_gated_delta_net,
 )
+from ps_bridge.kernels.gdn.inputs import gates, l2_normalize
 from ps_bridge.kernels.gdn.plan import GDNPlan, plan_from_layout
 from ps_bridge.kernels.gdn.registry import (
     GDN_BACKENDS,
@@ -35,6 +36,7 @@ __all__ = [
     "fork_states",
     "forked_causal_conv1d",
     "forked_gated_delta_rule",
+    "gates",
     "l2_normalize",
     "plan_from_layout",
     "prefix_shared_gated_delta_net",

@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from ps_bridge.kernels.gdn.inputs import l2_normalize
 from ps_bridge.kernels.gdn.plan import GDNPlan
 
 
@@ -65,12 +66,6 @@ def forked_gated_delta_rule(q, k, v, g, beta, scale, plan: GDNPlan, backend, for
         )
         outs.append(o)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
-
-
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """`x / sqrt(sum(x^2) + eps)` over the last dim, in float32 at least (fla's and HF's l2norm)."""
-    xf = x.to(torch.promote_types(x.dtype, torch.float32))
-    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def prefix_shared_gated_delta_net(

@@ -1,0 +1,82 @@
+"""Gated DeltaNet's per-token inputs besides q, k, v: the log decay `g` and the write strength `beta`
+from the input projection, and the l2 norm of q and k after the conv.
+
+- `naive_gates`: `g = -exp(A_log) * softplus(alpha + dt_bias)` in float32 at least (float64 stays
+  float64), as HF's and megatron's Gated DeltaNet compute it, and `beta = sigmoid(b)` in b's dtype.
+- `naive_l2_normalize`: `x * rsqrt(sum(x^2) + eps)` over the last dimension, in float32 at least and
+  rounded once (fla's and HF's l2norm).
+- `fused_*`: the same arithmetic and roundings as one compiled kernel forward and one backward
+  (`backend.CompiledOp`, torch.compile on CUDA). Written out, each is several element-wise and
+  reduction passes forward and more backward, per layer: at small shapes each pass costs more host
+  time than GPU time (BENCHMARKS.md, "small shapes"). The backward formulas:
+      dalpha = -dg exp(A_log) sigmoid(alpha + dt_bias)  (1 where softplus is linear, above 20),
+      ddt_bias = sum of dalpha,  dA_log = sum of dg g,  db = dbeta beta (1 - beta),
+      l2: dx = r dy - x r^3 sum(dy x)  (r = rsqrt(sum(x^2) + eps)).
+
+`gates` and `l2_normalize` pick `fused_*` on CUDA and `naive_*` elsewhere (the CPU, Ascend NPUs).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ps_bridge.kernels.backend import CompiledOp, wide
+
+SOFTPLUS_THRESHOLD = 20.0  # torch's softplus is the identity above this (its default threshold)
+
+
+def _decay_dtype(alpha: torch.Tensor, A_log: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(torch.promote_types(alpha.dtype, A_log.dtype), torch.float32)
+
+
+def naive_gates(alpha, b, A_log, dt_bias):
+    """(g, beta) for `alpha`, `b` `[T, HV]` and the per-head `A_log`, `dt_bias` `[HV]`."""
+    acc = _decay_dtype(alpha, A_log)
+    g = -A_log.to(acc).exp() * F.softplus(alpha.to(acc) + dt_bias.to(acc))
+    return g, b.sigmoid()
+
+
+def _gates_backward(dg, dbeta, alpha, b, A_log, dt_bias):
+    acc = _decay_dtype(alpha, A_log)
+    a = alpha.to(acc) + dt_bias.to(acc)
+    e = A_log.to(acc).exp()
+    slope = torch.where(a > SOFTPLUS_THRESHOLD, torch.ones_like(a), torch.sigmoid(a))
+    dgf = dg.to(acc)
+    dalpha = -dgf * e * slope
+    g = -e * F.softplus(a)
+    beta = b.sigmoid()  # in b's dtype, as the forward returned it
+    db = wide(dbeta) * wide(beta) * (1.0 - wide(beta))
+    return (dalpha.to(alpha.dtype), db.to(b.dtype), (dgf * g).sum(0).to(A_log.dtype),
+            dalpha.sum(0).to(dt_bias.dtype))
+
+
+def naive_l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    xf = wide(x)
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _l2_backward(dy, x, eps: float):
+    xf = wide(x)
+    g = dy.to(xf.dtype)
+    r = torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)
+    dx = r * g - xf * (r * r * r) * (g * xf).sum(-1, keepdim=True)
+    return (dx.to(x.dtype),)
+
+
+# the gates read column slices of the input projection's output: no contiguous copies of them
+fused_gates = CompiledOp(naive_gates, _gates_backward, num_tensors=4, contiguous=False)
+fused_l2_normalize = CompiledOp(naive_l2_normalize, _l2_backward, num_tensors=1)
+
+
+def gates(alpha, b, A_log, dt_bias):
+    """(g, beta): `fused_gates` on CUDA, `naive_gates` elsewhere."""
+    return (fused_gates if alpha.is_cuda else naive_gates)(alpha, b, A_log, dt_bias)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`fused_l2_normalize` on CUDA (on rows of the last dimension, one rank for torch.compile),
+    `naive_l2_normalize` elsewhere."""
+    if x.is_cuda:
+        return fused_l2_normalize(x.reshape(-1, x.shape[-1]), eps).view(x.shape)
+    return naive_l2_normalize(x, eps)
