@@ -37,6 +37,16 @@ def wide(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
+# the device types where `CompiledOp`s run compiled; elsewhere (the CPU, Ascend NPUs) the ops run their
+# plain expressions
+COMPILED_DEVICES: Tuple[str, ...] = ("cuda",)
+
+
+def runs_compiled(t: torch.Tensor) -> bool:
+    """Whether an element-wise op on `t` runs its `CompiledOp`."""
+    return t.device.type in COMPILED_DEVICES
+
+
 class CompiledOp:
     """An element-wise op as two functions torch.compile compiles on first use (dynamic shapes: the
     token count changes with every micro-batch): `forward(*tensors, *constants)` and

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ps_bridge.kernels.backend import CompiledOp, wide
+from ps_bridge.kernels.backend import CompiledOp, runs_compiled, wide
 
 
 def _scale(weight: torch.Tensor, zero_centered: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -86,13 +86,13 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
     """`fused` on CUDA, `naive` elsewhere."""
-    if x.is_cuda:
+    if runs_compiled(x):
         return fused(_rows(x), weight, eps, zero_centered).view(x.shape)
     return naive(x, weight, eps, zero_centered)
 
 
 def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
     """`rms_norm(x, weight, eps, zero_centered) * silu(gate)`: `fused_gated` on CUDA, `naive_gated` elsewhere."""
-    if x.is_cuda:
+    if runs_compiled(x):
         return fused_gated(_rows(x), weight, _rows(gate), eps, zero_centered).view(x.shape)
     return naive_gated(x, weight, gate, eps, zero_centered)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ps_bridge.kernels.backend import CompiledOp, wide
+from ps_bridge.kernels.backend import CompiledOp, runs_compiled, wide
 
 
 def naive(h: torch.Tensor, prob: torch.Tensor) -> torch.Tensor:
@@ -50,4 +50,4 @@ fused = CompiledOp(_forward, _backward, num_tensors=2)
 
 def weighted_swiglu(h: torch.Tensor, prob: torch.Tensor) -> torch.Tensor:
     """`fused` on CUDA, `naive` elsewhere."""
-    return fused(h, prob) if h.is_cuda else naive(h, prob)
+    return fused(h, prob) if runs_compiled(h) else naive(h, prob)

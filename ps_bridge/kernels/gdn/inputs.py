@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ps_bridge.kernels.backend import CompiledOp, wide
+from ps_bridge.kernels.backend import CompiledOp, runs_compiled, wide
 
 SOFTPLUS_THRESHOLD = 20.0  # torch's softplus is the identity above this (its default threshold)
 
@@ -71,12 +71,12 @@ fused_l2_normalize = CompiledOp(naive_l2_normalize, _l2_backward, num_tensors=1)
 
 def gates(alpha, b, A_log, dt_bias):
     """(g, beta): `fused_gates` on CUDA, `naive_gates` elsewhere."""
-    return (fused_gates if alpha.is_cuda else naive_gates)(alpha, b, A_log, dt_bias)
+    return (fused_gates if runs_compiled(alpha) else naive_gates)(alpha, b, A_log, dt_bias)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """`fused_l2_normalize` on CUDA (on rows of the last dimension, one rank for torch.compile),
     `naive_l2_normalize` elsewhere."""
-    if x.is_cuda:
+    if runs_compiled(x):
         return fused_l2_normalize(x.reshape(-1, x.shape[-1]), eps).view(x.shape)
     return naive_l2_normalize(x, eps)
