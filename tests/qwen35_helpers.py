@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -21,6 +23,26 @@ def skip_where_vl_refused():
     refusal = vl_refusal()
     if refusal:
         pytest.skip(f"refused by ps_bridge.compat.megatron_bridge.vl_refusal: {refusal}")
+
+
+@contextlib.contextmanager
+def compiled_formulas_on_cpu():
+    """The element-wise ops' `CompiledOp` paths on the CPU, with their plain forward and backward
+    functions in place of the compiled ones (what torch.compile compiles on CUDA, uncompiled)."""
+    from ps_bridge.kernels import backend, rms_norm, weighted_swiglu
+    from ps_bridge.kernels.gdn import inputs
+
+    ops = (rms_norm.fused, rms_norm.fused_gated, inputs.fused_gates, inputs.fused_l2_normalize, weighted_swiglu.fused)
+    saved = backend.COMPILED_DEVICES
+    backend.COMPILED_DEVICES = ("cuda", "cpu")
+    for op in ops:
+        op.__dict__["compiled"] = op._functions  # the cached_property's slot
+    try:
+        yield
+    finally:
+        backend.COMPILED_DEVICES = saved
+        for op in ops:
+            op.__dict__.pop("compiled", None)
 
 
 def load_tiny(name, tmp_path_factory, seed=0):

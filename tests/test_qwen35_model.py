@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from qwen35_helpers import (
+    compiled_formulas_on_cpu,
     export_matches_checkpoint,
     float64_response_logprobs,
     layout_for,
@@ -264,42 +265,22 @@ def test_float32_decay_gate_gradients_equal_float64(tiny, tiny64, float64_attent
     assert max(worst.values()) <= 1e-4, (name, worst)
 
 
-@pytest.fixture
-def compiled_formulas_on_cpu(monkeypatch):
-    """The element-wise ops' `CompiledOp` paths on the CPU, with their plain forward and backward functions
-    in place of the compiled ones (what torch.compile compiles on CUDA, uncompiled)."""
-    from ps_bridge.kernels import backend, rms_norm, weighted_swiglu
-    from ps_bridge.kernels.gdn import inputs
-
-    monkeypatch.setattr(backend, "COMPILED_DEVICES", ("cuda", "cpu"))
-    ops = (rms_norm.fused, rms_norm.fused_gated, inputs.fused_gates, inputs.fused_l2_normalize, weighted_swiglu.fused)
-    for op in ops:
-        monkeypatch.setitem(op.__dict__, "compiled", op._functions)
-    return ops
-
-
 @pytest.mark.parametrize("share", [True, False])
-def test_compiled_ops_formulas_give_the_models_values_and_gradients(tiny, share, compiled_formulas_on_cpu):
+def test_compiled_ops_formulas_give_the_models_values_and_gradients(tiny, share):
     """The Qwen3.5 model (every norm, the GDN gates and l2 norm, the MoE experts' SwiGLU) through the
     `CompiledOp` forward and backward formulas and their wiring (rows flattened, the gate's column slices,
     the gated output norm) gives the log-probs and parameter gradients of the plain ops."""
-    from ps_bridge.kernels import backend
-
     name, _, loaded, _ = tiny
     samples = samples_for(loaded, num_prompts=2, n=3)
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(len(s.response), generator=gen) for s in samples]
-    with torch.no_grad():
-        got_lp = per_sample_response_logprobs(loaded, samples, share=share)
-    got = param_grads(loaded, samples, share, weights)
-    compiled = backend.COMPILED_DEVICES
-    backend.COMPILED_DEVICES = ("cuda",)  # the plain ops (monkeypatch restores the attribute afterwards)
-    try:
+    with compiled_formulas_on_cpu():
         with torch.no_grad():
-            want_lp = per_sample_response_logprobs(loaded, samples, share=share)
-        want = param_grads(loaded, samples, share, weights)
-    finally:
-        backend.COMPILED_DEVICES = compiled
+            got_lp = per_sample_response_logprobs(loaded, samples, share=share)
+        got = param_grads(loaded, samples, share, weights)
+    with torch.no_grad():
+        want_lp = per_sample_response_logprobs(loaded, samples, share=share)
+    want = param_grads(loaded, samples, share, weights)
     assert max_abs(got_lp, want_lp) <= 1e-5, (name, max_abs(got_lp, want_lp))
     assert got.keys() == want.keys()
     for n in got:
