@@ -26,6 +26,18 @@ def assert_fused_no_worse(label: str, fused, reference, plain) -> None:
         assert err <= 1.1 * err_plain + TOLERANCE_FLOOR, (label, k, err, err_plain)
 
 
+def assert_compiled_op_no_worse(label: str, compiled, plain, tensors, grad, *constants) -> None:
+    """`assert_fused_no_worse` for a one-output op: `compiled(*tensors, *constants)` and `plain(...)` on the
+    bf16 leaves `tensors`, the reference `plain` on their float64 copies; each output and its gradients to
+    the leaves for the output gradient `grad`."""
+
+    def run(fn, args):
+        y = fn(*args, *constants)
+        return (y, *torch.autograd.grad(y, tensors, grad.to(y.dtype)))
+
+    assert_fused_no_worse(label, run(compiled, tensors), run(plain, [t.double() for t in tensors]), run(plain, tensors))
+
+
 @pytest.mark.parametrize("zero_centered", [False, True])
 @pytest.mark.parametrize("shape", [(7, 33), (5, 3, 16)])
 def test_backward_formula_equals_autograd(shape, zero_centered):
@@ -93,14 +105,8 @@ def test_gpu_fused_equals_naive(zero_centered):
         x = torch.randn(tokens, 2048, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()
         w = (torch.randn(2048, generator=gen, device="cuda") * 0.1).to(torch.bfloat16).requires_grad_()
         grad = torch.randn(tokens, 2048, generator=gen, device="cuda").to(torch.bfloat16)
-        y = rn.fused(x, w, 1e-6, zero_centered)
-        ref = rn.naive(x.double(), w.double(), 1e-6, zero_centered)
-        plain = rn.naive(x, w, 1e-6, zero_centered)
-        assert_fused_no_worse(
-            f"rms_norm zero_centered={zero_centered} rows={tokens}",
-            (y, *torch.autograd.grad(y, (x, w), grad)),
-            (ref, *torch.autograd.grad(ref, (x, w), grad.double())),
-            (plain, *torch.autograd.grad(plain, (x, w), grad)),
+        assert_compiled_op_no_worse(
+            f"rms_norm zero_centered={zero_centered} rows={tokens}", rn.fused, rn.naive, (x, w), grad, 1e-6, zero_centered
         )
 
 
@@ -115,12 +121,7 @@ def test_gpu_fused_gated_equals_naive(zero_centered):
         w = (torch.randn(128, generator=gen, device="cuda") * 0.1).to(torch.bfloat16).requires_grad_()
         z = (torch.randn(rows, 128, generator=gen, device="cuda") * 2).to(torch.bfloat16).requires_grad_()
         grad = torch.randn(rows, 128, generator=gen, device="cuda").to(torch.bfloat16)
-        y = rn.fused_gated(x, w, z, 1e-6, zero_centered)
-        ref = rn.naive_gated(x.double(), w.double(), z.double(), 1e-6, zero_centered)
-        plain = rn.naive_gated(x, w, z, 1e-6, zero_centered)
-        assert_fused_no_worse(
-            f"gated rms_norm zero_centered={zero_centered} rows={rows}",
-            (y, *torch.autograd.grad(y, (x, w, z), grad)),
-            (ref, *torch.autograd.grad(ref, (x, w, z), grad.double())),
-            (plain, *torch.autograd.grad(plain, (x, w, z), grad)),
+        assert_compiled_op_no_worse(
+            f"gated rms_norm zero_centered={zero_centered} rows={rows}", rn.fused_gated, rn.naive_gated, (x, w, z), grad,
+            1e-6, zero_centered,
         )

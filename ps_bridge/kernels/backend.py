@@ -53,7 +53,10 @@ class CompiledOp:
     `backward(*output_grads, *tensors, *constants)` -> the gradients of `tensors`. The forward saves
     its input tensors only; the backward recomputes what it needs from them (one pass over the inputs
     instead of keeping intermediates). `op(*tensors, *constants)` runs it under autograd, on contiguous
-    copies of the tensors unless `contiguous=False` (the compiled kernels read any strides)."""
+    copies of the tensors unless `contiguous=False` (the compiled kernels read any strides). Tensors of
+    rank above 2 are passed as rows of their last dimension, and the outputs given the first tensor's
+    leading dimensions back: the compiled functions see one rank whatever the caller's (hidden states
+    `[T, 1, H]`, per-head q/k `[T, 1, heads, D]`), so torch.compile does not compile a variant per rank."""
 
     def __init__(self, forward, backward, num_tensors: int, contiguous: bool = True):
         self.num_tensors, self.contiguous = num_tensors, contiguous
@@ -67,7 +70,14 @@ class CompiledOp:
     def __call__(self, *args):
         n = self.num_tensors
         tensors = tuple(t.contiguous() for t in args[:n]) if self.contiguous else args[:n]
-        return _CompiledOpFunction.apply(self, *tensors, *args[n:])
+        lead = tensors[0].shape[:-1]
+        if all(t.dim() <= 2 for t in tensors):
+            return _CompiledOpFunction.apply(self, *tensors, *args[n:])
+        rows = tuple(t.reshape(-1, t.shape[-1]) if t.dim() > 2 else t for t in tensors)
+        out = _CompiledOpFunction.apply(self, *rows, *args[n:])
+        if isinstance(out, tuple):
+            return tuple(o.view(*lead, o.shape[-1]) for o in out)
+        return out.view(*lead, out.shape[-1])
 
 
 class _CompiledOpFunction(torch.autograd.Function):

@@ -77,22 +77,15 @@ fused = CompiledOp(naive, _backward, num_tensors=2)
 fused_gated = CompiledOp(naive_gated, _gated_backward, num_tensors=3)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """`x` as rows of its last dimension: the compiled kernels see one rank whatever the caller's
-    (hidden states `[T, 1, H]`, per-head q/k `[T, 1, heads, D]`), so that torch.compile does not
-    recompile per rank (past its recompile limit it would run the plain expression instead)."""
-    return x.reshape(-1, x.shape[-1])
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
     """`fused` on CUDA, `naive` elsewhere."""
     if runs_compiled(x):
-        return fused(_rows(x), weight, eps, zero_centered).view(x.shape)
+        return fused(x, weight, eps, zero_centered)
     return naive(x, weight, eps, zero_centered)
 
 
 def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
     """`rms_norm(x, weight, eps, zero_centered) * silu(gate)`: `fused_gated` on CUDA, `naive_gated` elsewhere."""
     if runs_compiled(x):
-        return fused_gated(_rows(x), weight, _rows(gate), eps, zero_centered).view(x.shape)
+        return fused_gated(x, weight, gate, eps, zero_centered)
     return naive_gated(x, weight, gate, eps, zero_centered)

@@ -75,8 +75,5 @@ def gates(alpha, b, A_log, dt_bias):
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """`fused_l2_normalize` on CUDA (on rows of the last dimension, one rank for torch.compile),
-    `naive_l2_normalize` elsewhere."""
-    if runs_compiled(x):
-        return fused_l2_normalize(x.reshape(-1, x.shape[-1]), eps).view(x.shape)
-    return naive_l2_normalize(x, eps)
+    """`fused_l2_normalize` on CUDA, `naive_l2_normalize` elsewhere."""
+    return (fused_l2_normalize if runs_compiled(x) else naive_l2_normalize)(x, eps)
