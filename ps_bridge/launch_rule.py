@@ -192,6 +192,7 @@ class SharingDecision:
     gpu_unshared_ns: Optional[int] = None
     host_shared_ns: Optional[int] = None
     bucketed: bool = False  # a shared pack is bucketed: its passes replay CUDA graphs
+    priced: bool = True  # False: shared because no cost is known for the model, kernels or device
 
     def describe(self) -> str:
         return f"{'shared' if self.share else 'unshared'}: {self.reason}"
@@ -238,7 +239,7 @@ def _eager_decision(counts: MicroBatchCounts, model: Optional[ModelCost], attent
                     gdn_backend: str, device_type: str, dtype_name: str, backward: bool) -> SharingDecision:
     """The rule where each launch costs host time: the unshared GPU work against the shared host time."""
     if model is None:
-        return SharingDecision(True, "no model cost known (rule not applied)")
+        return SharingDecision(True, "no model cost known (rule not applied)", priced=False)
     attention, gdn = concrete_backends(attention_backend, gdn_backend, device_type, dtype_name, model.head_dim)
     host = 0
     for kind, backend, layers in (("attention", attention, model.attention_layers), ("gdn", gdn, model.gdn_layers)):
@@ -247,7 +248,7 @@ def _eager_decision(counts: MicroBatchCounts, model: Optional[ModelCost], attent
         cost = HOST_NS.get((kind, backend, device_type, backward))
         if cost is None:
             return SharingDecision(True, f"no launch cost measured for {kind} backend {backend} on {device_type} "
-                                         "(rule not applied)")
+                                         "(rule not applied)", priced=False)
         host += layers * cost
     flops = (6 if backward else 2) * counts.tokens_unshared * (model.layer_weights + model.hidden * model.vocab)
     gpu = flops // (1000 * TFLOPS[("gdn" if model.gdn_layers else "attention", backward)])

@@ -47,6 +47,8 @@ def test_bench_smoke_runs_and_reports(tmp_path, capsys):
         assert r["tokens_shared"] == P + n * R
         assert r["ideal_speedup"] == pytest.approx(n * (P + R) / (P + n * R))
         assert r["actor_speedup"] > 0 and r["logprob_speedup"] > 0
+        # the sharing rule has no host cost for the reference kernels on a CPU: it is not applied
+        assert (r["rule"]["actor"], r["rule"]["logprob"]) == ("not applied", "not applied")
         # float32 on the CPU: the shared and unshared log-probs agree to rounding (bf16 on a GPU)
         assert r["max_logprob_diff"] < (1e-4 if not torch.cuda.is_available() else 0.1)
         # --fp32-reference: both runs against the float32 twin (on a CPU the runs are float32 already)

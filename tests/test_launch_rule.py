@@ -263,3 +263,34 @@ def test_rule_off_equals_unshared_equals_hf_and_rule_on_equals_them(qwen2_checkp
                 P = len(s.prompt)
                 ref = log_p[P - 1 : -1].gather(1, ids[0, P:, None]).squeeze(1)
                 assert float((got - ref).abs().max()) <= 1e-5
+
+
+def test_the_bench_reports_the_rules_decision_for_each_row(priced_cpu):
+    """`ps-bridge bench` times both packings whatever the rule decides and states the decision per row
+    (`rule_decisions`, the `rule` column), so a row shows whether the rule picks the faster packing on
+    the machine at hand."""
+    from types import SimpleNamespace
+
+    from ps_bridge.tools.bench.report import RowResult, format_table
+    from ps_bridge.tools.bench.run import rule_decisions
+
+    # the bench's own config forces nothing; the decision is the rule's (PS_BRIDGE_SHARING=auto)
+    loaded = SimpleNamespace(config=PrefixSharingConfig(enabled=True, sharing="on"), model_cost=cost_of("qwen2.5-0.5b"),
+                             device=torch.device("cpu"), dtype=torch.float32)
+    samples = make_samples(128, 32, 8, 4, 1000, 0)
+    unpriced = rule_decisions(loaded, samples, "auto")
+    assert (unpriced["actor"], unpriced["logprob"]) == ("not applied", "not applied")
+    assert "no launch cost measured for attention backend torch_ref on cpu" in unpriced["actor_reason"]
+    counts = MicroBatchCounts.of(samples)
+    forward = sharing_pays(counts, loaded.model_cost, device_type="cuda", backward=False).gpu_unshared_ns
+    backward = sharing_pays(counts, loaded.model_cost, device_type="cuda", backward=True).gpu_unshared_ns
+    # a host price per layer between the two passes' GPU work: the forward-only pass does not pay, the
+    # pass with the backward does
+    num, den = launch_rule.MARGIN
+    priced_cpu(int((forward * backward) ** 0.5) * den // (num * loaded.model_cost.attention_layers))
+    decided = rule_decisions(loaded, samples, "auto")
+    assert (decided["actor"], decided["logprob"]) == ("shared", "unshared")
+    assert decided["logprob_reason"].startswith("does not pay")
+    row = RowResult.failed("qwen2.5-0.5b", 24, "auto", 128, 32, 8, 4, "x")
+    row.error, row.rule = None, decided
+    assert "| sh/un |" in format_table([row])

@@ -11,8 +11,9 @@ log-prob pass (forward only, no_grad) of each packing measures:
 - host: the time until the step's Python returns, before waiting for the GPU (median of 5): when it
   is close to wall, the step is bound by host time (Python, launches, syncs), not by the GPU;
 - GPU busy: the sum of the durations of its GPU kernels and copies (one profiled step);
-- launches (CUDA and Triton kernel launches), syncs (stream/device/event synchronizations and
-  blocking device-to-host reads: `.item()`, `.tolist()`), host-to-device copies (one profiled step).
+- launches (CUDA and Triton kernel launches), syncs (stream/device/event synchronizations, which
+  blocking device-to-host reads such as `.item()` and `.tolist()` include), host-to-device copies
+  (one profiled step).
 Per layer = the figure over the decoder layers. One line per (model, packing, pass) to stdout and
 DIR/profile-summary.md; per packing the top host ops (by self CPU time) and GPU kernels to
 DIR/profile_<model>_<packing>_<pass>.txt, and every GPU kernel's and copy's time to
@@ -30,7 +31,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 LAUNCH = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
-SYNC = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
+# the CUDA runtime's waits only: a read of a CUDA tensor's value (`.item()`, `.tolist()`) waits in
+# cudaStreamSynchronize, while `aten::_local_scalar_dense` also reads CPU scalars without waiting (the
+# 0-d CPU tensors torch.compile passes a compiled function's float arguments as, read once per call)
+SYNC = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 H2D = ("cudaMemcpyAsync", "cudaMemcpy")
 
 

@@ -59,6 +59,10 @@ class RowResult(RowCoordinates):
     share: Optional[str] = None
     # an image row (`--images`): the prompts' images, the vision tower's runs and FLOPs (bench/run.py image_row)
     images: Optional[dict] = None
+    # what the sharing rule decides for the row's micro-batch (bench/run.py rule_decisions): "actor" and
+    # "logprob" ("shared", "unshared", or "not applied" where it has no cost for the kernels or device),
+    # with their reasons
+    rule: Optional[dict] = None
 
     @classmethod
     def failed(cls, model: str, layers: int, backend: str, P: int, R: int, n: int, groups: int, error: str,
@@ -140,9 +144,17 @@ def _markdown(head: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
     return "\n".join(out)
 
 
+RULE_SHORT = {"shared": "sh", "unshared": "un", "not applied": "n/a"}
+
+
+def rule_cell(rule: Optional[dict]) -> str:
+    """The table's rule cell: the decision with the backward / without it (`sh`, `un`, `n/a`)."""
+    return "-" if rule is None else f"{RULE_SHORT[rule['actor']]}/{RULE_SHORT[rule['logprob']]}"
+
+
 def format_table(results: Sequence[RowResult]) -> str:
     head = ("model", "layers", "backend", "P", "R", "n", "tok unsh", "tok sh (trie)", "ideal S", "F", "actor x",
-            "x/S", "x/F", "logprob x", "peak unsh GiB", "peak sh GiB", "peak ratio", "tok/s unsh", "tok/s sh",
+            "x/S", "x/F", "logprob x", "rule", "peak unsh GiB", "peak sh GiB", "peak ratio", "tok/s unsh", "tok/s sh",
             "max |dlogp|")
     with_fp32 = any(r.shared_rel_err_fp32 is not None for r in results)
     if with_fp32:
@@ -150,7 +162,7 @@ def format_table(results: Sequence[RowResult]) -> str:
     lines = []
     for r in results:
         if r.error:
-            line = (r.model, str(r.layers), r.backend) + r.coordinates + ("-",) * 13 + (f"ERROR {r.error}",)
+            line = (r.model, str(r.layers), r.backend) + r.coordinates + ("-",) * 14 + (f"ERROR {r.error}",)
             lines.append(line + ("-",) * 4 if with_fp32 else line)
             continue
         missing = "OOM" if r.unshared_out_of_memory else "-"  # what a value that needs the unshared run shows
@@ -163,7 +175,7 @@ def format_table(results: Sequence[RowResult]) -> str:
             str(r.tokens_unshared), str(r.tokens_shared), f"{r.ideal_speedup:.2f}", cell(r.flop_ratio, ".2f"),
             cell(r.actor_speedup, ".2f"), cell(r.actor_speedup / r.ideal_speedup, ".2f"),
             cell(r.actor_speedup / r.flop_ratio if r.flop_ratio else None, ".2f"), cell(r.logprob_speedup, ".2f"),
-            cell(r.unshared.actor_peak_mib and r.unshared.actor_peak_mib / 1024, ".2f"),
+            rule_cell(r.rule), cell(r.unshared.actor_peak_mib and r.unshared.actor_peak_mib / 1024, ".2f"),
             cell(r.shared.actor_peak_mib and r.shared.actor_peak_mib / 1024, ".2f"),
             cell(r.actor_peak_ratio, ".2f"), cell(r.unshared_tokens_per_s, ",.0f"),
             cell(r.shared_tokens_per_s, ",.0f"), cell(r.max_logprob_diff, ".2e"),

@@ -20,6 +20,7 @@ from ps_bridge.kernels.attention import BACKENDS
 from ps_bridge.layout import build_layout
 from ps_bridge.parallel.groups import init_parallel, is_output_rank, launched_world_size, max_over_ranks
 from ps_bridge.parallel.settings import ParallelSettings
+from ps_bridge.prepare import rule_decision
 from ps_bridge.tools.bench.catalog import (
     DEFAULT_GRID,
     DEFAULT_MODELS,
@@ -298,10 +299,26 @@ def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, refer
                 flop_ratio=flops,
                 share="tree" if share == "tree" else "prompt",
                 images=images,
+                rule=rule_decisions(loaded, samples, backend),
                 **fp32,
             )
         )
     return results
+
+
+def rule_decisions(loaded, samples, backend: str) -> dict:
+    """What the sharing rule decides for this rank's micro-batch of the row (`prepare.rule_decision`,
+    `PS_BRIDGE_SHARING=auto`, without CUDA graphs) with the backward (`actor`) and without it
+    (`logprob`). The bench times both packings whatever the rule decides, so a row shows whether the
+    rule picks the faster one on this machine (the rule's host costs are another machine's)."""
+    config = dataclasses.replace(loaded.config, sharing="auto", backend=backend, cuda_graphs=False)
+    out = {}
+    for what, backward in (("actor", True), ("logprob", False)):
+        decision = rule_decision(samples, config, loaded.model_cost, loaded.device.type, loaded.dtype, tree=None,
+                                 backward=backward, log=False)
+        out[what] = ("shared" if decision.share else "unshared") if decision.priced else "not applied"
+        out[f"{what}_reason"] = decision.reason
+    return out
 
 
 def image_row(shape, shared, unshared, args, model, P: int) -> Optional[dict]:
