@@ -309,8 +309,9 @@ def run_row(loaded, model_name, layers, backends, P, R, n, args, progress, refer
 def rule_decisions(loaded, samples, backend: str) -> dict:
     """What the sharing rule decides for this rank's micro-batch of the row (`prepare.rule_decision`,
     `PS_BRIDGE_SHARING=auto`, without CUDA graphs) with the backward (`actor`) and without it
-    (`logprob`). The bench times both packings whatever the rule decides, so a row shows whether the
-    rule picks the faster one on this machine (the rule's host costs are another machine's)."""
+    (`logprob`); a row too large for one micro-batch is decided whole. The bench times both packings
+    whatever the rule decides, so a row shows whether the rule picks the faster one on this machine (its
+    host costs were measured on one machine: `launch_rule.HOST_NS`)."""
     config = dataclasses.replace(loaded.config, sharing="auto", backend=backend, cuda_graphs=False)
     out = {}
     for what, backward in (("actor", True), ("logprob", False)):
