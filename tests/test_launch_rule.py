@@ -276,7 +276,7 @@ def test_the_bench_reports_the_rules_decision_for_each_row(priced_cpu):
 
     # the bench's own config forces nothing; the decision is the rule's (PS_BRIDGE_SHARING=auto)
     loaded = SimpleNamespace(config=PrefixSharingConfig(enabled=True, sharing="on"), model_cost=cost_of("qwen2.5-0.5b"),
-                             device=torch.device("cpu"), dtype=torch.float32)
+                             device=torch.device("cpu"), dtype=torch.float32, vocab_size=1000)
     samples = make_samples(128, 32, 8, 4, 1000, 0)
     unpriced = rule_decisions(loaded, samples, "auto")
     assert (unpriced["actor"], unpriced["logprob"]) == ("not applied", "not applied")

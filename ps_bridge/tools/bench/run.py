@@ -20,6 +20,7 @@ from ps_bridge.kernels.attention import BACKENDS
 from ps_bridge.layout import build_layout
 from ps_bridge.parallel.groups import init_parallel, is_output_rank, launched_world_size, max_over_ranks
 from ps_bridge.parallel.settings import ParallelSettings
+from ps_bridge.plan import SharingPlan
 from ps_bridge.prepare import rule_decision
 from ps_bridge.tools.bench.catalog import (
     DEFAULT_GRID,
@@ -313,9 +314,11 @@ def rule_decisions(loaded, samples, backend: str) -> dict:
     whatever the rule decides, so a row shows whether the rule picks the faster one on this machine (its
     host costs were measured on one machine: `launch_rule.HOST_NS`)."""
     config = dataclasses.replace(loaded.config, sharing="auto", backend=backend, cuda_graphs=False)
+    # the prefix tree the rule counts, decided once for both passes (as the verl engine's plan does)
+    tree = SharingPlan.from_config(config).for_samples(samples, vocab_size=loaded.vocab_size).tree if config.tree else None
     out = {}
     for what, backward in (("actor", True), ("logprob", False)):
-        decision = rule_decision(samples, config, loaded.model_cost, loaded.device.type, loaded.dtype, tree=None,
+        decision = rule_decision(samples, config, loaded.model_cost, loaded.device.type, loaded.dtype, tree=tree,
                                  backward=backward, log=False)
         out[what] = ("shared" if decision.share else "unshared") if decision.priced else "not applied"
         out[f"{what}_reason"] = decision.reason
