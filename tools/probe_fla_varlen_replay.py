@@ -23,7 +23,12 @@ import json
 import time
 from typing import List, Sequence
 
+from ps_bridge.packed_layout import cumulative_offsets
+
 CHUNK = 64  # fla's chunk size for the delta rule and the varlen conv
+# the probe's tensors with a row per token and with a row per sequence (the rest: the conv's weights)
+PER_TOKEN = ("x", "g", "beta", "dy")
+PER_SEQUENCE = ("h0", "conv0", "dht")
 
 
 def chunks(length: int) -> int:
@@ -134,6 +139,9 @@ def run_gpu(tokens: int, sequences: int, heads: int, dim: int, width: int, devic
         return o.squeeze(0), ht
 
     leaves = ("x", "weight", "bias", "g", "beta", "h0", "conv0")
+    # the outputs of `step`: the layer's output and final states, then the gradients of `leaves`
+    names = ("o", "final_state", *(f"d_{k}" for k in leaves))
+    rows = {"o": PER_TOKEN[0], "final_state": PER_SEQUENCE[0], **{f"d_{k}": k for k in leaves}}
 
     def step(t, cu, ci):
         args = {k: (t[k].detach().requires_grad_() if k in leaves else t[k]) for k in t}
@@ -142,15 +150,12 @@ def run_gpu(tokens: int, sequences: int, heads: int, dim: int, width: int, devic
         return [o, ht, *grads]
 
     def as_index(lengths):
-        cu = torch.tensor([0] + [sum(lengths[: i + 1]) for i in range(len(lengths))], dtype=torch.long, device=dev)
+        cu = torch.tensor(cumulative_offsets(lengths), dtype=torch.long, device=dev)
         return cu, torch.tensor(chunk_index(lengths), dtype=torch.long, device=dev).view(-1, 2)
 
     def real_part(outs, lengths):
-        """The real sequences' share of each output: tokens [0, sum) and states [0, len(lengths))."""
-        n_tok, n_seq = sum(lengths), len(lengths)
-        per_token = (0, 2, 5, 6)  # o, d_x, d_g, d_beta (outputs: o, ht, then the gradients of `leaves`)
-        per_seq = (1, 7, 8)  # ht, d_h0, d_conv0
-        return [o[:n_tok] if i in per_token else o[:n_seq] if i in per_seq else o for i, o in enumerate(outs)]
+        """The real sequences' share of each output of `step`."""
+        return [real_rows(rows[n], o, lengths) for n, o in zip(names, outs)]
 
     def rel(a, b):
         a, b = a.detach().float(), b.detach().float()
@@ -190,16 +195,13 @@ def run_gpu(tokens: int, sequences: int, heads: int, dim: int, width: int, devic
         replayed = real_part([o.clone() for o in outs], lengths)
         eager_padded = real_part(step(t, new_cu, new_ci), lengths)
         # the real sequences alone, as the model runs them without graphs
-        n_tok, n_seq = sum(lengths), len(lengths)
-        alone = {k: (v[:n_tok] if k in ("x", "g", "beta", "dy") else v[:n_seq] if k in ("h0", "conv0", "dht") else v)
-                 for k, v in t.items()}
+        alone = {k: real_rows(k, v, lengths) for k, v in t.items()}
         cu_a, ci_a = as_index(lengths)
         sync(dev)
         t0 = time.perf_counter()
         eager_alone = step(alone, cu_a, ci_a)
         sync(dev)
         eager_ms = (time.perf_counter() - t0) * 1e3
-        names = ("o", "final_state", *(f"d_{k}" for k in leaves))
         result["batches"].append(dict(
             lengths=lengths, fillers=padded[len(lengths):], replay_ms=replay_ms, eager_ms=eager_ms,
             replay_equals_eager_padded=all(torch.equal(a, b) for a, b in zip(replayed, eager_padded)),
@@ -246,12 +248,18 @@ def captured(run, device):
     return graph.replay, outs
 
 
+def real_rows(name: str, value, lengths: Sequence[int]):
+    """The rows of the probe's tensor `name` that belong to the real sequences `lengths` (the first ones)."""
+    if name in PER_TOKEN:
+        return value[: sum(lengths)]
+    return value[: len(lengths)] if name in PER_SEQUENCE else value
+
+
 def zero_fillers(t: dict, lengths: Sequence[int]) -> None:
     """The fillers start from zero states and their padding tokens carry no gradient into anything real."""
-    n_tok, n_seq = sum(lengths), len(lengths)
-    for k in ("h0", "conv0", "dht"):
-        t[k][n_seq:] = 0
-    t["dy"][n_tok:] = 0
+    for k in PER_SEQUENCE:
+        t[k][len(lengths):] = 0
+    t["dy"][sum(lengths):] = 0
 
 
 def main() -> None:
