@@ -27,6 +27,9 @@ def test_logprobs_happy_path_shared_and_unshared(tmp_path, qwen2_checkpoint):
         out = tmp_path / f"out{len(flag)}.json"
         assert main(["logprobs", "--hf-path", hf_path, "--batch", batch, "--out", str(out), *flag]) == 0
         outs[bool(flag)] = json.loads(out.read_text())
+    # a command run in a process that is no torchrun worker leaves the process group in place for its
+    # owner (`groups.close_parallel` destroys only what it created in a torchrun worker)
+    assert torch.distributed.is_initialized()
     shared, unshared = outs[False], outs[True]
     assert shared["prefix_sharing"] is True and unshared["prefix_sharing"] is False
     assert shared["backend"] == "torch_ref"

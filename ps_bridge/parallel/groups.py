@@ -13,6 +13,9 @@ import torch.distributed as dist
 
 from ps_bridge.compat import cuda_on_cpu
 
+# whether `init_parallel` created torch.distributed's process group as a torchrun worker
+_created_under_torchrun = False
+
 
 def launched_world_size() -> int:
     """The world size torchrun launched (1 when run as a plain process)."""
@@ -41,6 +44,8 @@ def init_parallel(
         timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
         if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:  # launched by torchrun
             dist.init_process_group(backend, **timeout)
+            global _created_under_torchrun
+            _created_under_torchrun = True
         else:  # a single process: a private store on a free port, the environment left alone
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, **timeout)
     # imported here: heavy, only a run that builds groups loads megatron-core
@@ -52,6 +57,23 @@ def init_parallel(
             expert_model_parallel_size=ep,
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def close_parallel() -> None:
+    """Destroy megatron's model-parallel groups and the process group, where `init_parallel` created
+    them in a torchrun worker; otherwise nothing (a caller that owns the group, verl or a test,
+    keeps it). Called when a command has ended normally: a gloo process group still alive at
+    interpreter exit can abort the worker (SIGABRT, "terminate called without an active exception":
+    its worker threads are destroyed unjoined, pytorch/pytorch#65513), while destroying it after an
+    error, with a peer still inside a collective, would hang that peer instead."""
+    global _created_under_torchrun
+    if not (_created_under_torchrun and dist.is_initialized()):
+        return
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    _created_under_torchrun = False
 
 
 def is_output_rank() -> bool:

@@ -67,7 +67,11 @@ def main(argv: List[str] | None = None) -> int:
     args = build_parser(only_doctor=command_name(argv) == "doctor").parse_args(argv)
     setup_logging(args.verbose)
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
     except UsageError as e:
         print(f"ps-bridge: error: {e}", file=sys.stderr)
         return 2
+    groups = sys.modules.get("ps_bridge.parallel.groups")  # absent where no command built groups (doctor)
+    if groups is not None:
+        groups.close_parallel()
+    return code
