@@ -80,9 +80,11 @@ class PrefixSharingConfig:
     sharing:      with `enabled`, which micro-batches run shared: `auto` (default) where the rule of
                   `ps_bridge.launch_rule` finds that the tokens saved outweigh the shared path's extra
                   kernel launches (small models with short prompts run unshared: sharing would be
-                  slower), `on` every micro-batch that has a prompt with two or more responses, `off`
-                  none (the unshared computation, with sharing's micro-batching). Under verl
-                  `PS_BRIDGE_SHARING=auto|on|off`.
+                  slower), `measured` the same rule with the shared path's host time scaled by this
+                  process's measured host (under verl, where a micro-batch runs on one rank alone:
+                  no TP, PP or CP; decisions then depend on timing), `on` every micro-batch that has
+                  a prompt with two or more responses, `off` none (the unshared computation, with
+                  sharing's micro-batching). Under verl `PS_BRIDGE_SHARING=auto|measured|on|off`.
     tree:         with sharing on, share every common prefix (default: the token radix tree, whose
                   depth-one case is a GRPO group: each prompt once for its responses; deeper where a
                   system prompt is shared across prompts, a sample is a prefix of another's, ...).

@@ -40,12 +40,17 @@ samples themselves: where it holds more than `BUCKET_PAYS` (9/10) of them (count
 unbucketed, and the rule decides as it does without graphs.
 
 `PrefixSharingConfig.sharing` (`PS_BRIDGE_SHARING`) forces it: `on` shares whenever a prompt has two
-or more responses, `off` never shares, `auto` (default) applies the rule.
+or more responses, `off` never shares, `auto` (default) applies the rule. `measured` applies it with
+`host_shared_ns` scaled by this process's host (`HOST_NS` are one host's, and hosts of one kind differ):
+`HostCalibration` keeps, per pass kind, the median ratio of the measured to the predicted host time
+of the process's recent host-bound shared micro-batches, which the verl engine times where no other
+rank runs them (docs/how-it-works.md, "The sharing rule").
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Sequence, Tuple
 
@@ -77,7 +82,18 @@ HOST_NS: Mapping[Tuple[str, str, str, bool], int] = {
 MARGIN: Tuple[int, int] = (3, 2)
 # Under CUDA graphs a bucketed shared pack runs where it holds at most 9/10 of the samples' tokens
 BUCKET_PAYS: Tuple[int, int] = (9, 10)
-MODES = ("auto", "on", "off")
+MODES = ("auto", "measured", "on", "off")
+# `measured`: the first micro-batches of a process are not counted (Triton compiles and autotunes,
+# lazy initialisations), then the median of the last `CALIBRATION_WINDOW` ratios, each clamped to
+# `CALIBRATION_RANGE` (thousandths) so that one stalled step cannot turn sharing off for good
+CALIBRATION_SKIP = 2
+CALIBRATION_WINDOW = 9
+CALIBRATION_RANGE: Tuple[int, int] = (250, 4000)
+# a shared micro-batch is counted only where its predicted host time is at least half its predicted GPU
+# work (the prediction overstates the GPU work of short packs: at Qwen3.5-0.8B (128, 256) x 8 layers
+# 128 ms against 61 ms measured): there the step is mostly the host's. Where the GPU's part is larger,
+# the measured time exceeds the host's and the ratio grows, which only makes the rule share less.
+HOST_BOUND: Tuple[int, int] = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -193,9 +209,54 @@ class SharingDecision:
     host_shared_ns: Optional[int] = None
     bucketed: bool = False  # a shared pack is bucketed: its passes replay CUDA graphs
     priced: bool = True  # False: shared because no cost is known for the model, kernels or device
+    gpu_shared_ns: Optional[int] = None  # the shared pack's GPU work, as gpu_unshared_ns counts it
+    host_permille: int = 1000  # the host calibration `host_shared_ns` includes (`measured`)
+    backward: Optional[bool] = None  # the pass the decision was made for, where priced
 
     def describe(self) -> str:
         return f"{'shared' if self.share else 'unshared'}: {self.reason}"
+
+
+class HostCalibration:
+    """This process's host against the one `HOST_NS` were fitted on, per pass kind (with a backward or
+    without): the median ratio, in thousandths, of the measured to the predicted host time of its
+    recent host-bound shared micro-batches (1000 until there is one)."""
+
+    def __init__(self):
+        self._ratios = {True: deque(maxlen=CALIBRATION_WINDOW), False: deque(maxlen=CALIBRATION_WINDOW)}
+        self._skipped = {True: 0, False: 0}
+
+    def ratios(self, backward: bool) -> Tuple[int, ...]:
+        """The ratios counted, oldest first (thousandths)."""
+        return tuple(self._ratios[backward])
+
+    def permille(self, backward: bool) -> int:
+        ratios = sorted(self._ratios[backward])
+        return ratios[len(ratios) // 2] if ratios else 1000
+
+    def observe(self, decision: SharingDecision, measured_ns: int) -> bool:
+        """Count the measured host time of a micro-batch run as `decision` says (its forward step to
+        the next); False where that says nothing of the host: not shared, no cost known, a bucketed
+        pack (CUDA graph replays), or a step not host-bound (the GPU's time, not the host's)."""
+        d = decision
+        if not (d.share and d.priced and not d.bucketed and d.backward is not None
+                and d.host_shared_ns and d.gpu_shared_ns is not None):
+            return False
+        num, den = HOST_BOUND
+        if d.host_shared_ns * den < d.gpu_shared_ns * num:
+            return False
+        if self._skipped[d.backward] < CALIBRATION_SKIP:
+            self._skipped[d.backward] += 1
+            return False
+        predicted = d.host_shared_ns * 1000 // d.host_permille  # HOST_NS's own, uncalibrated
+        lo, hi = CALIBRATION_RANGE
+        self._ratios[d.backward].append(min(hi, max(lo, measured_ns * 1000 // max(predicted, 1))))
+        return True
+
+
+# this process's host, fed by the verl engine (`PrefixSharingEngineMixin`) where it runs a micro-batch
+# on one rank alone, read by the rule in mode `measured`
+HOST_CALIBRATION = HostCalibration()
 
 
 def concrete_backends(attention: str, gdn: str, device_type: str, dtype_name: str, head_dim: int) -> Tuple[str, str]:
@@ -213,7 +274,8 @@ def sharing_pays(counts: MicroBatchCounts, model: Optional[ModelCost], *, mode: 
                    attention_backend: str = "auto", gdn_backend: str = "auto", device_type: str = "cuda",
                    dtype_name: str = "bfloat16", backward: bool = True, graphs: bool = False) -> SharingDecision:
     """Whether this micro-batch runs shared; see the module docstring. Integers in, the same answer on
-    every rank."""
+    every rank (in mode `measured` also this process's `HOST_CALIBRATION`, which is fed only where no
+    other rank runs the micro-batch)."""
     if mode not in MODES:
         raise ValueError(f"prefix-sharing mode {mode!r} is not one of {', '.join(MODES)} (PS_BRIDGE_SHARING)")
     if counts.nothing_shared:
@@ -222,6 +284,7 @@ def sharing_pays(counts: MicroBatchCounts, model: Optional[ModelCost], *, mode: 
         return SharingDecision(False, "forced off (PS_BRIDGE_SHARING=off)")
     if mode == "on":
         return SharingDecision(True, "forced on (PS_BRIDGE_SHARING=on)", bucketed=graphs)
+    host_permille = HOST_CALIBRATION.permille(backward) if mode == "measured" else 1000
     padded = ""
     if graphs:
         bucketed = counts.tokens_bucketed
@@ -231,13 +294,16 @@ def sharing_pays(counts: MicroBatchCounts, model: Optional[ModelCost], *, mode: 
         # runs eagerly: decided as without graphs
         padded = (f"the bucketed shared pack would hold {bucketed} tokens, the samples {counts.tokens_unshared}; "
                   "without graphs: ")
-    decision = _eager_decision(counts, model, attention_backend, gdn_backend, device_type, dtype_name, backward)
+    decision = _eager_decision(counts, model, attention_backend, gdn_backend, device_type, dtype_name, backward,
+                               host_permille)
     return replace(decision, reason=padded + decision.reason) if padded else decision
 
 
 def _eager_decision(counts: MicroBatchCounts, model: Optional[ModelCost], attention_backend: str,
-                    gdn_backend: str, device_type: str, dtype_name: str, backward: bool) -> SharingDecision:
-    """The rule where each launch costs host time: the unshared GPU work against the shared host time."""
+                    gdn_backend: str, device_type: str, dtype_name: str, backward: bool,
+                    host_permille: int = 1000) -> SharingDecision:
+    """The rule where each launch costs host time: the unshared GPU work against the shared host time
+    (`HOST_NS` scaled by `host_permille` thousandths: the host calibration of mode `measured`)."""
     if model is None:
         return SharingDecision(True, "no model cost known (rule not applied)", priced=False)
     attention, gdn = concrete_backends(attention_backend, gdn_backend, device_type, dtype_name, model.head_dim)
@@ -250,15 +316,22 @@ def _eager_decision(counts: MicroBatchCounts, model: Optional[ModelCost], attent
             return SharingDecision(True, f"no launch cost measured for {kind} backend {backend} on {device_type} "
                                          "(rule not applied)", priced=False)
         host += layers * cost
-    flops = (6 if backward else 2) * counts.tokens_unshared * (model.layer_weights + model.hidden * model.vocab)
-    gpu = flops // (1000 * TFLOPS[("gdn" if model.gdn_layers else "attention", backward)])
+    host = host * host_permille // 1000
+    factor = 6 if backward else 2
+    per_ns = 1000 * TFLOPS[("gdn" if model.gdn_layers else "attention", backward)]
+    gpu = factor * counts.tokens_unshared * (model.layer_weights + model.hidden * model.vocab) // per_ns
+    gpu_shared = factor * (counts.tokens_shared * model.layer_weights
+                           + counts.outputs_shared * model.hidden * model.vocab) // per_ns
     what = (f"{'forward+backward' if backward else 'forward'}, tokens {counts.tokens_unshared} -> "
             f"{counts.tokens_shared}: unshared GPU work ~{gpu / 1e6:.0f} ms")
     num, den = MARGIN
-    bar = f"{num}/{den} x ~{host / 1e6:.0f} ms shared host time, {attention}/{gdn}"
+    measured = f" (x{host_permille / 1000:.2f}, measured on this host)" if host_permille != 1000 else ""
+    bar = f"{num}/{den} x ~{host / 1e6:.0f} ms shared host time{measured}, {attention}/{gdn}"
+    fields = dict(gpu_unshared_ns=gpu, host_shared_ns=host, gpu_shared_ns=gpu_shared,
+                  host_permille=host_permille, backward=backward)
     if gpu * den > host * num:
-        return SharingDecision(True, f"pays ({what} > {bar})", gpu, host)
-    return SharingDecision(False, f"does not pay ({what} <= {bar})", gpu, host)
+        return SharingDecision(True, f"pays ({what} > {bar})", **fields)
+    return SharingDecision(False, f"does not pay ({what} <= {bar})", **fields)
 
 
 def sharing_for(samples: Sequence, config, model: Optional[ModelCost], device_type: str,

@@ -294,3 +294,106 @@ def test_the_bench_reports_the_rules_decision_for_each_row(priced_cpu):
     row = RowResult.failed("qwen2.5-0.5b", 24, "auto", 128, 32, 8, 4, "x")
     row.error, row.rule = None, decided
     assert "| sh/un |" in format_table([row])
+
+
+# ---- mode `measured`: the host calibration ---------------------------------------------------------
+
+
+@pytest.fixture
+def calibration(monkeypatch):
+    """A fresh process calibration (`launch_rule.HOST_CALIBRATION`), as a new process starts with."""
+    fresh = launch_rule.HostCalibration()
+    monkeypatch.setattr(launch_rule, "HOST_CALIBRATION", fresh)
+    return fresh
+
+
+def as_shared(decision):
+    """The decision as the shared run of its micro-batch carries it (the host time measured is the shared step's)."""
+    return dataclasses.replace(decision, share=True)
+
+
+def test_calibration_counts_host_bound_shared_micro_batches_after_the_first_ones(calibration):
+    q35 = cost_of("qwen3.5-0.8b", 8)
+    d = as_shared(sharing_pays(micro_batch(512, 32, 8, 4), q35))
+    predicted = d.host_shared_ns
+    assert d.backward is True and d.gpu_shared_ns * 2 <= predicted  # host-bound: counted
+    for _ in range(launch_rule.CALIBRATION_SKIP):  # compilation and autotuning: not counted
+        assert not calibration.observe(d, 100 * predicted)
+    assert calibration.permille(True) == 1000
+    for ratio in (1300, 1500, 1200):
+        assert calibration.observe(d, predicted * ratio // 1000)
+    assert calibration.ratios(True) == (1300, 1500, 1200) and calibration.permille(True) == 1300  # the median
+    assert calibration.permille(False) == 1000  # per pass kind
+    assert calibration.observe(d, 100 * predicted) and calibration.ratios(True)[-1] == launch_rule.CALIBRATION_RANGE[1]
+    for _ in range(launch_rule.CALIBRATION_WINDOW):
+        calibration.observe(d, predicted)
+    assert calibration.ratios(True) == (1000,) * launch_rule.CALIBRATION_WINDOW  # the recent ones only
+    # what says nothing of the host: an unshared run, a graph replay, a decision without a cost, a GPU-bound step
+    assert not calibration.observe(dataclasses.replace(d, share=False), predicted)
+    assert not calibration.observe(dataclasses.replace(d, bucketed=True), predicted)
+    assert not calibration.observe(sharing_pays(micro_batch(512, 32, 8, 4), q35, device_type="cpu"), predicted)
+    gpu_bound = as_shared(sharing_pays(micro_batch(4096, 1024, 8, 4), q35))
+    assert gpu_bound.gpu_shared_ns > 2 * gpu_bound.host_shared_ns and not calibration.observe(gpu_bound, 1)
+
+
+def test_measured_scales_the_shared_host_time_both_ways(calibration):
+    q35 = cost_of("qwen3.5-0.8b", 8)
+    slow_host, fast_host = micro_batch(256, 64, 8, 4), micro_batch(128, 64, 8, 4)
+    auto = [sharing_pays(c, q35) for c in (slow_host, fast_host)]
+    assert [d.share for d in auto] == [True, False]
+    # uncalibrated, `measured` is `auto`
+    assert [sharing_pays(c, q35, mode="measured") for c in (slow_host, fast_host)] == auto
+
+    def calibrate(ratio):
+        for _ in range(launch_rule.CALIBRATION_SKIP + 1):
+            calibration.observe(as_shared(auto[0]), auto[0].host_shared_ns * ratio // 1000)
+
+    calibrate(1500)  # this host takes 1.5x the fitted host time: the first micro-batch no longer pays
+    d = sharing_pays(slow_host, q35, mode="measured")
+    assert not d.share and d.host_shared_ns == auto[0].host_shared_ns * 3 // 2 and "x1.50, measured" in d.reason
+    assert sharing_pays(slow_host, q35).share  # `auto` reads no calibration
+    calibration.__init__()
+    calibrate(500)  # a host twice as fast: the second pays
+    assert sharing_pays(fast_host, q35, mode="measured").share and not sharing_pays(fast_host, q35).share
+
+
+# The rule's check on another H200 host than the one HOST_NS were fitted on (one process per row, eager,
+# 4 prompts x 8; docs/bench/profile-sharing-rule-check-h200-2026-12-04.md): (model, layers, P, R,
+# backward) -> (the shared step's host ms, sharing's measured speed-up)
+HOST_CHECK = {
+    ("qwen2.5-0.5b", 24, 128, 32, True): (130.9, 0.97), ("qwen2.5-0.5b", 24, 128, 32, False): (63.3, 0.95),
+    ("qwen2.5-0.5b", 24, 128, 256, True): (149.5, 1.01), ("qwen2.5-0.5b", 24, 128, 256, False): (57.6, 1.03),
+    ("qwen2.5-0.5b", 24, 256, 64, True): (145.4, 0.86), ("qwen2.5-0.5b", 24, 256, 64, False): (57.9, 1.08),
+    ("qwen2.5-0.5b", 24, 512, 32, True): (181.7, 1.04), ("qwen2.5-0.5b", 24, 512, 32, False): (65.5, 1.08),
+    ("qwen2.5-0.5b", 24, 512, 256, True): (139.9, 1.50), ("qwen2.5-0.5b", 24, 512, 256, False): (81.2, 0.99),
+    ("qwen3-0.6b", 28, 128, 256, True): (148.6, 1.02), ("qwen3-0.6b", 28, 128, 256, False): (63.3, 1.19),
+    ("qwen3-0.6b", 28, 512, 32, True): (144.3, 1.58), ("qwen3-0.6b", 28, 512, 32, False): (60.9, 1.43),
+    ("qwen3.5-0.8b", 8, 128, 32, True): (115.5, 0.83), ("qwen3.5-0.8b", 8, 128, 32, False): (43.0, 0.81),
+    ("qwen3.5-0.8b", 8, 128, 256, True): (132.3, 0.89), ("qwen3.5-0.8b", 8, 128, 256, False): (46.0, 0.77),
+    ("qwen3.5-0.8b", 8, 256, 64, True): (114.5, 0.81), ("qwen3.5-0.8b", 8, 256, 64, False): (36.2, 1.34),
+    ("qwen3.5-0.8b", 8, 512, 32, True): (118.6, 1.11), ("qwen3.5-0.8b", 8, 512, 32, False): (36.6, 1.54),
+    ("qwen3.5-0.8b", 8, 512, 256, True): (106.7, 1.51), ("qwen3.5-0.8b", 8, 512, 256, False): (37.2, 1.26),
+    ("qwen3.5-0.8b", 24, 128, 32, True): (370.9, 0.61), ("qwen3.5-0.8b", 24, 128, 32, False): (92.8, 0.95),
+    ("qwen3.5-0.8b", 24, 128, 256, True): (274.4, 0.97), ("qwen3.5-0.8b", 24, 128, 256, False): (98.1, 0.98),
+    ("qwen3.5-0.8b", 24, 256, 64, True): (300.6, 0.63), ("qwen3.5-0.8b", 24, 256, 64, False): (124.9, 0.67),
+    ("qwen3.5-0.8b", 24, 512, 32, True): (373.6, 0.85), ("qwen3.5-0.8b", 24, 512, 32, False): (140.1, 0.83),
+    ("qwen3.5-0.8b", 24, 512, 256, True): (311.7, 1.21), ("qwen3.5-0.8b", 24, 512, 256, False): (106.6, 1.05),
+}
+
+
+def test_measured_with_its_own_host_time_decides_each_checked_row_as_it_measured(calibration):
+    """Each row calibrated by its own shared step's host time, as its process would be: no micro-batch
+    shared where sharing measured slower (< 0.95x), none left unshared where it measured > 1.1x; `auto`,
+    with the fitted host's constants, gets some of these rows wrong."""
+    wrong = {"auto": [], "measured": []}
+    for (shape, layers, P, R, backward), (host_ms, speedup) in HOST_CHECK.items():
+        calibration.__init__()
+        counts, cost = micro_batch(P, R, 8, 4), cost_of(shape, layers)
+        auto = sharing_pays(counts, cost, backward=backward)
+        for _ in range(launch_rule.CALIBRATION_SKIP + 1):
+            calibration.observe(as_shared(auto), int(host_ms * 1e6))
+        measured = sharing_pays(counts, cost, backward=backward, mode="measured")
+        for mode, d in (("auto", auto), ("measured", measured)):
+            if (d.share and speedup < 0.95) or (not d.share and speedup > 1.1):
+                wrong[mode].append((shape, layers, P, R, backward, speedup))
+    assert wrong["measured"] == [] and wrong["auto"], wrong

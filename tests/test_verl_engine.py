@@ -463,6 +463,53 @@ def test_sharing_knob_forces_the_unshared_path(engines, checkpoints, caplog):
     assert max(max_row_diff(out[k], stock[k]) for k in ("log_probs", "entropy")) < TOL
 
 
+def test_measured_mode_counts_the_shared_micro_batches_and_equals_the_stock_engine(engines, checkpoints,
+                                                                                  monkeypatch, caplog):
+    """`PS_BRIDGE_SHARING=measured` on one rank: every shared micro-batch is timed from its forward step
+    to the next (the last one to the end of the batch) and counted by the host calibration after the
+    first `CALIBRATION_SKIP`; the log-probs equal the stock engine's. The reference attention on a CPU
+    gets a launch cost (1 ns a layer) so that the rule applies, and every step counts as host-bound."""
+    import dataclasses
+
+    from ps_bridge import launch_rule
+
+    calibration = launch_rule.HostCalibration()
+    monkeypatch.setattr(launch_rule, "HOST_CALIBRATION", calibration)
+    monkeypatch.setattr(launch_rule, "HOST_NS", {**launch_rule.HOST_NS, ("attention", "torch_ref", "cpu", False): 1})
+    monkeypatch.setattr(launch_rule, "HOST_BOUND", (0, 1))
+    _, hf = checkpoints("qwen2.5")
+    samples = grouped_samples(hf.config.vocab_size, num_prompts=4, n=3, seed=9)
+    td = vt.grpo_micro_batch(samples, micro_batch_size=3)
+    stock = infer(engines("qwen2.5", "thd", "stock"), td)
+    ours = engines("qwen2.5", "thd", "ours")
+    layouts = []
+    monkeypatch.setattr(ours, "layout_observer", lambda samples, layout: layouts.append(layout), raising=False)
+    saved = ours.prefix_sharing_config
+    runs = []
+    try:
+        for sharing in ("auto", "measured", "measured"):
+            ours.prefix_sharing_config = dataclasses.replace(saved, sharing=sharing)
+            runs.append(infer(ours, td))
+    finally:
+        ours.prefix_sharing_config = saved
+    per_run = len(layouts) // 3
+    assert per_run == 4 and all(layout.has_sharing for layout in layouts)
+    # `auto` feeds nothing; the two `measured` batches feed each of their shared micro-batches
+    assert len(calibration.ratios(False)) == 2 * per_run - launch_rule.CALIBRATION_SKIP
+    assert calibration.ratios(True) == ()
+    for out in runs:
+        assert max(max_row_diff(out[k], stock[k], prompt_lengths=prompt_lengths(samples))
+                   for k in ("log_probs", "entropy")) < TOL
+    # where another rank runs the same micro-batches (TP here), nothing is measured and it says so once
+    from megatron.core import parallel_state
+
+    monkeypatch.setattr(ours, "prefix_sharing_config", dataclasses.replace(saved, sharing="measured"))
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda *a, **k: 2)
+    with caplog.at_level(logging.WARNING, logger="ps_bridge"):
+        assert not ours._measures_host() and not ours._measures_host()
+    assert caplog.text.count("PS_BRIDGE_SHARING=measured decides as auto under tensor") == 1
+
+
 # ---- prefix trees ----------------------------------------------------------------------------------
 
 

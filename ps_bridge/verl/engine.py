@@ -35,6 +35,7 @@ and its DDP averages gradients over data-parallel-with-CP, so the gradient is th
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, Callable, Optional, Sequence
@@ -50,6 +51,7 @@ from ps_bridge.compat import verl as verl_compat
 from ps_bridge.config import PrefixSharingConfig
 from ps_bridge.cuda_graphs import buckets_for
 from ps_bridge.forward import local_shard, run_packed
+from ps_bridge import launch_rule
 from ps_bridge.launch_rule import ModelCost
 from ps_bridge.parallel.settings import ParallelSettings
 from ps_bridge.parallel_info import rank_tag
@@ -208,10 +210,38 @@ class PrefixSharingEngineMixin:
             # the mini-batch's plan, decided once: the micro-batcher and every forward step read it
             mark_plan(data, self._sharing_plan())
             mark_vision(data, self.model_config.hf_config)
-        return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+        self._ps_timed = None
+        output = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+        self._end_timed_micro_batch(time.perf_counter_ns())
+        return output
+
+    # ---- mode `measured`: this process's host time of its shared micro-batches -------------------
+    def _measures_host(self) -> bool:
+        """Whether this engine feeds `launch_rule.HOST_CALIBRATION` (mode `measured`): only where no
+        other rank runs its micro-batches (no TP, PP or CP), whose decision must equal this rank's;
+        elsewhere the calibration stays unfed and the rule is `auto`'s. A micro-batch is timed from
+        its forward step to the next one (or the end of the batch): with one pipeline stage megatron
+        runs its forward, loss and backward in between."""
+        if self._prefix_sharing().sharing != "measured":
+            return False
+        alone = (mpu.get_tensor_model_parallel_world_size() == 1 and mpu.get_pipeline_model_parallel_world_size() == 1
+                 and mpu.get_context_parallel_world_size() == 1)
+        if not alone and not getattr(self, "_ps_said_unmeasured", False):
+            logger.warning("[PS][prepare] PS_BRIDGE_SHARING=measured decides as auto under tensor, pipeline or "
+                           "context parallelism: every rank of a micro-batch must take the same path")
+            self._ps_said_unmeasured = True
+        return alone
+
+    def _end_timed_micro_batch(self, now_ns: int) -> None:
+        timed, self._ps_timed = getattr(self, "_ps_timed", None), None
+        if timed is not None:
+            decision, start_ns = timed
+            launch_rule.HOST_CALIBRATION.observe(decision, now_ns - start_ns)
 
     # ---- the forward step -----------------------------------------------------------------------
     def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
+        start_ns = time.perf_counter_ns()
+        self._end_timed_micro_batch(start_ns)  # the previous micro-batch's backward has been queued
         batch = next(batch_iter)
         for key, what in UNSUPPORTED_BATCH_KEYS.items():
             if tu.get_non_tensor_data(batch, key=key, default=False):
@@ -243,9 +273,11 @@ class PrefixSharingEngineMixin:
         # share no position (the share classes; with nothing left to share, the unshared layout).
         # Under context parallelism the whole pack is padded to equal CP shards; shared layouts list
         # the read positions unless cfg.prompt_values, unshared ones compute every position.
-        layout, _ = micro_batch_layout(samples, cfg, self._model_cost(), device.type,
-                                       unwrap_model(model).config.params_dtype, plan=plan, vocab_size=vocab,
-                                       share_classes=temperature_classes(temperature))
+        layout, decision = micro_batch_layout(samples, cfg, self._model_cost(), device.type,
+                                              unwrap_model(model).config.params_dtype, plan=plan, vocab_size=vocab,
+                                              share_classes=temperature_classes(temperature))
+        if decision is not None and layout.shared and self._measures_host():
+            self._ps_timed = (decision, start_ns)
         if self.layout_observer is not None:
             self.layout_observer(samples, layout)
         post_process = unwrap_model(model).post_process
