@@ -8,7 +8,7 @@
 #          (host vs GPU time per layer, launches, syncs);
 #   verl   `ps-bridge verl-check` at the small-shape settings (8 prompts x n = 8, 3 steps, mini-batch of 4
 #          prompts) for the runs given in VERL_RUNS ("model:P:R:mode ...", mode = PS_BRIDGE_SHARING of
-#          the prefix-shared engine: auto, on or off; the stock engine is unaffected);
+#          the prefix-shared engine: auto, measured, on or off; the stock engine is unaffected);
 #   grid   tools/verl_check_grid.py: the same settings for every "model:P:R" of VERL_GRID (comma-separated)
 #          in one process, the first engine being ours with sharing disabled (sharing on vs off alone).
 # Usage (repository root): STEPS="base small prof verl" VERL_RUNS="qwen3.5-0.8b:128:32:auto" tools/gpu_small_shapes.sh
