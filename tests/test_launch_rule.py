@@ -5,7 +5,9 @@ unshared GPU work outweighs the shared path's host (launch) time.
 - its decisions on the measured shapes (docs/how-it-works.md), and the knob forcing either way;
 - the same decision on every rank of a 2-rank gloo group that sees one micro-batch (TP/CP/PP ranks);
 - both paths stay exact: a micro-batch the rule runs unshared equals `share=False` and Hugging Face,
-  one it runs shared equals them within float32 rounding (fp32, CPU).
+  one it runs shared equals them within float32 rounding (fp32, CPU);
+- mode `measured`: the host calibration counts what it should, scales the shared host time both ways,
+  and with each row's own measured host time decides the rows of a check on another host as they measured.
 """
 
 import dataclasses
