@@ -47,11 +47,11 @@ from verl.utils.device import get_device_id, get_device_name
 from verl.utils.megatron.tensor_parallel import vocab_parallel_sum_pi_squared
 from verl.utils.megatron_utils import unwrap_model
 
+from ps_bridge import launch_rule
 from ps_bridge.compat import verl as verl_compat
 from ps_bridge.config import PrefixSharingConfig
 from ps_bridge.cuda_graphs import buckets_for
 from ps_bridge.forward import local_shard, run_packed
-from ps_bridge import launch_rule
 from ps_bridge.launch_rule import ModelCost
 from ps_bridge.parallel.settings import ParallelSettings
 from ps_bridge.parallel_info import rank_tag
