@@ -501,10 +501,12 @@ def test_measured_mode_counts_the_shared_micro_batches_and_equals_the_stock_engi
         assert max(max_row_diff(out[k], stock[k], prompt_lengths=prompt_lengths(samples))
                    for k in ("log_probs", "entropy")) < TOL
     # where another rank runs the same micro-batches (TP here), nothing is measured and it says so once
-    from megatron.core import parallel_state
+    from ps_bridge.parallel.settings import ParallelSettings
+    from ps_bridge.verl import engine as engine_module
 
     monkeypatch.setattr(ours, "prefix_sharing_config", dataclasses.replace(saved, sharing="measured"))
-    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda *a, **k: 2)
+    monkeypatch.setattr(engine_module.ParallelSettings, "from_config",
+                        classmethod(lambda cls, config: ParallelSettings(tp=2)))
     with caplog.at_level(logging.WARNING, logger="ps_bridge"):
         assert not ours._measures_host() and not ours._measures_host()
     assert caplog.text.count("PS_BRIDGE_SHARING=measured decides as auto under tensor") == 1

@@ -224,8 +224,8 @@ class PrefixSharingEngineMixin:
         runs its forward, loss and backward in between."""
         if self._prefix_sharing().sharing != "measured":
             return False
-        alone = (mpu.get_tensor_model_parallel_world_size() == 1 and mpu.get_pipeline_model_parallel_world_size() == 1
-                 and mpu.get_context_parallel_world_size() == 1)
+        settings = ParallelSettings.from_config(self.engine_config)  # as `_check_parallel_layout` reads it
+        alone = settings.tp == settings.pp == settings.cp == 1
         if not alone and not getattr(self, "_ps_said_unmeasured", False):
             logger.warning("[PS][prepare] PS_BRIDGE_SHARING=measured decides as auto under tensor, pipeline or "
                            "context parallelism: every rank of a micro-batch must take the same path")
