@@ -3,7 +3,8 @@
 `PrefixSharingConfig` is the one object the rest of the code reads. It is built explicitly, or
 from the environment (`ENABLE_PREFIX_SHARING=1`, `PS_BRIDGE_BACKEND`, `PS_BRIDGE_PROVIDER`,
 `PS_BRIDGE_GDN_BACKEND`, `PS_BRIDGE_PROMPT_VALUES`, `PS_BRIDGE_SHARING`, `PS_BRIDGE_TREE`,
-`PS_BRIDGE_TREE_MIN_SHARED`, `PS_BRIDGE_TREE_MAX_DEPTH`, `PS_BRIDGE_CUDA_GRAPHS`), and validates names at construction so that a typo fails here, with the
+`PS_BRIDGE_TREE_MIN_SHARED`, `PS_BRIDGE_TREE_MAX_DEPTH`, `PS_BRIDGE_CUDA_GRAPHS`,
+`PS_BRIDGE_CUDA_GRAPH_BUCKETS`), and validates names at construction so that a typo fails here, with the
 valid choices, rather than deep inside a forward pass. `PS_BRIDGE_LOG_LEVEL` (the `[PS]` lines under
 verl) is read here too. torchrun's own variables are read where the process group is set up
 (`ps_bridge.parallel.groups`).
@@ -29,6 +30,9 @@ ENV_TREE = "PS_BRIDGE_TREE"
 ENV_TREE_MIN_SHARED = "PS_BRIDGE_TREE_MIN_SHARED"
 ENV_TREE_MAX_DEPTH = "PS_BRIDGE_TREE_MAX_DEPTH"
 ENV_CUDA_GRAPHS = "PS_BRIDGE_CUDA_GRAPHS"
+ENV_CUDA_GRAPH_BUCKETS = "PS_BRIDGE_CUDA_GRAPH_BUCKETS"
+# how a micro-batch's pack is bucketed for CUDA graphs (`ps_bridge.cuda_graphs`)
+GRAPH_BUCKETS = ("segment", "level")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -103,6 +107,11 @@ class PrefixSharingConfig:
                   alike; where `ps_bridge.cuda_graphs.graph_refusal` refuses (TP/PP/CP, MoE,
                   vision-language models, recomputation, dropout with gradients) the pass runs eagerly.
                   `PS_BRIDGE_CUDA_GRAPHS=1`.
+    cuda_graph_buckets: how a shared pack is bucketed so that packs of other lengths replay one graph:
+                  `segment` (default) pads every segment of a tree level to the bucket of the level's
+                  longest; `level` keeps each segment's length and pads each level's block to a bucket
+                  of its total (`ps_bridge.tree.level_buckets`: far less padding where a level's
+                  responses differ in length). `PS_BRIDGE_CUDA_GRAPH_BUCKETS=segment|level`.
     """
 
     enabled: bool = True
@@ -116,6 +125,7 @@ class PrefixSharingConfig:
     tree_min_shared: Optional[int] = None
     tree_max_depth: Optional[int] = None
     cuda_graphs: bool = False
+    cuda_graph_buckets: str = "segment"
 
     def __post_init__(self):
         # imported here: torch is heavy
@@ -145,6 +155,11 @@ class PrefixSharingConfig:
             raise ValueError(
                 f"unknown prefix-sharing mode {self.sharing!r} ({ENV_SHARING}); valid modes: {', '.join(MODES)}"
             )
+        if self.cuda_graph_buckets not in GRAPH_BUCKETS:
+            raise ValueError(
+                f"unknown CUDA-graph buckets {self.cuda_graph_buckets!r} ({ENV_CUDA_GRAPH_BUCKETS}); "
+                f"valid: {', '.join(GRAPH_BUCKETS)}"
+            )
         if self.pad_multiple is not None and self.pad_multiple < 1:
             raise ValueError(f"pad_multiple must be >= 1, got {self.pad_multiple}")
 
@@ -164,7 +179,8 @@ class PrefixSharingConfig:
     def from_env(cls, **overrides) -> "PrefixSharingConfig":
         """Read `ENABLE_PREFIX_SHARING`, `PS_BRIDGE_BACKEND`, `PS_BRIDGE_PROVIDER`,
         `PS_BRIDGE_GDN_BACKEND`, `PS_BRIDGE_PROMPT_VALUES`, `PS_BRIDGE_SHARING`, `PS_BRIDGE_TREE`,
-        `PS_BRIDGE_TREE_MIN_SHARED`, `PS_BRIDGE_TREE_MAX_DEPTH`, `PS_BRIDGE_CUDA_GRAPHS`; overrides win."""
+        `PS_BRIDGE_TREE_MIN_SHARED`, `PS_BRIDGE_TREE_MAX_DEPTH`, `PS_BRIDGE_CUDA_GRAPHS`,
+        `PS_BRIDGE_CUDA_GRAPH_BUCKETS`; overrides win."""
         values = dict(
             enabled=_env_flag(ENV_ENABLE),
             prompt_values=_env_flag(ENV_PROMPT_VALUES),
@@ -176,6 +192,7 @@ class PrefixSharingConfig:
             tree_min_shared=_env_count(ENV_TREE_MIN_SHARED),
             tree_max_depth=_env_count(ENV_TREE_MAX_DEPTH),
             cuda_graphs=_env_flag(ENV_CUDA_GRAPHS),
+            cuda_graph_buckets=(os.environ.get(ENV_CUDA_GRAPH_BUCKETS) or "segment").strip().lower(),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

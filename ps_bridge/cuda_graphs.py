@@ -35,6 +35,11 @@ lengths inside the buckets; the kernels then read what follows those lengths fro
 fixed shape (the tokens, positions and valid flags: `BUCKET_INPUTS`; the attention calls' key
 offsets and the Gated DeltaNet conv tails: the layout's `varying` values), which a replay refills
 from the new layout before it runs the graph. The padding is computed, and counted in the FLOPs.
+Under level buckets (`PrefixSharingConfig.cuda_graph_buckets = "level"`, `tree.level_buckets`) the segments keep
+their lengths and each level's block is bucketed: every segment offset, and Gated DeltaNet's filler sequences'
+offsets and fla's chunk indices, are `varying` values too, fla's identity cache is off while capturing (what fla
+derives from the offsets is then recorded in the graph), and only the cascade replays them (`torch_ref` reads the
+per-token segment ids).
 
 `graph_refusal` is the one check of where graphs run: one CUDA device, no tensor, pipeline or
 context parallelism (collectives and stage inputs are not captured), no MoE (its token dispatch
@@ -48,6 +53,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from contextlib import nullcontext
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Callable, Optional, Tuple
@@ -57,6 +63,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.utils import unwrap_model
 
+from ps_bridge.compat import fla as compat_fla
 from ps_bridge.layout import PackedPrefixLayout
 from ps_bridge.packed_layout import BUCKET_INPUTS
 from ps_bridge.transfer import to_device
@@ -68,8 +75,10 @@ MAX_GRAPHS = 4  # graphs kept per model (each holds its own memory pool: the for
 
 
 # the attention backends whose kernels read a bucketed layout's lengths only through registered
-# `varying` values (`auto` picks the cascade on CUDA)
+# `varying` values (`auto` picks the cascade on CUDA); under level buckets the per-token segment and
+# group ids follow the lengths too, which `torch_ref` reads
 BUCKET_BACKENDS = ("auto", "flash_atten_gpu", "torch_ref")
+LEVEL_BUCKET_BACKENDS = ("auto", "flash_atten_gpu")
 
 
 def graph_refusal(model: torch.nn.Module, layout: PackedPrefixLayout, backend: Optional[str] = None) -> Optional[str]:
@@ -81,7 +90,22 @@ def graph_refusal(model: torch.nn.Module, layout: PackedPrefixLayout, backend: O
         return "the micro-batch carries images (the vision tower's inputs differ per micro-batch)"
     if layout.bucketed and backend is not None and backend not in BUCKET_BACKENDS:
         return f"the attention backend {backend!r} on a bucketed layout (graphs replay buckets with {BUCKET_BACKENDS})"
+    if layout.level_buckets:
+        if backend is not None and backend not in LEVEL_BUCKET_BACKENDS:
+            return (f"the attention backend {backend!r} on a level-bucketed layout (graphs replay level buckets "
+                    f"with {LEVEL_BUCKET_BACKENDS})")
+        if _has_gated_deltanet(model) and not compat_fla.takes_chunk_indices():
+            return (f"level buckets with fla-core {compat_fla.fla_version()}: it ignores the caller's chunk index "
+                    f"(fla-core >= {compat_fla.CHUNK_INDICES_SINCE} takes it; or PS_BRIDGE_CUDA_GRAPH_BUCKETS=segment)")
     return model_refusal(model)
+
+
+def _has_gated_deltanet(model: torch.nn.Module) -> bool:
+    """Whether the model has Gated DeltaNet layers (Megatron-Bridge's `linear_attention_freq`)."""
+    module = unwrap_model(model)
+    config = getattr(module, "config", None)
+    pattern = getattr(config, "linear_attention_freq", None)
+    return bool(pattern) and (not isinstance(pattern, (list, tuple)) or any(pattern))
 
 
 def model_refusal(model: torch.nn.Module) -> Optional[str]:
@@ -302,15 +326,12 @@ class ModelGraphs:
 
     def _capture(self, entry: _Graph, model, layout: PackedPrefixLayout, forward, training: bool) -> None:
         own = static_copy(layout)
+        # under level buckets fla's varlen offsets are refilled at each replay: what fla derives from
+        # them must be computed inside the graph, not taken from its identity cache
+        caching = compat_fla.identity_cache_off() if own.level_buckets and _has_gated_deltanet(model) else nullcontext()
         try:
-            if training:
-                named = tuple((n, p) for n, p in without_data_parallel(model).named_parameters() if p.requires_grad)
-                graph, output, backward, grad_output, grads = self.capture.training(
-                    lambda aliases: forward(own, aliases), named)
-                entry.backward, entry.grad_output, entry.grads = backward, grad_output, grads
-                entry.params = tuple(weakref.ref(p) for _, p in named)
-            else:
-                graph, output = self.capture.forward(lambda: forward(own, None))
+            with caching:
+                self._capture_into(entry, model, own, forward, training)
         except RuntimeError as e:
             entry.failed = True
             # a capture that failed inside torch.cuda.graph can leave CUDA's RNG in its capture state
@@ -319,11 +340,21 @@ class ModelGraphs:
             logger.warning("[PS][graphs] CUDA graphs are off for the rest of this process: a capture failed (%s)",
                            ModelGraphs.stopped)
             return
-        entry.layout, entry.graph, entry.output = own, graph, output
         self.captures += 1
         COUNTS["captures"] += 1
         logger.info("[PS][graphs] captured the %s of a %d-token micro-batch (depth %d); it replays from now on",
                     "forward and backward" if training else "forward", layout.num_tokens, layout.tree_depth)
+
+    def _capture_into(self, entry: _Graph, model, own: PackedPrefixLayout, forward, training: bool) -> None:
+        if training:
+            named = tuple((n, p) for n, p in without_data_parallel(model).named_parameters() if p.requires_grad)
+            graph, output, backward, grad_output, grads = self.capture.training(
+                lambda aliases: forward(own, aliases), named)
+            entry.backward, entry.grad_output, entry.grads = backward, grad_output, grads
+            entry.params = tuple(weakref.ref(p) for _, p in named)
+        else:
+            graph, output = self.capture.forward(lambda: forward(own, None))
+        entry.layout, entry.graph, entry.output = own, graph, output
 
 
 # captures and replays of every model of this process (verl-check reports them per phase)

@@ -285,6 +285,7 @@ def build_layout(
     tree: Optional[PrefixTree] = None,
     order: Optional[PackOrder] = None,
     bucket: bool = False,
+    level_buckets: bool = False,
 ) -> PackedPrefixLayout:
     """Pack `samples` (any order) into one prefix-shared THD layout; see the module docstring.
 
@@ -299,7 +300,9 @@ def build_layout(
     rule's counts), packed as it is instead of being decided again; `order`: its pack order
     (`tree.order.pack_order(tree)`, e.g. from a `plan.SharingPlan`), else computed here. `bucket`:
     every segment of a tree level padded to the level's bucket length, every position computed
-    (`tree.materialize.bucket_length`: the shape CUDA graphs replay, `ps_bridge.cuda_graphs`)."""
+    (`tree.materialize.bucket_length`: the shape CUDA graphs replay, `ps_bridge.cuda_graphs`);
+    `level_buckets` (with `bucket`): segments at their own lengths, each level's block padded to a
+    bucket instead (`ps_bridge.tree.level_buckets`)."""
     if pad_multiple < 1:
         raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
     if total_multiple < 1:
@@ -320,6 +323,7 @@ def build_layout(
         flat, offsets, prompt_lengths, tree, order,
         shared=share is not False, pad_multiple=pad_multiple, total_multiple=total_multiple,
         pad_token_id=pad_token_id, prompt_values=prompt_values, vocab_size=vocab_size, bucket=bucket,
+        level_buckets=level_buckets,
     )
     if has_images(samples):
         # an unshared pack runs the vision tower once per image run, as the stock model does

@@ -43,6 +43,11 @@ _BUCKET_VARYING = frozenset({
     "positions", "valid", "valid_lengths", "cu_seqlens", "sample_prompt_length", "sample_response_length",
     "row_offsets", "row_source", "tokens_unshared", "tokens_shared",
 })
+# and what it also leaves out under level buckets, where the segments keep their own lengths inside
+# their level's block (`ps_bridge.tree.level_buckets`): the segment offsets and the per-token segment
+# and group ids. The forward reads the offsets through `varying` values only; the block lengths,
+# which the shapes follow, are in the key (`host["level_blocks"]`)
+_LEVEL_VARYING = frozenset({"padded_lengths", "cu_seqlens_padded", "segment_ids", "group_ids"})
 # the per-token tensors of a bucketed layout that its forward reads and a replay refills
 BUCKET_INPUTS = ("tokens", "positions", "valid")
 
@@ -97,6 +102,9 @@ class PackedPrefixLayout:
     tokens_shared: int
     # every segment of a level padded to the level's bucket length (`tree.materialize.bucket_length`)
     bucketed: bool = False
+    # with `bucketed`: the segments keep their own lengths and each level's block is padded to a
+    # bucket instead (`ps_bridge.tree.level_buckets`)
+    level_buckets: bool = False
     # host copies of small per-segment metadata, so kernels need no device->host sync
     host: dict = field(default_factory=dict, repr=False)
     # the model's true vocabulary when the layout was built for one (token ids are checked against
@@ -193,15 +201,18 @@ class PackedPrefixLayout:
         key hold equal values in every other tensor and field, so every device tensor a forward derives
         from them (positions, segment offsets, the attention and GDN plans, the read positions) is the
         same (`ps_bridge.cuda_graphs`). A bucketed layout's key leaves out what follows the segments'
-        lengths inside their buckets too: two bucketed layouts with the same key have the same tree, the
-        same buckets and so the same shapes, and their forwards differ only in `BUCKET_INPUTS` and the
-        `varying` values. Read from the CPU tensors the layout was moved from, so a layout on the GPU
+        lengths inside their buckets too (under level buckets, inside their level's block): two bucketed
+        layouts with the same key have the same tree, the same buckets and so the same shapes, and their
+        forwards differ only in `BUCKET_INPUTS` and the `varying` values. Read from the CPU tensors the layout was moved from, so a layout on the GPU
         is not read back."""
 
         def build() -> str:
             source = self.host.get("cpu_layout", self)
             digest = hashlib.blake2b(digest_size=16)
             left_out = _NOT_STRUCTURE | _BUCKET_VARYING if self.bucketed else _NOT_STRUCTURE
+            if self.level_buckets:
+                left_out = left_out | _LEVEL_VARYING
+                digest.update(f"level_blocks={source.host['level_blocks']!r};".encode())
             for name, value in sorted(vars(source).items()):
                 if name in left_out:
                     continue

@@ -35,7 +35,8 @@ class SharingPlan:
     it from `PrefixSharingConfig.tree`, which owns the default). `min_shared` /
     `max_depth`: the tree's limits (None: `layout.DEFAULT_MIN_SHARED` / no limit). `pad_multiple`: each
     segment's padding multiple (the TP size under verl). `bucket`: segments padded to their level's
-    bucket length (`build_layout(bucket=True)`, for CUDA graphs). `tree`, `order`, `classes`: the prefix tree of
+    bucket length (`build_layout(bucket=True)`, for CUDA graphs); `level_buckets`: each level's block
+    padded to a bucket instead (`build_layout(level_buckets=True)`). `tree`, `order`, `classes`: the prefix tree of
     the samples the plan was decided for, its pack order, the share classes it was decided with and
     those samples."""
 
@@ -44,6 +45,7 @@ class SharingPlan:
     max_depth: Optional[int] = None
     pad_multiple: int = 1
     bucket: bool = False
+    level_buckets: bool = False
     tree: Optional[PrefixTree] = field(default=None, compare=False, repr=False)
     order: Optional[PackOrder] = field(default=None, compare=False, repr=False)
     classes: Optional[Tuple[Hashable, ...]] = field(default=None, compare=False, repr=False)
@@ -59,9 +61,11 @@ class SharingPlan:
     def from_config(cls, config, pad_multiple: int = 1, bucket: bool = False) -> "SharingPlan":
         """The plan of a `PrefixSharingConfig`: its tree settings, `pad_multiple` (the caller's: the
         config's `pad_multiple`, or the TP size) and `bucket` (the caller's: whether the model's
-        forward runs as CUDA graphs, `cuda_graphs.buckets_for`)."""
+        forward runs as CUDA graphs, `cuda_graphs.buckets_for`), in the config's `cuda_graph_buckets`."""
+        bucket = bool(bucket)
         return cls(share="tree" if config.tree else "prompt", min_shared=config.tree_min_shared,
-                   max_depth=config.tree_max_depth, pad_multiple=int(pad_multiple), bucket=bool(bucket))
+                   max_depth=config.tree_max_depth, pad_multiple=int(pad_multiple), bucket=bucket,
+                   level_buckets=bucket and config.cuda_graph_buckets == "level")
 
     @property
     def layout_share(self):

@@ -97,7 +97,7 @@ def micro_batch_layout(
     if share is None:
         if config.enabled and (config.tree or plan.bucket):
             plan = plan.for_samples(samples, share_classes=share_classes, vocab_size=vocab_size)
-        tokens_bucketed = (bucketed_tokens(plan.tree, plan.order, plan.pad_multiple, total_multiple)
+        tokens_bucketed = (bucketed_tokens(plan.tree, plan.order, plan.pad_multiple, total_multiple, plan.level_buckets)
                            if config.enabled and plan.bucket else None)
         decision = rule_decision(samples, config, cost, device_type, dtype,
                                  tree=plan.tree if config.enabled and config.tree else None, log=False,
@@ -114,7 +114,7 @@ def micro_batch_layout(
             total_multiple=total_multiple, prompt_values=config.layout_prompt_values,
             min_shared=config.tree_min_shared, max_depth=config.tree_max_depth, share_classes=share_classes,
             tree=plan.tree if usable else None, order=plan.order if usable else None,
-            bucket=bucket and share is not False,
+            bucket=bucket and share is not False, level_buckets=bucket and share is not False and plan.level_buckets,
         )
 
     layout = pack(share, True)

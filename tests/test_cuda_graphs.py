@@ -260,7 +260,7 @@ def test_where_graphs_do_not_run(loaded, monkeypatch):
     layout = _layout(loaded, _samples(loaded), True)
     assert "CUDA device" in graph_refusal(loaded.model, layout)
     # on a CUDA device: settings of the model under which megatron sets the RNG state inside a pass
-    on_cuda = SimpleNamespace(device=torch.device("cuda"), images=None, bucketed=False)  # what graph_refusal reads of a layout
+    on_cuda = SimpleNamespace(device=torch.device("cuda"), images=None, bucketed=False, level_buckets=False)  # what graph_refusal reads
     assert graph_refusal(loaded.model, on_cuda) is None
     config = loaded.model.config
     monkeypatch.setattr(config, "recompute_granularity", "full")

@@ -21,7 +21,6 @@ from ps_bridge.forward import _run, run_packed
 from ps_bridge.kernels.attention.cascade import prefix_shared_attention_cascade
 from ps_bridge.layout import build_layout
 from ps_bridge.rows import PackedRows
-from ps_bridge.tools.runtime import forward_logits
 from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
 from ps_bridge.tree.materialize import bucket_length
 from qwen35_helpers import load_tiny, max_abs
@@ -87,25 +86,22 @@ def tiny(request, tmp_path_factory):
     return hf, loaded
 
 
-def _row_logprobs(loaded, layout):
-    rows = PackedRows.of(layout)
-    return rows.responses(rows.logprobs(forward_logits(loaded, layout)))
-
-
-@pytest.mark.parametrize("case", SHARES)
-def test_bucketed_log_probs_and_gradients_equal_the_unbucketed_pack_and_hf(tiny, case):
-    hf, loaded = tiny
-    share, system = SHARES[case]
-    samples = _samples(3, system=system)
+def assert_bucketing_changes_nothing(hf, loaded, samples, share, config=None, **bucketing):
+    """Log-probs of `samples` (`share`) and the parameter gradients of a weighted sum of them, packed with
+    `bucketing` (`build_layout` options) and unbucketed, run with `config` (default the model's): equal
+    within fp32 rounding, and the log-probs equal Hugging Face's."""
+    config = loaded.config if config is None else config
     weights = [torch.randn(len(s.response), generator=torch.Generator().manual_seed(i)) for i, s in enumerate(samples)]
     results = {}
-    for bucket in (False, True):
-        layout = build_layout(samples, share=share, vocab_size=loaded.vocab_size, min_shared=0, bucket=bucket)
+    for bucketed in (False, True):
+        layout = build_layout(samples, share=share, vocab_size=loaded.vocab_size, min_shared=0,
+                              **(bucketing if bucketed else {}))
         loaded.model.zero_grad(set_to_none=True)
-        lps = _row_logprobs(loaded, layout)
+        rows = PackedRows.of(layout)
+        lps = rows.responses(rows.logprobs(run_packed(loaded.model, layout, config)))
         sum((lp * w).sum() for lp, w in zip(lps, weights)).backward()
         grads = {n: p.grad.clone() for n, p in loaded.model.named_parameters() if p.grad is not None}
-        results[bucket] = ([lp.detach() for lp in lps], grads)
+        results[bucketed] = ([lp.detach() for lp in lps], grads)
     loaded.model.zero_grad(set_to_none=True)
     assert max_abs(results[True][0], results[False][0]) <= 1e-5
     assert results[True][1].keys() == results[False][1].keys()
@@ -120,47 +116,59 @@ def test_bucketed_log_probs_and_gradients_equal_the_unbucketed_pack_and_hf(tiny,
             assert (got - want).abs().max().item() <= 2e-5
 
 
+@pytest.mark.parametrize("case", SHARES)
+def test_bucketed_log_probs_and_gradients_equal_the_unbucketed_pack_and_hf(tiny, case):
+    hf, loaded = tiny
+    share, system = SHARES[case]
+    assert_bucketing_changes_nothing(hf, loaded, _samples(3, system=system), share, bucket=True)
+
+
 def _forward(model, config):
     return lambda own, weights=None: _run(model, own, config, weights)
+
+
+def assert_replays_equal_eager(model, config, layouts, training: bool):
+    """`layouts` (one structure, other lengths) run through one model's graphs (captured by the
+    recording stand-in) under `config`: each output, and with `training` each parameter gradient of a
+    random weighting of it, equal the eager run's exactly; one capture, a replay for each layout from
+    the second on."""
+    graphs = ModelGraphs(capture=record)
+    eager_config = replace(config, cuda_graphs=False)
+    outs = []
+    for i, layout in enumerate(layouts):
+        with torch.set_grad_enabled(training):
+            out = graphs.run(model, layout, (config.backend,), _forward(model, config))
+            eager = run_packed(model, layout, eager_config)
+        assert torch.equal(out.detach(), eager.detach())
+        outs.append(eager.detach())
+        if training:
+            w = torch.randn(out.shape, generator=torch.Generator().manual_seed(i))
+            model.zero_grad(set_to_none=True)
+            (out * w).sum().backward()
+            got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            model.zero_grad(set_to_none=True)
+            (eager * w).sum().backward()
+            for n, p in model.named_parameters():
+                if p.grad is not None:
+                    assert torch.equal(got[n], p.grad), n
+            model.zero_grad(set_to_none=True)
+    assert (graphs.captures, graphs.replays) == (1, len(layouts) - 1)
+    assert not torch.equal(outs[-2], outs[-1])  # the layouts' outputs differ: the replays were refilled
 
 
 @pytest.mark.parametrize("case", SHARES)
 def test_a_replay_on_other_lengths_equals_eager(tiny, case):
     _, loaded = tiny
-    model, config = loaded.model, replace(loaded.config, cuda_graphs=True)
     layouts = [_case(case, seed) for seed in (0, 1, 2, 4)]
     assert len({layout.structure_key() for layout in layouts}) == 1
-    graphs = ModelGraphs(capture=record)
-    with torch.no_grad():
-        got = [graphs.run(model, layout, ("torch_ref",), _forward(model, config)) for layout in layouts]
-        want = [run_packed(model, layout, loaded.config) for layout in layouts]
-    assert (graphs.captures, graphs.replays) == (1, 3)
-    for g, w in zip(got, want):
-        assert torch.equal(g, w)
-    assert not torch.equal(want[2], want[3])
+    assert_replays_equal_eager(loaded.model, replace(loaded.config, cuda_graphs=True), layouts, training=False)
 
 
 @pytest.mark.parametrize("case", ["unshared", "system"])
 def test_a_training_replay_on_other_lengths_equals_eager(tiny, case):
     _, loaded = tiny
-    model, config = loaded.model, replace(loaded.config, cuda_graphs=True)
     layouts = [_case(case, seed) for seed in (0, 1, 2)]
-    graphs = ModelGraphs(capture=record)
-    for i, layout in enumerate(layouts):
-        out = graphs.run(model, layout, (), _forward(model, config))
-        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(i))
-        model.zero_grad(set_to_none=True)
-        (out * w).sum().backward()
-        got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        model.zero_grad(set_to_none=True)
-        eager = run_packed(model, layout, loaded.config)
-        (eager * w).sum().backward()
-        assert torch.equal(out.detach(), eager.detach())
-        for n, p in model.named_parameters():
-            if p.grad is not None:
-                assert torch.equal(got[n], p.grad), n
-    assert (graphs.captures, graphs.replays) == (1, 2)
-    model.zero_grad(set_to_none=True)
+    assert_replays_equal_eager(loaded.model, replace(loaded.config, cuda_graphs=True), layouts, training=True)
 
 
 def test_the_cascade_reads_refilled_key_offsets():

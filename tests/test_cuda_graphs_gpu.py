@@ -120,15 +120,19 @@ def test_replayed_training_pass_equals_eager(tmp_path, name):
     assert graphs.replays == replays + 2
 
 
+@pytest.mark.parametrize("buckets", ["segment", "level"])
 @pytest.mark.parametrize("name", ["qwen2.5", "qwen3.5"])
-def test_bucketed_replays_on_other_lengths(tmp_path, name):
+def test_bucketed_replays_on_other_lengths(tmp_path, name, buckets):
     """Bucketed layouts of one structure with other lengths (verl's case): the forward replayed from
-    one graph (its key offsets and conv tails refilled) gives each layout's eager logits at every
-    valid position bit for bit; with gradients, the logits bit for bit and the gradients within the
-    eager backward's spread. The bucketed eager run equals the unbucketed one within bf16 rounding."""
+    one graph (its key offsets and conv tails refilled; under level buckets every segment offset and
+    fla's offsets and chunk indices too) gives each layout's eager logits at every valid position bit
+    for bit; with gradients, the logits bit for bit and the gradients within the eager backward's
+    spread. The bucketed eager run equals the unbucketed one within bf16 rounding."""
     from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
 
     loaded = _loaded(name, tmp_path)
+    level = buckets == "level"
+    config = replace(loaded.config, cuda_graph_buckets=buckets)
     vocab = loaded.vocab_size
     eager_config = replace(loaded.config, cuda_graphs=False)
     graphs = model_graphs(loaded.model)
@@ -139,16 +143,27 @@ def test_bucketed_replays_on_other_lengths(tmp_path, name):
         return [replace(s, prompt=head + s.prompt) for s in grpo_like_samples(
             vocab, num_prompts=3, n=4, prompt_len=(65, 96), response_len=(33, 48), seed=seed, shuffle=False)]
 
+    def same_structure(share, system):
+        """(seeds, layouts): four layouts of one structure (under level buckets: the same level blocks)."""
+        found = {}
+        for seed in range(1, 60):
+            layout = build_layout(samples(seed, system), share=share, vocab_size=vocab, min_shared=0, bucket=True,
+                                  level_buckets=level)
+            found.setdefault(layout.structure_key(), []).append((seed, layout))
+            group = found[layout.structure_key()]
+            if len(group) == 4:
+                return [seed for seed, _ in group], [layout.to(loaded.device) for _, layout in group]
+        raise AssertionError(f"{name} {share}: no four layouts of one structure")
+
     for share, system in ((False, 0), (True, 0), ("tree", 40)):
-        layouts = [build_layout(samples(seed, system), share=share, vocab_size=vocab, min_shared=0, bucket=True)
-                   .to(loaded.device) for seed in (1, 2, 3, 4)]
-        assert len({layout.structure_key() for layout in layouts}) == 1
+        seeds, layouts = same_structure(share, system)
+        assert len({tuple(layout.host["valid_lengths"]) for layout in layouts}) == 4
         for training in (False, True):
             captures, replays = graphs.captures, graphs.replays
             for i, layout in enumerate(layouts):
                 valid = layout.valid
                 with torch.set_grad_enabled(training):
-                    out = run_packed(loaded.model, layout, loaded.config)
+                    out = run_packed(loaded.model, layout, config)
                     eager = run_packed(loaded.model, layout, eager_config)
                 assert torch.equal(out[0][valid], eager[0][valid]), f"{name} {share} {training} micro-batch {i}"
                 if training:
@@ -161,7 +176,7 @@ def test_bucketed_replays_on_other_lengths(tmp_path, name):
             assert graphs.captures == captures + 1, f"{name} {share}: not captured (see the log)"
             assert graphs.replays == replays + 3
         with torch.no_grad():
-            plain = build_layout(samples(4, system), share=share, vocab_size=vocab, min_shared=0).to(loaded.device)
+            plain = build_layout(samples(seeds[-1], system), share=share, vocab_size=vocab, min_shared=0).to(loaded.device)
             a = run_packed(loaded.model, layouts[-1], eager_config)[0].float()
             b = run_packed(loaded.model, plain, eager_config)[0].float()
             rows_a = a.index_select(0, layouts[-1].row_source)
@@ -169,5 +184,5 @@ def test_bucketed_replays_on_other_lengths(tmp_path, name):
             diff = (rows_a - rows_b).abs().max().item()
             print(f"{name} share={share}: bucketed vs unbucketed logits max diff {diff:.3e}")
             assert diff <= 0.1 * rows_b.abs().max().item()
-        print(f"{name} share={share}: {layouts[0].num_tokens} packed tokens, depth {layouts[0].tree_depth}: "
-              "bucketed replays == eager")
+        print(f"{name} share={share} {buckets} buckets: {layouts[0].num_tokens} packed tokens, depth "
+              f"{layouts[0].tree_depth}: bucketed replays == eager")

@@ -35,18 +35,6 @@ def test_fewer_fillers_do_not_always_do():
         probe.fixed_shape = saved
 
 
-def test_filler_lengths_hold_the_tokens_and_chunks():
-    for padding in range(0, 300):
-        for chunk_count in range(-(-padding // 64), min(padding, 12) + 1):
-            lengths = probe.filler_lengths(padding, chunk_count, 12)
-            assert len(lengths) == 12 and sum(lengths) == padding
-            assert sum(probe.chunks(n) for n in lengths) == chunk_count
-    with pytest.raises(ValueError):
-        probe.filler_lengths(10, 0, 4)
-    with pytest.raises(ValueError):
-        probe.filler_lengths(10, 11, 20)  # more chunks than tokens
-
-
 def _kernels():
     def conv(x, weight, bias, initial_state, activation, cu_seqlens, chunk_indices, **kw):
         assert chunk_indices.tolist() == probe.chunk_index(torch.diff(cu_seqlens).tolist())

@@ -4,11 +4,13 @@
 #   verl    tools/verl_check_grid.py at the small shapes (24 layers, 8 prompts x n = 8, mini-batch of 4
 #           prompts, GRID_STEPS steps, engines interleaved) with PS_BRIDGE_CUDA_GRAPHS=1 for the
 #           prefix-shared engine, against our engine with sharing off and graphs BASELINE_GRAPHS
-#           (space-separated: "off on" runs the grid twice).
+#           (space-separated: "off on" runs the grid twice), the shared packs bucketed as BUCKETS says
+#           (PS_BRIDGE_CUDA_GRAPH_BUCKETS: segment, the default, or level; "segment level" runs both);
+#   probe   tools/probe_fla_varlen_replay.py (fla's varlen kernels replayed on batches of other lengths).
 # Usage (repository root): STEPS="tests verl" GRID="qwen3.5-0.8b:128:32" tools/gpu_cuda_graphs.sh
 # (TESTS_K: a pytest -k expression narrowing the tests)
 # Everything runs within BUDGET_S seconds (default 580). Results in $OUT: cuda-graphs.log, gpu_tests.log,
-# verl-grid-graphs-vs-<off|on>.json, triton-autotune.tar.gz (kernel caches for the next run: copy to .whl/).
+# verl-grid-<segment|level>-graphs-vs-<off|on>.json, probe.json, triton-autotune.tar.gz (kernel caches for the next run: copy to .whl/).
 set -uo pipefail
 OUT=${OUT:-/tmp/ps-bridge-out}
 mkdir -p "$OUT"
@@ -27,15 +29,22 @@ for s in ${STEPS:-tests verl}; do
       echo "=== [$SECONDS s] GPU tests exit $?" | tee -a "$LOG"
       grep -E "passed|failed|error|replay|gradient|bucketed" "$OUT/gpu_tests.log" | tail -40 >>"$LOG"
       save_autotune ;;
+    probe)
+      echo "=== [$SECONDS s] fla varlen replay probe" | tee -a "$LOG"
+      timeout -k 5 120 python3 tools/probe_fla_varlen_replay.py --json "$OUT/probe.json" >>"$LOG" 2>&1
+      echo "=== [$SECONDS s] probe exit $?" | tee -a "$LOG" ;;
     verl)
-      for baseline in ${BASELINE_GRAPHS:-off}; do
-        limit=$(left)
-        [ "$limit" -lt 30 ] && { echo "=== verl grid (baseline graphs $baseline): skipped (budget spent)" | tee -a "$LOG"; continue; }
-        echo "=== [$SECONDS s] verl grid, baseline graphs $baseline (limit ${limit}s)" | tee -a "$LOG"
-        PS_BRIDGE_CUDA_GRAPHS=1 timeout -k 5 "$limit" python3 tools/verl_check_grid.py \
-          --runs "${GRID:-qwen3.5-0.8b:128:32,qwen2.5-0.5b:128:32}" --steps "${GRID_STEPS:-9}" --interleave \
-          --baseline-graphs "$baseline" --workdir /tmp/verl-check --json "$OUT/verl-grid-graphs-vs-$baseline.json" >>"$LOG" 2>&1
-        echo "=== [$SECONDS s] verl grid exit $?" | tee -a "$LOG"
+      for buckets in ${BUCKETS:-segment}; do
+        for baseline in ${BASELINE_GRAPHS:-off}; do
+          limit=$(left)
+          [ "$limit" -lt 30 ] && { echo "=== verl grid ($buckets buckets, baseline graphs $baseline): skipped (budget spent)" | tee -a "$LOG"; continue; }
+          echo "=== [$SECONDS s] verl grid, $buckets buckets, baseline graphs $baseline (limit ${limit}s)" | tee -a "$LOG"
+          PS_BRIDGE_CUDA_GRAPHS=1 PS_BRIDGE_CUDA_GRAPH_BUCKETS=$buckets timeout -k 5 "$limit" python3 tools/verl_check_grid.py \
+            --runs "${GRID:-qwen3.5-0.8b:128:32,qwen2.5-0.5b:128:32}" --steps "${GRID_STEPS:-9}" --interleave \
+            --baseline-graphs "$baseline" --workdir /tmp/verl-check \
+            --json "$OUT/verl-grid-$buckets-graphs-vs-$baseline.json" >>"$LOG" 2>&1
+          echo "=== [$SECONDS s] verl grid exit $?" | tee -a "$LOG"
+        done
       done ;;
   esac
 done

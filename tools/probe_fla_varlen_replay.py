@@ -9,7 +9,8 @@ and the chunk count (`len(chunk_indices)`, 64-token chunks), and take `chunk_ind
 batch of other lengths replays a graph when it is given the same token count, sequence count and chunk
 count. This probe pads each batch to that fixed shape with filler sequences after the real ones (their
 tokens are padding, zero-length fillers allowed, each starting from a zero state) whose lengths make the
-chunk count come out at the fixed number (`filler_lengths`), captures forward and backward once, refills the
+chunk count come out at the fixed number (`ps_bridge.tree.level_buckets`, what level buckets run a
+tree level as under CUDA graphs), captures forward and backward once, refills the
 inputs, `cu_seqlens` and `chunk_indices` for batches of other lengths, replays, and compares with eager runs
 of the real sequences alone (outputs, final states and every gradient, real tokens only). fla derives
 `chunk_offsets` from `cu_seqlens` through an identity cache (`fla.utils.tensor_cache`); the cache is off
@@ -24,44 +25,17 @@ import time
 from typing import List, Sequence
 
 from ps_bridge.packed_layout import cumulative_offsets
+from ps_bridge.tree.level_buckets import CHUNK, chunk_index, chunks, filler_count, filler_lengths
 
-CHUNK = 64  # fla's chunk size for the delta rule and the varlen conv
 # the probe's tensors with a row per token and with a row per sequence (the rest: the conv's weights)
 PER_TOKEN = ("x", "g", "beta", "dy")
 PER_SEQUENCE = ("h0", "conv0", "dht")
 
 
-def chunks(length: int) -> int:
-    return -(-length // CHUNK)
-
-
 def fixed_shape(tokens: int, sequences: int) -> tuple:
     """(sequence count, chunk count) every batch of at most `sequences` real sequences and at most
-    `tokens - fillers` real tokens is padded to: `fillers = sequences + 2 + sequences // 63` filler
-    sequences, and the chunks of `tokens` tokens in one run plus one partial chunk per real sequence."""
-    fillers = sequences + 2 + sequences // 63
-    return sequences + fillers, chunks(tokens) + sequences
-
-
-def filler_lengths(padding: int, chunk_count: int, fillers: int) -> List[int]:
-    """`fillers` lengths (zero allowed) summing to `padding` tokens and to `chunk_count` 64-token chunks:
-    m non-empty fillers of c_j chunks hold between 64 c_j - 63 and 64 c_j tokens each, so m must reach
-    (64 K - P) / 63; the first takes the chunks beyond one each, the padding is spread from the minimum."""
-    if chunk_count == 0:
-        if padding:
-            raise ValueError(f"{padding} padding tokens in no chunk")
-        return [0] * fillers
-    m = max(1, -(-(CHUNK * chunk_count - padding) // (CHUNK - 1)))
-    if padding > CHUNK * chunk_count or m > min(fillers, chunk_count, padding):
-        raise ValueError(f"no {fillers} fillers hold {padding} tokens in {chunk_count} chunks")
-    counts = [chunk_count - (m - 1)] + [1] * (m - 1)
-    lengths = [CHUNK * (c - 1) + 1 for c in counts]
-    extra = padding - sum(lengths)
-    for j in range(m):
-        add = min(extra, CHUNK - 1)
-        lengths[j] += add
-        extra -= add
-    return lengths + [0] * (fillers - m)
+    `tokens - filler_count(sequences)` real tokens is padded to (`ps_bridge.tree.level_buckets`)."""
+    return sequences + filler_count(sequences), chunks(tokens) + sequences
 
 
 def padded_batch(lengths: Sequence[int], tokens: int, sequences: int) -> List[int]:
@@ -72,11 +46,6 @@ def padded_batch(lengths: Sequence[int], tokens: int, sequences: int) -> List[in
     fillers = count - len(lengths)
     padding = tokens - sum(lengths)
     return list(lengths) + filler_lengths(padding, chunk_count - sum(chunks(n) for n in lengths), fillers)
-
-
-def chunk_index(lengths: Sequence[int]) -> List[List[int]]:
-    """fla's `chunk_indices`: (sequence, chunk within it) per 64-token chunk, in order."""
-    return [[s, c] for s, n in enumerate(lengths) for c in range(chunks(n))]
 
 
 def host_check(tokens: int, sequences: int, trials: int = 20000) -> dict:

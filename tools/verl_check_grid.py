@@ -82,6 +82,7 @@ def main() -> int:
         doc["rule_micro_batches"] = {f"{p} {s}": c for (p, s), c in sorted(counts.items())}
         doc["seconds"] = time.perf_counter() - t0
         doc["sharing_mode"] = os.environ.get("PS_BRIDGE_SHARING", "auto")
+        doc["cuda_graph_buckets"] = os.environ.get("PS_BRIDGE_CUDA_GRAPH_BUCKETS", "segment")
         print(f"== {spec} ({doc['seconds']:.0f} s) micro-batches by the rule: {doc['rule_micro_batches']}", flush=True)
         print(check.format_report(doc), flush=True)
         results.append({"run": spec, "doc": doc})

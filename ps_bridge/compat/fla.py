@@ -11,6 +11,12 @@
   does not have (AttributeError); 0.6.0 returns a null context (`cpu_tensors_need_no_device`).
 - `chunk_gated_delta_rule` is `fla.ops.gated_delta_rule.chunk_gated_delta_rule` in all of them
   (0.4.2 is the first whose signature takes `cu_seqlens_cpu`).
+- the caller's `chunk_indices`: 0.6.0 takes them in the delta rule and the conv; 0.4.2 - 0.5.x take
+  them through `**kwargs` and ignore them, deriving their own from `cu_seqlens` on the host
+  (`takes_chunk_indices`). Level buckets under CUDA graphs need them taken (`ps_bridge.cuda_graphs`).
+- fla memoizes what it derives from `cu_seqlens` (its chunk offsets) by the tensor's identity
+  (`fla.utils.tensor_cache`); `FLA_DISABLE_TENSOR_CACHE` on `fla.utils` turns that off (0.6.0), which a
+  capture whose `cu_seqlens` a replay refills needs (`identity_cache_off`).
 """
 
 from __future__ import annotations
@@ -64,6 +70,19 @@ def chunk_gated_delta_rule():
 
 
 TILELANG_ROUTE_SINCE = "0.6.0"
+CHUNK_INDICES_SINCE = "0.6.0"
+
+
+def fla_version() -> Version:
+    """The installed fla-core's version."""
+    try:
+        version = importlib.metadata.version("fla-core")
+    except importlib.metadata.PackageNotFoundError:  # unpacked without its metadata
+        # imported here: fla is heavy (it loads triton and probes the GPU)
+        import fla
+
+        version = getattr(fla, "__version__", "0")
+    return Version(version)
 
 
 def tilelang_backward_route() -> bool:
@@ -72,11 +91,25 @@ def tilelang_backward_route() -> bool:
 
     if importlib.util.find_spec("tilelang") is None:
         return False
-    try:
-        version = importlib.metadata.version("fla-core")
-    except importlib.metadata.PackageNotFoundError:  # unpacked without its metadata
-        # imported here: fla is heavy (it loads triton and probes the GPU)
-        import fla
+    return fla_version() >= Version(TILELANG_ROUTE_SINCE)
 
-        version = getattr(fla, "__version__", "0")
-    return Version(version) >= Version(TILELANG_ROUTE_SINCE)
+
+def takes_chunk_indices() -> bool:
+    """Whether this fla-core's delta rule and conv use the caller's `chunk_indices` (>= 0.6.0)."""
+    return fla_version() >= Version(CHUNK_INDICES_SINCE)
+
+
+@contextlib.contextmanager
+def identity_cache_off():
+    """fla's identity cache of values derived from `cu_seqlens` turned off inside: a CUDA graph
+    captured inside records their derivation, so that it follows a `cu_seqlens` a replay refills,
+    instead of reading a value cached from the warm-up's offsets."""
+    # imported here: fla is heavy (it loads triton and probes the GPU)
+    import fla.utils
+
+    saved = getattr(fla.utils, "FLA_DISABLE_TENSOR_CACHE", False)
+    fla.utils.FLA_DISABLE_TENSOR_CACHE = True
+    try:
+        yield
+    finally:
+        fla.utils.FLA_DISABLE_TENSOR_CACHE = saved

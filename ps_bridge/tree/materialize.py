@@ -19,6 +19,7 @@ import torch
 
 from ps_bridge.packed_layout import PackedPrefixLayout, cumulative_offsets
 from ps_bridge.tree.decide import PrefixTree
+from ps_bridge.tree.level_buckets import level_block_length
 from ps_bridge.tree.order import PackOrder
 
 
@@ -37,20 +38,28 @@ def bucket_length(n: int, multiple: int = 1) -> int:
     return _padded(b, multiple)
 
 
-def bucketed_lengths(tree: PrefixTree, order: PackOrder, pad_multiple: int = 1) -> List[int]:
+def bucketed_lengths(tree: PrefixTree, order: PackOrder, pad_multiple: int = 1, level_buckets: bool = False) -> List[int]:
     """Each segment's length in pack order under `bucket=True`: the `bucket_length` of its tree level's
-    longest segment."""
+    longest segment; with `level_buckets`, its own length and, on a level's last segment, the rest of
+    the level's block (`level_buckets.level_block_length`)."""
     nodes = order.nodes
     valid = (tree.node_end[nodes] - tree.node_start[nodes]).tolist()
-    level_length = [bucket_length(max(valid[a:b]), pad_multiple)
-                    for a, b in zip(order.level_offsets, order.level_offsets[1:])]
+    spans = list(zip(order.level_offsets, order.level_offsets[1:]))
+    if level_buckets:
+        lengths = [_padded(n, pad_multiple) for n in valid]
+        for a, b in spans:
+            own = sum(lengths[a:b])
+            lengths[b - 1] += level_block_length(own, b - a, pad_multiple) - own
+        return lengths
+    level_length = [bucket_length(max(valid[a:b]), pad_multiple) for a, b in spans]
     return [level_length[d] for d in order.level.tolist()]
 
 
-def bucketed_tokens(tree: PrefixTree, order: PackOrder, pad_multiple: int = 1, total_multiple: int = 1) -> int:
+def bucketed_tokens(tree: PrefixTree, order: PackOrder, pad_multiple: int = 1, total_multiple: int = 1,
+                    level_buckets: bool = False) -> int:
     """The tokens of the bucketed pack of `tree` (`materialize(..., bucket=True)`), from host integers:
     what the sharing rule weighs against the samples' own tokens before anything is packed."""
-    return _padded(sum(bucketed_lengths(tree, order, pad_multiple)), total_multiple)
+    return _padded(sum(bucketed_lengths(tree, order, pad_multiple, level_buckets)), total_multiple)
 
 
 def _repeat_arange(lengths: np.ndarray):
@@ -74,6 +83,7 @@ def materialize(
     prompt_values: bool = True,
     vocab_size: Optional[int] = None,
     bucket: bool = False,
+    level_buckets: bool = False,
 ) -> PackedPrefixLayout:
     """Step 3: the tensors of the pack in `order` (one segment per node, padded at its end to
     `pad_multiple`, the last one further to make the pack a multiple of `total_multiple`) and the
@@ -82,14 +92,18 @@ def materialize(
     `bucket=True`: every segment of a tree level is padded to one length, the `bucket_length` of the
     level's longest, so the pack's shape depends on the tree's shape and the levels' buckets only,
     not on each segment's length; the output layer then runs on every position (`output_positions`
-    None: which positions the rows read depends on the lengths)."""
+    None: which positions the rows read depends on the lengths). `level_buckets` (with `bucket`):
+    segments keep their own lengths and each level's block is padded to a bucket instead
+    (`ps_bridge.tree.level_buckets`), the padding on the level's last segment."""
     nodes = order.nodes
     N = nodes.size
     B = tree.num_samples
     start, end, owner = tree.node_start[nodes], tree.node_end[nodes], tree.node_sample[nodes]
     valid_lengths = (end - start).tolist()
+    if level_buckets and not bucket:
+        raise ValueError("level_buckets=True needs bucket=True")
     if bucket:
-        padded_lengths = bucketed_lengths(tree, order, pad_multiple)
+        padded_lengths = bucketed_lengths(tree, order, pad_multiple, level_buckets)
     else:
         padded_lengths = [_padded(n, pad_multiple) for n in valid_lengths]
     padded_lengths[-1] += _padded(sum(padded_lengths), total_multiple) - sum(padded_lengths)
@@ -165,6 +179,7 @@ def materialize(
         level_offsets=list(order.level_offsets),
         depth=order.depth,
         token_source=token_source,
+        level_blocks=[seg_offsets[b] - seg_offsets[a] for a, b in zip(order.level_offsets, order.level_offsets[1:])],
     )
     return PackedPrefixLayout(
         tokens=as_long(tokens),
@@ -190,6 +205,7 @@ def materialize(
         shared=shared,
         pad_multiple=pad_multiple,
         bucketed=bucket,
+        level_buckets=level_buckets,
         num_prompt_segments=num_roots,
         tokens_unshared=int(offsets[-1]),
         tokens_shared=int(sum(valid_lengths)),

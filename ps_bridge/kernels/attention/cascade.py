@@ -21,7 +21,12 @@ its ancestors; the ancestors of a level-d node are one node per level a < d. So:
   A bucketed layout (`PackedPrefixLayout.bucketed`) keeps its padding element even where it holds no
   key, and states the ancestor block's length as the calls' longest key run: the calls' batch sizes
   and maximum lengths then follow the tree and the buckets only, and the key offsets, which follow
-  the nodes' valid lengths, are `varying` values (a CUDA graph's replay refills them).
+  the nodes' valid lengths, are `varying` values (a CUDA graph's replay refills them). Under level
+  buckets (`PackedPrefixLayout.level_buckets`: segments at their own lengths, each level's block
+  padded to a bucket on its last segment) the segments' offsets, and with them every call's query
+  offsets, follow the lengths too: they are `varying` values as well, and each call is told the
+  longest element its blocks can hold (the longest block, or the query and key blocks of an ancestor
+  call), which the kernels read only to size their grids.
   Kernel launches per layer: 1 + D (D + 1) / 2 for a tree of depth D, whatever its node count; no
   key/value (or query) is copied: every call reads views of the packed tensors.
   Backward: each call's flash backward is run with the *merged* output and log-sum-exp of its
@@ -85,15 +90,22 @@ def cascade_plan(layout: PackedPrefixLayout) -> CascadePlan:
 
 
 def _bind_varying_offsets(layout: PackedPrefixLayout, plan: CascadePlan, device) -> None:
-    """A bucketed layout's ancestor calls' key offsets on `device`, registered as `varying` values."""
+    """A bucketed layout's ancestor calls' key offsets on `device`, registered as `varying` values;
+    under level buckets every call's query and key offsets."""
+
+    def register(name, call, side, pick):
+        static = call.device_offsets(device)[side]
+        layout.varying((name, side, str(device)), static, lambda other: torch.tensor(
+            (pick(cascade_plan(other)).cu_q, pick(cascade_plan(other)).cu_k)[side], dtype=static.dtype))
 
     def bind():
-        for d, level in enumerate(plan.levels):
-            for a, x in enumerate(level.ancestors):
-                static = x.call.device_offsets(device)[1]
-                layout.varying(("cascade_cu_k", d, a, str(device)), static,
-                               lambda other, d=d, a=a, dtype=static.dtype: torch.tensor(
-                                   cascade_plan(other).levels[d].ancestors[a].call.cu_k, dtype=dtype))
+        sides = (0, 1) if layout.level_buckets else (1,)
+        for side in sides:
+            if layout.level_buckets:
+                register("cascade_segments", plan.segments, side, lambda p: p.segments)
+            for d, level in enumerate(plan.levels):
+                for a, x in enumerate(level.ancestors):
+                    register(("cascade", d, a), x.call, side, lambda p, d=d, a=a: p.levels[d].ancestors[a].call)
         return True
 
     layout.derived(("cascade_varying", str(device)), bind)
@@ -104,6 +116,8 @@ def _build_cascade_plan(layout: PackedPrefixLayout) -> CascadePlan:
     offsets = host["cu_seqlens_padded"]
     segments = VarlenCall(cu_q=list(offsets), cu_k=list(offsets), causal=True)
     level_offsets = host["level_offsets"]
+    if layout.level_buckets:
+        segments.max_q = segments.max_k = max(host["level_blocks"])
     parent = host["segment_parent"]
     valid = host["valid_lengths"]
     levels: List[LevelCalls] = []
@@ -115,6 +129,8 @@ def _build_cascade_plan(layout: PackedPrefixLayout) -> CascadePlan:
             ancestor = [parent[s] for s in ancestor]
             calls.append(_ancestor_call(ancestor, offsets, valid, level_offsets[a], level_offsets[a + 1], lo,
                                         layout.bucketed))
+            if layout.level_buckets:
+                calls[-1].call.max_q = offsets[hi] - offsets[lo]
         levels.append(LevelCalls(queries=(offsets[lo], offsets[hi]), ancestors=calls[::-1]))
     return CascadePlan(segments=segments, levels=levels)
 

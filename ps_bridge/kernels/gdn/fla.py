@@ -2,7 +2,8 @@
 
 One call covers a whole varlen block (one level of the prefix tree: all roots, or all nodes of one
 depth, `forked.py`) with per-sequence initial and final states, so trees of any depth run here.
-CPU copies of `cu_seqlens` are passed so fla does not sync the device to read them.
+CPU copies of `cu_seqlens` are passed so fla does not sync the device to read them; a level-bucketed
+plan's offsets live on the device only (`plan.py`) and come with their chunk index instead.
 They, and the delta rule's chunk index, are made once per plan and handed to fla as the same objects
 on every layer (`_per_plan`): fla memoizes its varlen helpers by argument identity, so a fresh CPU
 tensor per call made every call recompute them (host work, a host-to-device copy of the chunk index
@@ -48,7 +49,19 @@ def _per_plan(cu_seqlens: torch.Tensor, host: List[int], chunk_index: bool):
     return entry[2], entry[3]
 
 
-def causal_conv1d(x, weight, bias, cu_seqlens, cu_seqlens_host, initial_state, output_final_state, activation):
+def _offsets(cu_seqlens, cu_seqlens_host, chunk_indices, chunk_index: bool):
+    """(CPU cu_seqlens, chunk index) fla gets: a plan's own (`_per_plan`), or, for offsets on the
+    device only (`cu_seqlens_host` None: a level-bucketed plan, whose offsets a CUDA graph's replay
+    refills), no CPU copy and the plan's device chunk index, so that fla reads nothing on the host."""
+    if cu_seqlens_host is None:
+        return None, chunk_indices
+    return _per_plan(cu_seqlens, cu_seqlens_host, chunk_index=chunk_index)
+
+
+def causal_conv1d(x, weight, bias, cu_seqlens, cu_seqlens_host, initial_state, output_final_state, activation,
+                  chunk_indices=None):
+    cpu, chunk_indices = _offsets(cu_seqlens, cu_seqlens_host, chunk_indices, chunk_index=False)
+    extra = {} if chunk_indices is None else dict(chunk_indices=chunk_indices)
     y, final = compat_fla.causal_conv1d()(
         x=x.unsqueeze(0),
         weight=weight,
@@ -58,13 +71,15 @@ def causal_conv1d(x, weight, bias, cu_seqlens, cu_seqlens_host, initial_state, o
         activation=activation,
         backend="triton",
         cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=_per_plan(cu_seqlens, cu_seqlens_host, chunk_index=False)[0],
+        cu_seqlens_cpu=cpu,
+        **extra,
     )
     return y.squeeze(0), final
 
 
-def gated_delta_rule(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_host, initial_state, output_final_state):
-    cpu, chunk_indices = _per_plan(cu_seqlens, cu_seqlens_host, chunk_index=True)
+def gated_delta_rule(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_host, initial_state, output_final_state,
+                     chunk_indices=None):
+    cpu, chunk_indices = _offsets(cu_seqlens, cu_seqlens_host, chunk_indices, chunk_index=True)
     # fla-core 0.4.2 - 0.5.x take chunk_indices / chunk_size through **kwargs and ignore them
     o, final = compat_fla.chunk_gated_delta_rule()(
         q.unsqueeze(0),

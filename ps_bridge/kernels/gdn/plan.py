@@ -27,16 +27,20 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ps_bridge.layout import cumulative_offsets
+from ps_bridge.tree.level_buckets import chunk_index, level_sequences
 
 
 @dataclass
 class GDNLevel:
     """One level of the tree as a varlen batch of compacted tokens `[start, end)`.
 
-    cu / cu_host:       `[n + 1]` cumulative valid lengths of its sequences, from 0 (int64).
+    cu / cu_host:       `[n + 1]` cumulative valid lengths of its sequences, from 0 (int64); no host
+                        list (None) under level buckets.
     parent / parent_host: `[n]` index of each sequence's parent among the previous level's
                         sequences; None for the roots.
     has_children:       some sequence of this level is a parent (its final state is needed).
+    fillers:            filler sequences after the level's nodes (level buckets), from zero states.
+    chunk_index:        fla's chunk index of the sequences (level buckets), else None (fla's own).
     """
 
     start: int
@@ -46,10 +50,12 @@ class GDNLevel:
     parent: Optional[torch.Tensor]
     parent_host: Optional[List[int]]
     has_children: bool
+    fillers: int = 0
+    chunk_index: Optional[torch.Tensor] = None
 
     @property
     def num_sequences(self) -> int:
-        return len(self.cu_host) - 1
+        return self.cu.numel() - 1
 
 
 @dataclass
@@ -60,7 +66,8 @@ class GDNPlan:
                       None when the input is already compact (no padding), so no copy is made.
     num_input_tokens: flattened input length (padding included).
     cu_all / cu_all_host: `[N + 1]` every node as one varlen batch (the compacted tokens in order):
-                      the conv runs on it in one call.
+                      the conv runs on it in one call (under level buckets with the fillers, no host
+                      list, and `conv_chunk_index` its chunk index).
     parent_host:      `[N]` each node's parent (index among all nodes), -1 for a root.
     levels:           the levels, roots first (`GDNLevel`).
     """
@@ -71,6 +78,7 @@ class GDNPlan:
     cu_all_host: List[int]
     parent_host: List[int]
     levels: List[GDNLevel]
+    conv_chunk_index: Optional[torch.Tensor] = None
     _cache: Dict[tuple, object] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -79,11 +87,7 @@ class GDNPlan:
 
     @property
     def num_sequences(self) -> int:
-        return len(self.cu_all_host) - 1
-
-    @property
-    def num_tokens(self) -> int:
-        return self.cu_all_host[-1]
+        return self.cu_all.numel() - 1
 
     def conv_tail_index(self, width: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
         """For each node, the compacted positions of the last `width` inputs before it on its
@@ -115,12 +119,25 @@ def conv_tails(starts: Sequence[int], lengths: Sequence[int], parent: Sequence[i
 
 def bucketed_conv_tails(layout, width: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
     """The conv tails of a bucketed layout's nodes in its padded pack (the last `width` valid inputs of
-    each node's ancestor path, `conv_tails`) on `device`, registered as the layout's `varying` values."""
+    each node's ancestor path, `conv_tails`; under level buckets with a row of zeros per filler
+    sequence) on `device`, registered as the layout's `varying` values."""
 
     def on_host(other):  # once per layout, for both of its tensors
         host = other.host
-        return other.derived(("gdn_conv_tails_host", width), lambda: conv_tails(
-            host["cu_seqlens_padded"][:-1], host["valid_lengths"], host["segment_parent"], width))
+
+        def build():
+            index, valid = conv_tails(host["cu_seqlens_padded"][:-1], host["valid_lengths"], host["segment_parent"], width)
+            if not other.level_buckets:
+                return index, valid
+            index = index.view(-1, width)
+            offsets, rows = host["level_offsets"], []
+            for (lo, hi), lengths in zip(zip(offsets, offsets[1:]), level_sequences_of(other)):
+                fillers = len(lengths) - (hi - lo)
+                rows.append((index[lo:hi], valid[lo:hi]))
+                rows.append((index.new_zeros(fillers, width), valid.new_zeros(fillers, width)))
+            return torch.cat([i for i, _ in rows]).view(-1), torch.cat([v for _, v in rows])
+
+        return other.derived(("gdn_conv_tails_host", width), build)
 
     def on_device():
         index, valid = (x.to(device) for x in on_host(layout))
@@ -128,6 +145,70 @@ def bucketed_conv_tails(layout, width: int, device) -> Tuple[torch.Tensor, torch
                 layout.varying(("gdn_conv_mask", width, str(device)), valid, lambda other: on_host(other)[1]))
 
     return layout.derived(("gdn_bucketed_conv_tails", width, str(device)), on_device)
+
+
+def level_sequences_of(layout) -> List[List[int]]:
+    """Per level of a level-bucketed layout, the lengths of the sequences the GDN runs it as: its
+    segments (each its own length, padded to the layout's `pad_multiple`) and then the fillers over the
+    rest of the level's block (`tree.level_buckets.level_sequences`). From host lists, once per layout."""
+
+    def build():
+        host, multiple = layout.host, layout.pad_multiple
+        offsets = host["level_offsets"]
+        return [level_sequences([-(-n // multiple) * multiple for n in host["valid_lengths"][lo:hi]], block)
+                for lo, hi, block in zip(offsets, offsets[1:], host["level_blocks"])]
+
+    return layout.derived("gdn_level_sequences", build)
+
+
+def _level_values(layout) -> Dict[object, torch.Tensor]:
+    """The offsets and chunk indices of a level-bucketed layout's GDN calls, on the CPU: per level
+    `("cu", d)` and `("chunks", d)`, and over all of them (the conv's one call) `"cu_all"` and
+    `"conv_chunks"`."""
+
+    def build():
+        as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+        values: Dict[object, torch.Tensor] = {}
+        every: List[int] = []
+        for d, lengths in enumerate(level_sequences_of(layout)):
+            values[("cu", d)] = as_long(cumulative_offsets(lengths))
+            values[("chunks", d)] = as_long(chunk_index(lengths)).view(-1, 2)
+            every += lengths
+        values["cu_all"] = as_long(cumulative_offsets(every))
+        values["conv_chunks"] = as_long(chunk_index(every)).view(-1, 2)
+        return values
+
+    return layout.derived("gdn_level_values", build)
+
+
+def level_plan(layout, device) -> GDNPlan:
+    """The plan of a level-bucketed layout (module docstring): each level's block as its nodes and
+    fillers, offsets and chunk indices as the layout's `varying` values on `device`."""
+    host = layout.host
+    offsets, parent = host["level_offsets"], host["segment_parent"]
+    values = _level_values(layout)
+
+    def on_device(key):
+        return layout.varying(("gdn_level", key, str(device)), values[key].to(device),
+                              lambda other: _level_values(other)[key])
+
+    is_parent = [False] * len(parent)
+    for p in parent:
+        if p >= 0:
+            is_parent[p] = True
+    levels, start = [], 0
+    for d, (lengths, block) in enumerate(zip(level_sequences_of(layout), host["level_blocks"])):
+        lo, hi = offsets[d], offsets[d + 1]
+        parent_host = None if d == 0 else [parent[s] - offsets[d - 1] for s in range(lo, hi)]
+        levels.append(GDNLevel(
+            start=start, end=start + block, cu=on_device(("cu", d)), cu_host=None,
+            parent=None if parent_host is None else torch.tensor(parent_host, dtype=torch.long, device=device),
+            parent_host=parent_host, has_children=any(is_parent[lo:hi]), fillers=len(lengths) - (hi - lo),
+            chunk_index=on_device(("chunks", d)),
+        ))
+        start += block
+    return GDNPlan(gather_index=None, num_input_tokens=start, cu_all=on_device("cu_all"), cu_all_host=None,
+                   parent_host=list(parent), levels=levels, conv_chunk_index=on_device("conv_chunks"))
 
 
 def build_plan(
@@ -189,6 +270,8 @@ def plan_from_layout(layout, device=None) -> GDNPlan:
     a forward pass (`layout.derived`)."""
     device = torch.device(device) if device is not None else layout.device
     host = layout.host
+    if layout.level_buckets:
+        return layout.derived(("gdn_plan", str(device)), lambda: level_plan(layout, device))
     return layout.derived(
         ("gdn_plan", str(device)),
         lambda: build_plan(

@@ -2,8 +2,9 @@
 
 A backend provides the two varlen kernels the prefix-shared GDN runs on (signatures in torch_ref.py):
 `causal_conv1d(x, weight, bias, cu_seqlens, cu_seqlens_host, initial_state, output_final_state,
-activation)` and `gated_delta_rule(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_host,
-initial_state, output_final_state)`. `auto` is an entry like the others; it picks a backend per call
+activation, chunk_indices=None)` and `gated_delta_rule(q, k, v, g, beta, scale, cu_seqlens,
+cu_seqlens_host, initial_state, output_final_state, chunk_indices=None)` (`cu_seqlens_host` None:
+offsets on the device only, with fla's chunk index of 64-token chunks). `auto` is an entry like the others; it picks a backend per call
 with `choose_gdn_backend` (see `resolve_gdn_backend`).
 """
 
@@ -32,12 +33,12 @@ def choose_gdn_backend(device: torch.device, tree_depth: int = 1) -> str:
     return "fla" if torch.device(device).type == "cuda" else "torch_ref"
 
 
-def _auto_causal_conv1d(x, *args):
-    return resolve_gdn_backend(AUTO, x.device).causal_conv1d(x, *args)
+def _auto_causal_conv1d(x, *args, **kwargs):
+    return resolve_gdn_backend(AUTO, x.device).causal_conv1d(x, *args, **kwargs)
 
 
-def _auto_gated_delta_rule(q, *args):
-    return resolve_gdn_backend(AUTO, q.device).gated_delta_rule(q, *args)
+def _auto_gated_delta_rule(q, *args, **kwargs):
+    return resolve_gdn_backend(AUTO, q.device).gated_delta_rule(q, *args, **kwargs)
 
 
 GDN_BACKENDS: Dict[str, GDNBackend] = {

@@ -8,6 +8,9 @@ leading batch dimension of 1:
   zeros (or with the initial state) when a sequence is shorter than W. Column 0 is never read by the
   next convolution; keeping W columns makes the state interchangeable with fla's.
 - recurrent state `[N, HV, K, V]`, float32 (float64 for float64 inputs).
+
+`cu_seqlens_host` None: the offsets are read from `cu_seqlens` (a level-bucketed plan keeps them on
+the device only, `plan.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,13 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+
+
+def _host(cu_seqlens: torch.Tensor, cu_seqlens_host: Optional[List[int]]) -> List[int]:
+    """The offsets the loops read: the host list, or the device tensor's values where the plan keeps
+    none (a level-bucketed plan, whose offsets a replay refills). `chunk_indices` (fla's) are not
+    needed by these loops."""
+    return cu_seqlens.tolist() if cu_seqlens_host is None else cu_seqlens_host
 
 
 def causal_conv1d(
@@ -27,8 +37,10 @@ def causal_conv1d(
     initial_state: Optional[torch.Tensor],
     output_final_state: bool,
     activation: Optional[str],
+    chunk_indices: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Depthwise causal conv over each sequence of `x [L, D]`, `weight [D, W]`."""
+    cu_seqlens_host = _host(cu_seqlens, cu_seqlens_host)
     D, W = weight.shape
     outs, finals = [], []
     for i in range(len(cu_seqlens_host) - 1):
@@ -61,12 +73,14 @@ def gated_delta_rule(
     cu_seqlens_host: List[int],
     initial_state: Optional[torch.Tensor],
     output_final_state: bool,
+    chunk_indices: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Gated delta rule per sequence: `S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - S'_t k_t))^T`,
     `o_t = scale * S_t^T q_t` with `S'_t = exp(g_t) S_{t-1}`.
 
     `q, k [L, H, K]`, `v [L, HV, V]`, `g, beta [L, HV]`; grouped value heads (HV a multiple of H)
     repeat each q/k head for HV/H consecutive value heads (repeat_interleave, as HF and Megatron)."""
+    cu_seqlens_host = _host(cu_seqlens, cu_seqlens_host)
     L, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     if HV % H:

@@ -1,0 +1,88 @@
+"""Level buckets: one fixed shape per tree level, whatever the lengths of its segments.
+
+A CUDA graph replays the kernels it captured with their grids. The varlen kernels size their grids
+by host integers: flash attention by the batch size and the longest sequence it is told, fla-core's
+`chunk_gated_delta_rule` and `causal_conv1d` by the sequence count (`len(cu_seqlens) - 1`) and the
+chunk count (`len(chunk_indices)`, `CHUNK`-token chunks per sequence). Under level buckets a tree
+level's segments keep their own lengths, and the level's block of the pack is padded to a bucket
+(`level_block_length`); the Gated DeltaNet runs the level as its segments followed by `filler_count`
+filler sequences over the padding, whose lengths (zero allowed) make the chunk count
+`chunks(block) + segments` (`level_sequences`). The sequence and chunk counts then follow the tree's
+shape and the block lengths only, and the offsets (`cu_seqlens`, `chunk_indices`) are device values
+a replay refills.
+
+Why those counts always fit: `m` non-empty fillers of `c_j` chunks hold between `64 c_j - 63` and
+`64 c_j` tokens each; the real segments take at most one partial chunk each beyond `chunks(real
+tokens)`, so the fillers are left between `padding / 64` and `padding` chunks, and
+`segments + 2 + segments // 63` fillers hold any such split (`filler_lengths`; checked over random
+and extreme batches in tests/test_level_buckets.py).
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+CHUNK = 64  # fla's chunk size for the delta rule and the varlen conv
+
+
+def chunks(length: int) -> int:
+    return -(-int(length) // CHUNK)
+
+
+def filler_count(segments: int) -> int:
+    """The filler sequences a level of `segments` segments is run with."""
+    return segments + 2 + segments // 63
+
+
+def level_bucket(n: int) -> int:
+    """`n` rounded up to a multiple of 64 below 1024, and from there to a multiple of an eighth of the
+    largest power of two not above `n` (1024, 1152, ..., 2048, 2304, ...): at most an eighth of a
+    level's block is padding, and blocks of nearby totals recur."""
+    step = max(CHUNK, 1 << max(int(n).bit_length() - 4, 0))
+    return -(-int(n) // step) * step
+
+
+def level_block_length(real_tokens: int, segments: int, multiple: int = 1) -> int:
+    """The block of a level whose `segments` segments hold `real_tokens` tokens: room for the
+    fillers' tokens too (each non-empty filler holds one at least), bucketed, a multiple of `multiple`."""
+    block = level_bucket(real_tokens + filler_count(segments))
+    return -(-block // multiple) * multiple
+
+
+def filler_lengths(padding: int, chunk_count: int, fillers: int) -> List[int]:
+    """`fillers` lengths (zero allowed) summing to `padding` tokens and `chunk_count` chunks: the
+    fewest non-empty fillers that hold them, the first taking the chunks beyond one each, the tokens
+    spread from each filler's least."""
+    if chunk_count == 0:
+        if padding:
+            raise ValueError(f"{padding} padding tokens in no chunk")
+        return [0] * fillers
+    m = max(1, -(-(CHUNK * chunk_count - padding) // (CHUNK - 1)))
+    if padding > CHUNK * chunk_count or m > min(fillers, chunk_count, padding):
+        raise ValueError(f"no {fillers} fillers hold {padding} tokens in {chunk_count} chunks")
+    counts = [chunk_count - (m - 1)] + [1] * (m - 1)
+    lengths = [CHUNK * (c - 1) + 1 for c in counts]
+    extra = padding - sum(lengths)
+    for j in range(m):
+        add = min(extra, CHUNK - 1)
+        lengths[j] += add
+        extra -= add
+    return lengths + [0] * (fillers - m)
+
+
+def level_sequences(lengths: Sequence[int], block: int) -> List[int]:
+    """The sequences a level of segments `lengths` in a block of `block` tokens is run as: the
+    segments, then `filler_count` fillers over the rest of the block, `chunks(block) + len(lengths)`
+    chunks in all."""
+    s = len(lengths)
+    real = sum(int(n) for n in lengths)
+    fillers = filler_count(s)
+    if real + fillers > block:
+        raise ValueError(f"a block of {block} tokens holds no {s} segments of {real} tokens and {fillers} fillers")
+    want = chunks(block) + s - sum(chunks(n) for n in lengths)
+    return [int(n) for n in lengths] + filler_lengths(block - real, want, fillers)
+
+
+def chunk_index(lengths: Sequence[int]) -> List[List[int]]:
+    """fla's `chunk_indices` of sequences `lengths`: (sequence, chunk within it) per chunk, in order."""
+    return [[s, c] for s, n in enumerate(lengths) for c in range(chunks(n))]
