@@ -5,7 +5,8 @@ build ourselves (its prompt's last W inputs, `GDNPlan.conv_tail_index`), so our 
 fla's: `[N, D, W]`, column W-1 the newest input, column 0 unread. Triton's interpreter
 (`TRITON_INTERPRET=1`) runs fla's own Triton kernel on CPU tensors, so CI checks this without a GPU:
 forward, final states and every gradient (the initial-state gradient is what carries a response's
-conv gradient back into its prompt). Autotuning cannot benchmark in the interpreter, so the child
+conv gradient back into its prompt); and a level-bucketed layout's conv (filler sequences, some of
+them empty; offsets on the device only and our chunk index). Autotuning cannot benchmark in the interpreter, so the child
 process takes each kernel's first config. fla's chunked delta-rule kernels do not run in the
 interpreter; they are checked on the GPU (tests/test_gdn_fla_gpu.py).
 """
@@ -38,6 +39,7 @@ CHILD = textwrap.dedent(
     from gdn_cases import make_case, packed_inputs, sample_outputs
     from ps_bridge.kernels.gdn import GDN_BACKENDS, forked_causal_conv1d, plan_from_layout
     from ps_bridge.kernels.gdn import fla as fla_backend, torch_ref
+    from ps_bridge.kernels.gdn.plan import bucketed_conv_tails
     from ps_bridge.layout import build_layout
 
     # 1. the raw op: per-sequence initial states in, final states out
@@ -66,7 +68,8 @@ CHILD = textwrap.dedent(
         plan = plan_from_layout(layout)
         mixed, _, _ = packed_inputs(case, layout, pad_value=0.0)
         compact = mixed.index_select(0, plan.gather_index) if plan.gather_index is not None else mixed
-        y = forked_causal_conv1d(compact, case.conv_weight, case.conv_bias, plan, GDN_BACKENDS[backend])
+        tails = bucketed_conv_tails(layout, case.conv_weight.shape[1], mixed.device) if layout.bucketed else None
+        y = forked_causal_conv1d(compact, case.conv_weight, case.conv_bias, plan, GDN_BACKENDS[backend], tails=tails)
         if plan.gather_index is not None:
             y = y.new_zeros(plan.num_input_tokens, y.shape[1]).index_copy(0, plan.gather_index, y)
         per_sample = sample_outputs(y, layout)
@@ -81,6 +84,17 @@ CHILD = textwrap.dedent(
     result["forked_vs_torch_ref_grads"] = max(rel(a, c) for a, c in zip(g_f, g_r) if c is not None)
     result["forked_vs_unshared_output"] = rel(y_f, y_u)
     result["forked_vs_unshared_grads"] = max(rel(a, c) for a, c in zip(g_f, g_u) if c is not None)
+
+    # 3. level buckets: each level as its segments and filler sequences (zero-length ones among them),
+    #    fla given the offsets on the device only and our chunk index, against torch_ref and unshared
+    level = build_layout(case.samples, share=True, bucket=True, level_buckets=True)
+    plan = plan_from_layout(level)
+    assert plan.cu_all_host is None and 0 in torch.diff(plan.cu_all).tolist()
+    (y_f, g_f), (y_r, g_r) = conv(level, "fla"), conv(level, "torch_ref")
+    result["level_vs_torch_ref_output"] = rel(y_f, y_r)
+    result["level_vs_torch_ref_grads"] = max(rel(a, c) for a, c in zip(g_f, g_r) if c is not None)
+    result["level_vs_unshared_output"] = rel(y_f, y_u)
+    result["level_vs_unshared_grads"] = max(rel(a, c) for a, c in zip(g_f, g_u) if c is not None)
     """
 )
 
