@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 
+from ps_bridge.compat import fla as compat_fla
 from ps_bridge.compat import flash_attn as compat_flash_attn
 from ps_bridge.compat import megatron_core as compat_megatron_core
 from ps_bridge.compat import torch as compat_torch
@@ -65,3 +66,34 @@ def test_triton_versions_with_the_wrong_hopper_gdn_backward(monkeypatch, version
     triton = pytest.importorskip("triton")
     monkeypatch.setattr(triton, "__version__", version)
     assert compat_triton.wrong_hopper_gdn_backward() == (version if wrong else None)
+
+
+def test_fla_takes_the_chunk_index_and_its_identity_cache_turns_off():
+    """What level buckets rely on, against the installed fla-core: `takes_chunk_indices` is True where
+    the delta rule and the conv name `chunk_indices` (fla-core 0.6.0; 0.4.2 takes them through
+    **kwargs and ignores them), and there `identity_cache_off` makes fla's identity cache derive anew
+    inside and cache again after."""
+    import inspect
+
+    named = all("chunk_indices" in inspect.signature(fn).parameters
+                for fn in (compat_fla.chunk_gated_delta_rule(), compat_fla.causal_conv1d()))
+    assert compat_fla.takes_chunk_indices() == named
+    if not named:
+        return
+    from fla.utils import tensor_cache
+
+    calls = []
+
+    @tensor_cache
+    def derive(x):
+        calls.append(x)
+        return x + 1
+
+    x = torch.zeros(2)
+    derive(x), derive(x)
+    assert len(calls) == 1
+    with compat_fla.identity_cache_off():
+        derive(x), derive(x)
+    assert len(calls) == 3
+    derive(x)
+    assert len(calls) == 3
