@@ -14,6 +14,7 @@ import importlib.util
 import logging
 import os
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -697,11 +698,13 @@ def test_tree_batch_rows_and_gradients_by_format(engines, checkpoints, family, f
     assert worst < TOL
 
 
+@pytest.mark.parametrize("buckets", ["segment", "level"])
 @pytest.mark.parametrize("family", ["qwen2.5", "qwen3.5"])
-def test_bucketed_micro_batches_match_stock_engine(engines, checkpoints, family, monkeypatch):
-    """With CUDA graphs on the GPU the engine packs shared micro-batches bucketed (each tree level
-    padded to its bucket, every position computed): forced here on the CPU, the rows and every
-    gradient equal verl's stock engine's, as the unbucketed packing's do."""
+def test_bucketed_micro_batches_match_stock_engine(engines, checkpoints, family, buckets, monkeypatch):
+    """With CUDA graphs on the GPU the engine packs shared micro-batches bucketed (each segment of a
+    tree level padded to the level's bucket, or under level buckets each level's block; every position
+    computed): forced here on the CPU, the rows and every gradient equal verl's stock engine's, as the
+    unbucketed packing's do."""
     import ps_bridge.verl.engine as engine_module
 
     made = []
@@ -718,10 +721,15 @@ def test_bucketed_micro_batches_match_stock_engine(engines, checkpoints, family,
     # prompts longer than the responses: the bucketed pack holds fewer tokens than the samples, so it runs
     samples = fold_into_vocabulary(grpo_like_samples(256, num_prompts=4, n=4, prompt_len=(40, 48), response_len=(5, 16),
                                                      seed=5, shuffle=False), hf.config.vocab_size)
+    for forward_only in (True, False):
+        ours = engines(family, "thd", "ours", forward_only=forward_only)
+        config = ours._prefix_sharing()
+        monkeypatch.setattr(ours, "prefix_sharing_config", replace(config, cuda_graph_buckets=buckets))
     stock = infer(engines(family, "thd", "stock"), vt.grpo_micro_batch(samples, **BATCHINGS["static"]))
     made.clear()  # Qwen3.5's baseline is our engine with sharing off
     ours = infer(engines(family, "thd", "ours"), vt.grpo_micro_batch(samples, **BATCHINGS["static"]))
     assert made and all(layout.bucketed and layout.has_sharing for layout in made)
+    assert all(layout.level_buckets == (buckets == "level") for layout in made)
     assert any(layout.num_tokens > layout.tokens_shared for layout in made)  # the buckets padded something
     read = prompt_lengths(samples)
     assert max(max_row_diff(ours[k], stock[k], prompt_lengths=read) for k in ("log_probs", "entropy")) < TOL
