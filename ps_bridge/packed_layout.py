@@ -45,8 +45,9 @@ _BUCKET_VARYING = frozenset({
 })
 # and what it also leaves out under level buckets, where the segments keep their own lengths inside
 # their level's block (`ps_bridge.tree.level_buckets`): the segment offsets and the per-token segment
-# and group ids. The forward reads the offsets through `varying` values only; the block lengths,
-# which the shapes follow, are in the key (`host["level_blocks"]`)
+# and group ids. The forward reads the offsets through `varying` values only; the block lengths and
+# the attention's longest element, which the shapes and grids follow, are in the key
+# (`host["level_blocks"]`, `host["segment_bound"]`)
 _LEVEL_VARYING = frozenset({"padded_lengths", "cu_seqlens_padded", "segment_ids", "group_ids"})
 # the per-token tensors of a bucketed layout that its forward reads and a replay refills
 BUCKET_INPUTS = ("tokens", "positions", "valid")
@@ -213,6 +214,7 @@ class PackedPrefixLayout:
             if self.level_buckets:
                 left_out = left_out | _LEVEL_VARYING
                 digest.update(f"level_blocks={source.host['level_blocks']!r};".encode())
+                digest.update(f"segment_bound={source.host['segment_bound']!r};".encode())
             for name, value in sorted(vars(source).items()):
                 if name in left_out:
                     continue

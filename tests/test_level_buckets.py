@@ -27,7 +27,7 @@ from ps_bridge.kernels.gdn import plan_from_layout
 from ps_bridge.layout import build_layout
 from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
 from ps_bridge.tree.level_buckets import (
-    CHUNK, chunk_index, chunks, filler_count, filler_lengths, level_block_length, level_bucket, level_sequences,
+    CHUNK, PADDING_PIECES, chunk_index, chunks, filler_count, filler_lengths, level_block_length, level_bucket, level_sequences,
 )
 from qwen35_helpers import load_tiny
 from test_cuda_graphs import record
@@ -139,6 +139,31 @@ def test_segments_keep_their_lengths_and_each_level_fills_its_block(case):
     assert _level(longer, share).structure_key() != layouts[0].structure_key()
     segment = build_layout(_samples(0, system=system), share=share, vocab_size=200, min_shared=0, bucket=True)
     assert segment.structure_key() != layouts[0].structure_key()
+
+
+def test_the_causal_call_is_bounded_by_its_longest_element_not_the_block():
+    """The causal attention call's grid follows its declared longest element: under level buckets that
+    is the bucket of the longest segment or padding piece (`host["segment_bound"]`, in the key), far
+    below a level's block where a level holds many segments; every element fits it."""
+    from ps_bridge.kernels.attention.cascade import cascade_plan
+    from ps_bridge.tree.materialize import bucket_length
+
+    samples = grpo_like_samples(200, num_prompts=4, n=8, prompt_len=(100, 128), response_len=(100, 256), seed=0,
+                                shuffle=False)
+    layout = _level(samples, True)
+    host = layout.host
+    call = cascade_plan(layout).segments
+    lengths = [b - a for a, b in zip(call.cu_q, call.cu_q[1:])]
+    assert call.max_q == call.max_k == host["segment_bound"] == bucket_length(max(lengths)) <= 384
+    assert max(host["level_blocks"]) >= 4 * host["segment_bound"]
+    assert len(lengths) == layout.num_segments + PADDING_PIECES * (layout.tree_depth + 1)  # + each level's pieces
+    # the bound is part of the structure: a longer longest response, within the same blocks, is another
+    same = [x for x in (_level(grpo_like_samples(200, num_prompts=4, n=8, prompt_len=(100, 128), response_len=r,
+                                                  seed=seed, shuffle=False), True)
+                        for seed in range(40) for r in ((150, 190), (120, 220)))
+            if x.host["level_blocks"] == host["level_blocks"]]
+    bounds = {x.host["segment_bound"] for x in same}
+    assert len(bounds) > 1 and len({x.structure_key() for x in same}) >= len(bounds)
 
 
 def test_level_buckets_need_buckets():

@@ -23,6 +23,9 @@ from __future__ import annotations
 from typing import List, Sequence
 
 CHUNK = 64  # fla's chunk size for the delta rule and the varlen conv
+# the attention's causal call over every segment takes a level's padding as this many elements of their
+# own, so that its longest element, which sizes the kernel's grid, stays near the longest segment
+PADDING_PIECES = 8
 
 
 def chunks(length: int) -> int:
@@ -81,6 +84,12 @@ def level_sequences(lengths: Sequence[int], block: int) -> List[int]:
         raise ValueError(f"a block of {block} tokens holds no {s} segments of {real} tokens and {fillers} fillers")
     want = chunks(block) + s - sum(chunks(n) for n in lengths)
     return [int(n) for n in lengths] + filler_lengths(block - real, want, fillers)
+
+
+def padding_pieces(start: int, end: int) -> List[int]:
+    """The ends of the `PADDING_PIECES` near-equal pieces (empty ones allowed) of a level's padding
+    `[start, end)`."""
+    return [start + (end - start) * j // PADDING_PIECES for j in range(1, PADDING_PIECES + 1)]
 
 
 def chunk_index(lengths: Sequence[int]) -> List[List[int]]:

@@ -19,7 +19,7 @@ import torch
 
 from ps_bridge.packed_layout import PackedPrefixLayout, cumulative_offsets
 from ps_bridge.tree.decide import PrefixTree
-from ps_bridge.tree.level_buckets import level_block_length
+from ps_bridge.tree.level_buckets import PADDING_PIECES, level_block_length
 from ps_bridge.tree.order import PackOrder
 
 
@@ -108,6 +108,13 @@ def materialize(
         padded_lengths = [_padded(n, pad_multiple) for n in valid_lengths]
     padded_lengths[-1] += _padded(sum(padded_lengths), total_multiple) - sum(padded_lengths)
     seg_offsets = cumulative_offsets(padded_lengths)
+    level_spans = list(zip(order.level_offsets, order.level_offsets[1:]))
+    segment_bound = None
+    if level_buckets:
+        # the longest element of the attention's causal call: a segment, or a piece of a level's padding
+        own = [_padded(n, pad_multiple) for n in valid_lengths]
+        pieces = [seg_offsets[b] - seg_offsets[a] - sum(own[a:b]) for a, b in level_spans]
+        segment_bound = bucket_length(max(max(own), *(-(-n // PADDING_PIECES) for n in pieces)))
     cu_valid = cumulative_offsets(valid_lengths)
     padded = np.asarray(padded_lengths, dtype=np.int64)
     seg_start = np.asarray(seg_offsets[:-1], dtype=np.int64)
@@ -179,7 +186,8 @@ def materialize(
         level_offsets=list(order.level_offsets),
         depth=order.depth,
         token_source=token_source,
-        level_blocks=[seg_offsets[b] - seg_offsets[a] for a, b in zip(order.level_offsets, order.level_offsets[1:])],
+        level_blocks=[seg_offsets[b] - seg_offsets[a] for a, b in level_spans],
+        segment_bound=segment_bound,
     )
     return PackedPrefixLayout(
         tokens=as_long(tokens),

@@ -24,9 +24,10 @@ its ancestors; the ancestors of a level-d node are one node per level a < d. So:
   the nodes' valid lengths, are `varying` values (a CUDA graph's replay refills them). Under level
   buckets (`PackedPrefixLayout.level_buckets`: segments at their own lengths, each level's block
   padded to a bucket on its last segment) the segments' offsets, and with them every call's query
-  offsets, follow the lengths too: they are `varying` values as well, and each call is told the
-  longest element its blocks can hold (the longest block, or the query and key blocks of an ancestor
-  call), which the kernels read only to size their grids.
+  offsets, follow the lengths too: they are `varying` values as well, and each call is told a bound
+  on its longest element, which the kernels read only to size their grids: the causal call takes each
+  level's padding as a few elements of their own and is bounded by the bucket of its longest element
+  (`host["segment_bound"]`, part of the structure), an ancestor call by its query and key blocks.
   Kernel launches per layer: 1 + D (D + 1) / 2 for a tree of depth D, whatever its node count; no
   key/value (or query) is copied: every call reads views of the packed tensors.
   Backward: each call's flash backward is run with the *merged* output and log-sum-exp of its
@@ -49,6 +50,7 @@ from ps_bridge.kernels.attention.merge import merge_into
 from ps_bridge.kernels.attention.kernel_choice import kernel_for
 from ps_bridge.kernels.attention.varlen import PlannedAttention, VarlenCall, VarlenKernel, check_shapes
 from ps_bridge.layout import PackedPrefixLayout
+from ps_bridge.tree.level_buckets import padding_pieces
 
 
 @dataclass
@@ -114,10 +116,16 @@ def _bind_varying_offsets(layout: PackedPrefixLayout, plan: CascadePlan, device)
 def _build_cascade_plan(layout: PackedPrefixLayout) -> CascadePlan:
     host = layout.host
     offsets = host["cu_seqlens_padded"]
-    segments = VarlenCall(cu_q=list(offsets), cu_k=list(offsets), causal=True)
     level_offsets = host["level_offsets"]
     if layout.level_buckets:
-        segments.max_q = segments.max_k = max(host["level_blocks"])
+        cu = _level_segment_offsets(layout)
+        segments = VarlenCall(cu_q=cu, cu_k=list(cu), causal=True)
+        if segments.max_q > host["segment_bound"]:  # the grid would miss its end
+            raise AssertionError(f"level buckets: an element of {segments.max_q} tokens in a causal call "
+                                 f"bounded at {host['segment_bound']}")
+        segments.max_q = segments.max_k = host["segment_bound"]
+    else:
+        segments = VarlenCall(cu_q=list(offsets), cu_k=list(offsets), causal=True)
     parent = host["segment_parent"]
     valid = host["valid_lengths"]
     levels: List[LevelCalls] = []
@@ -133,6 +141,20 @@ def _build_cascade_plan(layout: PackedPrefixLayout) -> CascadePlan:
                 calls[-1].call.max_q = offsets[hi] - offsets[lo]
         levels.append(LevelCalls(queries=(offsets[lo], offsets[hi]), ancestors=calls[::-1]))
     return CascadePlan(segments=segments, levels=levels)
+
+
+def _level_segment_offsets(layout: PackedPrefixLayout) -> List[int]:
+    """The causal call's offsets under level buckets: every segment at its own length, and each level's
+    padding (on its last segment) as `PADDING_PIECES` elements of its own (padding attends only to
+    padding), so that no element is much longer than the longest segment."""
+    host, multiple = layout.host, layout.pad_multiple
+    offsets, level_offsets = host["cu_seqlens_padded"], host["level_offsets"]
+    cu = [0]
+    for lo, hi in zip(level_offsets, level_offsets[1:]):
+        cu += offsets[lo + 1:hi]
+        own_end = offsets[hi - 1] + -(-host["valid_lengths"][hi - 1] // multiple) * multiple
+        cu += [own_end] + padding_pieces(own_end, offsets[hi])
+    return cu
 
 
 def _ancestor_call(ancestor: Sequence[int], offsets: Sequence[int], valid: Sequence[int], a_lo: int, a_hi: int,
