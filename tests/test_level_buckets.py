@@ -217,6 +217,15 @@ def test_level_bucketed_log_probs_and_gradients_equal_the_unbucketed_pack_and_hf
                                      bucket=True, level_buckets=True)
 
 
+@pytest.mark.parametrize("backend", ["torch_ref", "flash_atten_gpu"])
+def test_segments_padded_to_a_multiple_and_a_padded_pack_change_nothing(tiny, backend):
+    """`pad_multiple` pads each segment (the Gated DeltaNet runs that padding with its decay and write
+    strength zeroed) and `total_multiple` the pack's last level."""
+    hf, loaded = tiny
+    assert_bucketing_changes_nothing(hf, loaded, _samples(3, system=20), "tree", _config(loaded, backend),
+                                     bucket=True, level_buckets=True, pad_multiple=4, total_multiple=24)
+
+
 @pytest.mark.parametrize("case", SHARES)
 def test_a_replay_on_other_lengths_equals_eager(tiny, case):
     _, loaded = tiny
