@@ -110,9 +110,9 @@ def materialize(
     seg_offsets = cumulative_offsets(padded_lengths)
     level_spans = list(zip(order.level_offsets, order.level_offsets[1:]))
     segment_bound = None
+    own = [_padded(n, pad_multiple) for n in valid_lengths]  # each segment without its level's padding
     if level_buckets:
         # the longest element of the attention's causal call: a segment, or a piece of a level's padding
-        own = [_padded(n, pad_multiple) for n in valid_lengths]
         pieces = [seg_offsets[b] - seg_offsets[a] - sum(own[a:b]) for a, b in level_spans]
         segment_bound = bucket_length(max(max(own), *(-(-n // PADDING_PIECES) for n in pieces)))
     cu_valid = cumulative_offsets(valid_lengths)
@@ -187,6 +187,7 @@ def materialize(
         depth=order.depth,
         token_source=token_source,
         level_blocks=[seg_offsets[b] - seg_offsets[a] for a, b in level_spans],
+        own_lengths=own,
         segment_bound=segment_bound,
     )
     return PackedPrefixLayout(

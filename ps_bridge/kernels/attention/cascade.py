@@ -147,12 +147,12 @@ def _level_segment_offsets(layout: PackedPrefixLayout) -> List[int]:
     """The causal call's offsets under level buckets: every segment at its own length, and each level's
     padding (on its last segment) as `PADDING_PIECES` elements of its own (padding attends only to
     padding), so that no element is much longer than the longest segment."""
-    host, multiple = layout.host, layout.pad_multiple
+    host = layout.host
     offsets, level_offsets = host["cu_seqlens_padded"], host["level_offsets"]
     cu = [0]
     for lo, hi in zip(level_offsets, level_offsets[1:]):
         cu += offsets[lo + 1:hi]
-        own_end = offsets[hi - 1] + -(-host["valid_lengths"][hi - 1] // multiple) * multiple
+        own_end = offsets[hi - 1] + host["own_lengths"][hi - 1]
         cu += [own_end] + padding_pieces(own_end, offsets[hi])
     return cu
 

@@ -153,9 +153,9 @@ def level_sequences_of(layout) -> List[List[int]]:
     rest of the level's block (`tree.level_buckets.level_sequences`). From host lists, once per layout."""
 
     def build():
-        host, multiple = layout.host, layout.pad_multiple
+        host = layout.host
         offsets = host["level_offsets"]
-        return [level_sequences([-(-n // multiple) * multiple for n in host["valid_lengths"][lo:hi]], block)
+        return [level_sequences(host["own_lengths"][lo:hi], block)
                 for lo, hi, block in zip(offsets, offsets[1:], host["level_blocks"])]
 
     return layout.derived("gdn_level_sequences", build)
