@@ -64,6 +64,7 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.utils import unwrap_model
 
 from ps_bridge.compat import fla as compat_fla
+from ps_bridge.kernels.attention.registry import choose_attention_backend
 from ps_bridge.layout import PackedPrefixLayout
 from ps_bridge.packed_layout import BUCKET_INPUTS
 from ps_bridge.transfer import to_device
@@ -75,8 +76,8 @@ MAX_GRAPHS = 4  # graphs kept per model (each holds its own memory pool: the for
 
 
 # the attention backends whose kernels read a bucketed layout's lengths only through registered
-# `varying` values (`auto` picks the cascade on CUDA); under level buckets the per-token segment and
-# group ids follow the lengths too, which `torch_ref` reads
+# `varying` values (`auto` picks the cascade on CUDA in bf16/fp16); under level buckets the per-token
+# segment and group ids follow the lengths too, which `torch_ref` reads
 BUCKET_BACKENDS = ("auto", "flash_atten_gpu", "torch_ref")
 LEVEL_BUCKET_BACKENDS = ("auto", "flash_atten_gpu")
 
@@ -90,14 +91,33 @@ def graph_refusal(model: torch.nn.Module, layout: PackedPrefixLayout, backend: O
         return "the micro-batch carries images (the vision tower's inputs differ per micro-batch)"
     if layout.bucketed and backend is not None and backend not in BUCKET_BACKENDS:
         return f"the attention backend {backend!r} on a bucketed layout (graphs replay buckets with {BUCKET_BACKENDS})"
-    if layout.level_buckets:
-        if backend is not None and backend not in LEVEL_BUCKET_BACKENDS:
-            return (f"the attention backend {backend!r} on a level-bucketed layout (graphs replay level buckets "
-                    f"with {LEVEL_BUCKET_BACKENDS})")
-        if _has_gated_deltanet(model) and not compat_fla.takes_chunk_indices():
-            return (f"level buckets with fla-core {compat_fla.fla_version()}: it ignores the caller's chunk index "
-                    f"(fla-core >= {compat_fla.CHUNK_INDICES_SINCE} takes it; or PS_BRIDGE_CUDA_GRAPH_BUCKETS=segment)")
+    if layout.level_buckets and backend is not None:
+        refusal = level_bucket_refusal(model, backend, layout.device)
+        if refusal:
+            return refusal
     return model_refusal(model)
+
+
+def level_bucket_refusal(model: torch.nn.Module, backend: str, device: torch.device) -> Optional[str]:
+    """Why `model`'s passes with attention backend `backend` cannot replay level-bucketed layouts, or
+    None: the attention `backend` resolves to must read the segment offsets from registered `varying`
+    values only (the cascade; `auto` resolved for the model's dtype and head dim), and fla-core must
+    take the caller's chunk index where the model has Gated DeltaNet layers."""
+    module = unwrap_model(model)
+    config = getattr(module, "config", None)
+    resolved = backend
+    if backend == "auto":
+        param = next(torch.nn.Module.parameters(model), None)
+        head_dim = getattr(config, "kv_channels", None)
+        resolved = "torch_ref" if param is None or head_dim is None else choose_attention_backend(
+            device, param.dtype, int(head_dim))
+    if resolved not in LEVEL_BUCKET_BACKENDS:
+        return (f"the attention backend {backend!r}" + (f" (here {resolved!r})" if resolved != backend else "")
+                + f" on a level-bucketed layout (graphs replay level buckets with {LEVEL_BUCKET_BACKENDS})")
+    if _has_gated_deltanet(model) and not compat_fla.takes_chunk_indices():
+        return (f"level buckets with fla-core {compat_fla.fla_version()}: it ignores the caller's chunk index "
+                f"(fla-core >= {compat_fla.CHUNK_INDICES_SINCE} takes it; or PS_BRIDGE_CUDA_GRAPH_BUCKETS=segment)")
+    return None
 
 
 def _has_gated_deltanet(model: torch.nn.Module) -> bool:
@@ -137,11 +157,15 @@ def model_refusal(model: torch.nn.Module) -> Optional[str]:
 def buckets_for(model: torch.nn.Module, config) -> bool:
     """Whether the layouts of `model`'s micro-batches are built bucketed (`SharingPlan.bucket`): with
     `config.cuda_graphs`, on CUDA, where `model_refusal` allows graphs and the attention backend
-    reads buckets (elsewhere the padding would be computed for nothing)."""
+    reads buckets (under level buckets: where `level_bucket_refusal` allows; elsewhere the padding
+    would be computed for nothing)."""
     if not getattr(config, "cuda_graphs", False) or config.backend not in BUCKET_BACKENDS:
         return False
     param = next(torch.nn.Module.parameters(model), None)
-    return param is not None and param.device.type == "cuda" and model_refusal(model) is None
+    if param is None or param.device.type != "cuda" or model_refusal(model) is not None:
+        return False
+    level = getattr(config, "cuda_graph_buckets", "segment") == "level"
+    return not level or level_bucket_refusal(model, config.backend, param.device) is None
 
 
 def static_copy(layout: PackedPrefixLayout) -> PackedPrefixLayout:

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from ps_bridge.config import PrefixSharingConfig
+from ps_bridge import cuda_graphs
 from ps_bridge.cuda_graphs import ModelGraphs, graph_refusal
 from ps_bridge.forward import _run
 from ps_bridge.kernels.gdn import plan_from_layout
@@ -255,7 +256,13 @@ def test_the_reference_attention_does_not_replay_level_buckets(tiny, monkeypatch
     monkeypatch.setattr(type(on_cuda), "device", property(lambda self: torch.device("cuda")))
     assert "'torch_ref' on a level-bucketed layout" in graph_refusal(loaded.model, on_cuda, "torch_ref")
     assert graph_refusal(loaded.model, on_cuda, "flash_atten_gpu") is None
+    # `auto` as it resolves for the model: the reference for this float32 model, the cascade in bf16
+    assert "'auto' (here 'torch_ref') on a level-bucketed layout" in graph_refusal(loaded.model, on_cuda, "auto")
+    asked = []
+    monkeypatch.setattr(cuda_graphs, "choose_attention_backend",
+                        lambda device, dtype, head_dim: asked.append((device.type, dtype, head_dim)) or "flash_atten_gpu")
     assert graph_refusal(loaded.model, on_cuda, "auto") is None
+    assert asked == [("cuda", torch.float32, loaded.model.config.kv_channels)]
 
 
 def test_level_buckets_need_an_fla_that_takes_the_chunk_index(tiny, monkeypatch):
