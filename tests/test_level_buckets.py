@@ -28,11 +28,20 @@ from ps_bridge.kernels.gdn import plan_from_layout
 from ps_bridge.layout import build_layout
 from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
 from ps_bridge.tree.level_buckets import (
-    CHUNK, PADDING_PIECES, chunk_index, chunks, filler_count, filler_lengths, level_block_length, level_bucket, level_sequences,
+    CHUNK, PADDING_PIECES, RECENT_SHAPES, LevelShape, RecentShapes, chunk_index, chunks, filler_count, filler_lengths,
+    level_block_length, level_bucket, level_sequences, own_shape, segment_bound,
 )
 from qwen35_helpers import load_tiny
 from test_cuda_graphs import record
 from test_cuda_graphs_buckets import _forward, assert_bucketing_changes_nothing, assert_replays_equal_eager
+
+
+@pytest.fixture(autouse=True)
+def fresh_shapes():
+    """Each test packs with no recent shapes of an earlier one in view (`RECENT_SHAPES`)."""
+    RECENT_SHAPES.clear()
+    yield
+    RECENT_SHAPES.clear()
 
 
 # ---- the arithmetic --------------------------------------------------------------------------
@@ -132,7 +141,11 @@ def test_segments_keep_their_lengths_and_each_level_fills_its_block(case):
             lo, hi = host["level_offsets"][d], host["level_offsets"][d + 1]
             assert host["padded_lengths"][lo:hi - 1] == host["valid_lengths"][lo:hi - 1]
             assert sum(host["padded_lengths"][lo:hi]) == block
-            assert block == level_block_length(sum(host["valid_lengths"][lo:hi]), hi - lo)
+            # its own block, or a recent pack's that holds it with at most 1/8 more tokens
+            own = level_block_length(sum(host["valid_lengths"][lo:hi]), hi - lo)
+            assert own <= block and (block == own or 8 * sum(host["level_blocks"]) <= 9 * sum(
+                level_block_length(sum(host["valid_lengths"][a:b]), b - a)
+                for a, b in zip(host["level_offsets"], host["level_offsets"][1:])))
     assert layouts[0].host["valid_lengths"] != layouts[1].host["valid_lengths"]
     # another block, another structure; segment buckets are another structure too
     longer = _samples(0, system=system)
@@ -144,10 +157,9 @@ def test_segments_keep_their_lengths_and_each_level_fills_its_block(case):
 
 def test_the_causal_call_is_bounded_by_its_longest_element_not_the_block():
     """The causal attention call's grid follows its declared longest element: under level buckets that
-    is the bucket of the longest segment or padding piece (`host["segment_bound"]`, in the key), far
-    below a level's block where a level holds many segments; every element fits it."""
+    is the power of two above the longest segment or padding piece (`host["segment_bound"]`, in the
+    key), far below a level's block where a level holds many segments; every element fits it."""
     from ps_bridge.kernels.attention.cascade import cascade_plan
-    from ps_bridge.tree.materialize import bucket_length
 
     samples = grpo_like_samples(200, num_prompts=4, n=8, prompt_len=(100, 128), response_len=(100, 256), seed=0,
                                 shuffle=False)
@@ -155,16 +167,57 @@ def test_the_causal_call_is_bounded_by_its_longest_element_not_the_block():
     host = layout.host
     call = cascade_plan(layout).segments
     lengths = [b - a for a, b in zip(call.cu_q, call.cu_q[1:])]
-    assert call.max_q == call.max_k == host["segment_bound"] == bucket_length(max(lengths)) <= 384
-    assert max(host["level_blocks"]) >= 4 * host["segment_bound"]
+    assert call.max_q == call.max_k == host["segment_bound"] == 1 << (max(lengths) - 1).bit_length() == 256
+    assert max(host["level_blocks"]) >= 16 * host["segment_bound"]
     assert len(lengths) == layout.num_segments + PADDING_PIECES * (layout.tree_depth + 1)  # + each level's pieces
-    # the bound is part of the structure: a longer longest response, within the same blocks, is another
-    same = [x for x in (_level(grpo_like_samples(200, num_prompts=4, n=8, prompt_len=(100, 128), response_len=r,
-                                                  seed=seed, shuffle=False), True)
-                        for seed in range(40) for r in ((150, 190), (120, 220)))
-            if x.host["level_blocks"] == host["level_blocks"]]
-    bounds = {x.host["segment_bound"] for x in same}
-    assert len(bounds) > 1 and len({x.structure_key() for x in same}) >= len(bounds)
+    # the bound is part of the structure: the same tokens with a longer longest response, in the same
+    # blocks, are another structure
+    longest = max(range(len(samples)), key=lambda i: len(samples[i].response))
+    shortest = min(range(len(samples)), key=lambda i: len(samples[i].response))
+    moved = len(samples[shortest].response) - 1
+    other = list(samples)
+    other[longest] = replace(samples[longest], response=samples[longest].response + [7] * moved)
+    other[shortest] = replace(samples[shortest], response=samples[shortest].response[:1])
+    RECENT_SHAPES.clear()
+    longer = _level(other, True)
+    assert longer.host["level_blocks"] == host["level_blocks"] and longer.host["segment_bound"] == 512
+    assert longer.structure_key() != layout.structure_key()
+
+
+def test_a_pack_takes_a_recent_shape_that_holds_it_with_little_more_padding():
+    recent = RecentShapes(recent=2, tree_shapes=2)
+    big = [[100] * 4, [300] * 30]
+    mine = recent.choose("groups", big)
+    assert mine == own_shape(big) and recent.choose("groups", big) == mine  # asked twice: one answer
+    smaller = [[100] * 4, [270] * 30]
+    assert own_shape(smaller).blocks < mine.blocks
+    assert 8 * sum(mine.blocks) <= 9 * sum(own_shape(smaller).blocks)
+    assert recent.choose("groups", smaller) == mine  # held, and 1/8 more tokens at most
+    much_smaller = [[100] * 4, [200] * 30]
+    assert recent.choose("groups", much_smaller) == own_shape(much_smaller)  # more than 1/8: its own
+    assert recent.choose("other tree", smaller) == own_shape(smaller)  # another tree shape: its own
+    longer = [[100] * 4, [270] * 29 + [600]]  # a longer segment than the recent bound holds
+    assert segment_bound(longer, mine.blocks) > mine.bound
+    assert recent.choose("groups", longer) != mine
+    # bounded memory: the least recent tree shape, and a tree shape's oldest shapes, are forgotten
+    assert list(recent._shapes["groups"]) == [own_shape(much_smaller), own_shape(longer)]
+    recent.choose("third tree", big)
+    assert list(recent._shapes) == ["groups", "third tree"]
+    assert LevelShape(mine.blocks, mine.bound) == mine
+
+
+def test_layouts_of_nearby_totals_share_a_structure():
+    """Packed one after the other, a micro-batch whose blocks a recent one's hold (within 1/8 more
+    tokens) is packed in them: the same structure key, so the same CUDA graph."""
+    found = {}
+    for seed in range(60):
+        layout = _level(_samples(seed, response_len=(40, 60)), True)
+        found.setdefault(layout.structure_key(), []).append(layout)
+    alone = set()
+    for seed in range(60):
+        RECENT_SHAPES.clear()  # each packed in its own shape
+        alone.add(_level(_samples(seed, response_len=(40, 60)), True).structure_key())
+    assert len(found) < len(alone)
 
 
 def test_level_buckets_need_buckets():

@@ -9,7 +9,10 @@ level's segments keep their own lengths, and the level's block of the pack is pa
 filler sequences over the padding, whose lengths (zero allowed) make the chunk count
 `chunks(block) + segments` (`level_sequences`). The sequence and chunk counts then follow the tree's
 shape and the block lengths only, and the offsets (`cu_seqlens`, `chunk_indices`) are device values
-a replay refills.
+a replay refills. The attention's causal call takes each level's padding as `PADDING_PIECES` elements
+of its own and is bounded by `segment_bound`. A pack takes the blocks of a recent pack of its tree
+shape where they hold it with little more padding (`RecentShapes`), so that packs of nearby totals
+share one structure.
 
 Why those counts always fit: `m` non-empty fillers of `c_j` chunks hold between `64 c_j - 63` and
 `64 c_j` tokens each; the real segments take at most one partial chunk each beyond `chunks(real
@@ -20,12 +23,19 @@ and extreme batches in tests/test_level_buckets.py).
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Hashable, List, Sequence, Tuple
 
 CHUNK = 64  # fla's chunk size for the delta rule and the varlen conv
 # the attention's causal call over every segment takes a level's padding as this many elements of their
 # own, so that its longest element, which sizes the kernel's grid, stays near the longest segment
 PADDING_PIECES = 8
+# a pack takes the blocks of a recent pack of its tree shape that hold it with at most 1/8 more tokens
+# than its own blocks would (`RecentShapes`): fewer structures, so fewer CUDA graphs to capture and keep
+REUSE: Tuple[int, int] = (9, 8)
+RECENT = 8  # block choices remembered per tree shape
+TREE_SHAPES = 16  # tree shapes remembered
 
 
 def chunks(length: int) -> int:
@@ -90,6 +100,68 @@ def padding_pieces(start: int, end: int) -> List[int]:
     """The ends of the `PADDING_PIECES` near-equal pieces (empty ones allowed) of a level's padding
     `[start, end)`."""
     return [start + (end - start) * j // PADDING_PIECES for j in range(1, PADDING_PIECES + 1)]
+
+
+def segment_bound(own_by_level: Sequence[Sequence[int]], blocks: Sequence[int]) -> int:
+    """The attention's bound on its causal call's longest element (a segment, or a piece of a level's
+    padding: `padding_pieces`), a power of two (at least 16) so that nearby packs share it."""
+    pieces = max(-(-(block - sum(own)) // PADDING_PIECES) for own, block in zip(own_by_level, blocks))
+    longest = max(max(max(own, default=0) for own in own_by_level), pieces, 16)
+    return 1 << (longest - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class LevelShape:
+    """What the shapes of a level-bucketed pack follow besides its tree: each level's block (the last
+    one holding the pack's own padding to its multiple) and the attention's bound (`segment_bound`)."""
+
+    blocks: Tuple[int, ...]
+    bound: int
+
+
+def own_shape(own_by_level: Sequence[Sequence[int]], multiple: int = 1, total_multiple: int = 1) -> LevelShape:
+    """The level shape of segments `own_by_level` (each padded to `multiple`) with no other pack in view."""
+    blocks = [level_block_length(sum(own), len(own), multiple) for own in own_by_level]
+    blocks[-1] += -(-sum(blocks) // total_multiple) * total_multiple - sum(blocks)
+    return LevelShape(tuple(blocks), segment_bound(own_by_level, blocks))
+
+
+class RecentShapes:
+    """The level shapes recently chosen per tree shape. `choose` gives a pack the smallest recent shape of
+    its tree shape whose blocks hold its segments with at most `REUSE` of its own shape's tokens and
+    whose bound holds its longest element, else its own shape (then remembered): packs of nearby totals
+    then share a structure and replay one CUDA graph (`ps_bridge.cuda_graphs`). A pack asked about twice
+    gets the same answer (its own shape, once remembered, fits it)."""
+
+    def __init__(self, recent: int = RECENT, tree_shapes: int = TREE_SHAPES):
+        self.recent, self.tree_shapes = recent, tree_shapes
+        self._shapes: "OrderedDict[Hashable, deque]" = OrderedDict()
+
+    def choose(self, tree_shape: Hashable, own_by_level: Sequence[Sequence[int]], multiple: int = 1,
+               total_multiple: int = 1) -> LevelShape:
+        mine = own_shape(own_by_level, multiple, total_multiple)
+        shapes = self._shapes.get(tree_shape)
+        if shapes is None:
+            shapes = self._shapes[tree_shape] = deque(maxlen=self.recent)
+            while len(self._shapes) > self.tree_shapes:
+                self._shapes.popitem(last=False)
+        self._shapes.move_to_end(tree_shape)
+        num, den = REUSE
+        fits = [shape for shape in shapes
+                if all(b >= n for b, n in zip(shape.blocks, mine.blocks))
+                and sum(shape.blocks) * den <= sum(mine.blocks) * num
+                and segment_bound(own_by_level, shape.blocks) <= shape.bound]
+        if fits:
+            return min(fits, key=lambda shape: sum(shape.blocks))
+        shapes.append(mine)
+        return mine
+
+    def clear(self) -> None:
+        self._shapes.clear()
+
+
+# the process's recent shapes (every model of the process: the actor's and reference's packs alike)
+RECENT_SHAPES = RecentShapes()
 
 
 def chunk_index(lengths: Sequence[int]) -> List[List[int]]:

@@ -19,7 +19,7 @@ import torch
 
 from ps_bridge.packed_layout import PackedPrefixLayout, cumulative_offsets
 from ps_bridge.tree.decide import PrefixTree
-from ps_bridge.tree.level_buckets import PADDING_PIECES, level_block_length
+from ps_bridge.tree.level_buckets import RECENT_SHAPES
 from ps_bridge.tree.order import PackOrder
 
 
@@ -38,20 +38,30 @@ def bucket_length(n: int, multiple: int = 1) -> int:
     return _padded(b, multiple)
 
 
-def bucketed_lengths(tree: PrefixTree, order: PackOrder, pad_multiple: int = 1, level_buckets: bool = False) -> List[int]:
+def level_lengths(tree: PrefixTree, order: PackOrder, pad_multiple: int = 1, total_multiple: int = 1):
+    """(each segment's length in pack order, the `LevelShape`) under level buckets: its own length
+    (`pad_multiple`), and on a level's last segment the rest of the level's block, the blocks those the
+    process's recent shapes give this tree shape (`level_buckets.RECENT_SHAPES`)."""
+    valid = (tree.node_end[order.nodes] - tree.node_start[order.nodes]).tolist()
+    own = [_padded(n, pad_multiple) for n in valid]
+    spans = list(zip(order.level_offsets, order.level_offsets[1:]))
+    tree_shape = (tuple(order.level_offsets), tuple(order.parent.tolist()), pad_multiple, total_multiple)
+    shape = RECENT_SHAPES.choose(tree_shape, [own[a:b] for a, b in spans], pad_multiple, total_multiple)
+    for (a, b), block in zip(spans, shape.blocks):
+        own[b - 1] += block - sum(own[a:b])
+    return own, shape
+
+
+def bucketed_lengths(tree: PrefixTree, order: PackOrder, pad_multiple: int = 1, level_buckets: bool = False,
+                     total_multiple: int = 1) -> List[int]:
     """Each segment's length in pack order under `bucket=True`: the `bucket_length` of its tree level's
-    longest segment; with `level_buckets`, its own length and, on a level's last segment, the rest of
-    the level's block (`level_buckets.level_block_length`)."""
+    longest segment; with `level_buckets`, `level_lengths`'."""
+    if level_buckets:
+        return level_lengths(tree, order, pad_multiple, total_multiple)[0]
     nodes = order.nodes
     valid = (tree.node_end[nodes] - tree.node_start[nodes]).tolist()
-    spans = list(zip(order.level_offsets, order.level_offsets[1:]))
-    if level_buckets:
-        lengths = [_padded(n, pad_multiple) for n in valid]
-        for a, b in spans:
-            own = sum(lengths[a:b])
-            lengths[b - 1] += level_block_length(own, b - a, pad_multiple) - own
-        return lengths
-    level_length = [bucket_length(max(valid[a:b]), pad_multiple) for a, b in spans]
+    level_length = [bucket_length(max(valid[a:b]), pad_multiple)
+                    for a, b in zip(order.level_offsets, order.level_offsets[1:])]
     return [level_length[d] for d in order.level.tolist()]
 
 
@@ -59,7 +69,7 @@ def bucketed_tokens(tree: PrefixTree, order: PackOrder, pad_multiple: int = 1, t
                     level_buckets: bool = False) -> int:
     """The tokens of the bucketed pack of `tree` (`materialize(..., bucket=True)`), from host integers:
     what the sharing rule weighs against the samples' own tokens before anything is packed."""
-    return _padded(sum(bucketed_lengths(tree, order, pad_multiple, level_buckets)), total_multiple)
+    return _padded(sum(bucketed_lengths(tree, order, pad_multiple, level_buckets, total_multiple)), total_multiple)
 
 
 def _repeat_arange(lengths: np.ndarray):
@@ -93,8 +103,8 @@ def materialize(
     level's longest, so the pack's shape depends on the tree's shape and the levels' buckets only,
     not on each segment's length; the output layer then runs on every position (`output_positions`
     None: which positions the rows read depends on the lengths). `level_buckets` (with `bucket`):
-    segments keep their own lengths and each level's block is padded to a bucket instead
-    (`ps_bridge.tree.level_buckets`), the padding on the level's last segment."""
+    segments keep their own lengths and each level's block is padded to a bucket instead, the padding
+    on the level's last segment (`level_lengths`, `ps_bridge.tree.level_buckets`)."""
     nodes = order.nodes
     N = nodes.size
     B = tree.num_samples
@@ -102,19 +112,18 @@ def materialize(
     valid_lengths = (end - start).tolist()
     if level_buckets and not bucket:
         raise ValueError("level_buckets=True needs bucket=True")
-    if bucket:
-        padded_lengths = bucketed_lengths(tree, order, pad_multiple, level_buckets)
+    segment_bound = None
+    if level_buckets:
+        padded_lengths, shape = level_lengths(tree, order, pad_multiple, total_multiple)
+        segment_bound = shape.bound  # the longest element of the attention's causal call
+    elif bucket:
+        padded_lengths = bucketed_lengths(tree, order, pad_multiple)
     else:
         padded_lengths = [_padded(n, pad_multiple) for n in valid_lengths]
     padded_lengths[-1] += _padded(sum(padded_lengths), total_multiple) - sum(padded_lengths)
     seg_offsets = cumulative_offsets(padded_lengths)
     level_spans = list(zip(order.level_offsets, order.level_offsets[1:]))
-    segment_bound = None
     own = [_padded(n, pad_multiple) for n in valid_lengths]  # each segment without its level's padding
-    if level_buckets:
-        # the longest element of the attention's causal call: a segment, or a piece of a level's padding
-        pieces = [seg_offsets[b] - seg_offsets[a] - sum(own[a:b]) for a, b in level_spans]
-        segment_bound = bucket_length(max(max(own), *(-(-n // PADDING_PIECES) for n in pieces)))
     cu_valid = cumulative_offsets(valid_lengths)
     padded = np.asarray(padded_lengths, dtype=np.int64)
     seg_start = np.asarray(seg_offsets[:-1], dtype=np.int64)

@@ -26,8 +26,8 @@ its ancestors; the ancestors of a level-d node are one node per level a < d. So:
   padded to a bucket on its last segment) the segments' offsets, and with them every call's query
   offsets, follow the lengths too: they are `varying` values as well, and each call is told a bound
   on its longest element, which the kernels read only to size their grids: the causal call takes each
-  level's padding as a few elements of their own and is bounded by the bucket of its longest element
-  (`host["segment_bound"]`, part of the structure), an ancestor call by its query and key blocks.
+  level's padding as a few elements of their own and is bounded by the power of two above its longest
+  element (`host["segment_bound"]`, part of the structure), an ancestor call by its query and key blocks.
   Kernel launches per layer: 1 + D (D + 1) / 2 for a tree of depth D, whatever its node count; no
   key/value (or query) is copied: every call reads views of the packed tensors.
   Backward: each call's flash backward is run with the *merged* output and log-sum-exp of its
