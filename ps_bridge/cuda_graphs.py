@@ -157,15 +157,22 @@ def model_refusal(model: torch.nn.Module) -> Optional[str]:
 def buckets_for(model: torch.nn.Module, config) -> bool:
     """Whether the layouts of `model`'s micro-batches are built bucketed (`SharingPlan.bucket`): with
     `config.cuda_graphs`, on CUDA, where `model_refusal` allows graphs and the attention backend
-    reads buckets (under level buckets: where `level_bucket_refusal` allows; elsewhere the padding
-    would be computed for nothing)."""
-    if not getattr(config, "cuda_graphs", False) or config.backend not in BUCKET_BACKENDS:
+    reads buckets (under level buckets: where `level_bucket_refusal` allows), and while captures have
+    not stopped in the process: elsewhere the padding would be computed for nothing, and the sharing
+    rule, which under graphs shares whatever replays, decides as for eager passes."""
+    if not getattr(config, "cuda_graphs", False) or config.backend not in BUCKET_BACKENDS or ModelGraphs.stopped:
         return False
-    param = next(torch.nn.Module.parameters(model), None)
-    if param is None or param.device.type != "cuda" or model_refusal(model) is not None:
+    device = parameter_device(model)
+    if device is None or device.type != "cuda" or model_refusal(model) is not None:
         return False
     level = getattr(config, "cuda_graph_buckets", "segment") == "level"
-    return not level or level_bucket_refusal(model, config.backend, param.device) is None
+    return not level or level_bucket_refusal(model, config.backend, device) is None
+
+
+def parameter_device(model: torch.nn.Module) -> Optional[torch.device]:
+    """Where `model`'s first parameter lives (None without parameters)."""
+    param = next(torch.nn.Module.parameters(model), None)
+    return None if param is None else param.device
 
 
 def static_copy(layout: PackedPrefixLayout) -> PackedPrefixLayout:

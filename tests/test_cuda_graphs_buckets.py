@@ -16,6 +16,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from ps_bridge import cuda_graphs
 from ps_bridge.cuda_graphs import ModelGraphs, buckets_for, graph_refusal, refill, static_copy
 from ps_bridge.forward import _run, run_packed
 from ps_bridge.kernels.attention.cascade import prefix_shared_attention_cascade
@@ -202,6 +203,13 @@ def test_buckets_only_where_graphs_run(tiny, monkeypatch):
     monkeypatch.setattr(type(on_cuda), "device", property(lambda self: torch.device("cuda")))
     assert graph_refusal(loaded.model, on_cuda, "flash_atten_gpu") is None
     assert "'flex' on a bucketed layout" in graph_refusal(loaded.model, on_cuda, "flex")
+    # a model on CUDA buckets, unless captures have stopped in the process (its passes then run eagerly,
+    # and the sharing rule decides as for eager passes)
+    monkeypatch.setattr(cuda_graphs, "parameter_device", lambda model: torch.device("cuda"))
+    config = replace(config, backend="flash_atten_gpu")
+    assert buckets_for(loaded.model, config)
+    monkeypatch.setattr(ModelGraphs, "stopped", "a capture failed")
+    assert not buckets_for(loaded.model, config)
 
 
 @pytest.mark.parametrize("case", SHARES)
