@@ -97,8 +97,9 @@ def _bind_varying_offsets(layout: PackedPrefixLayout, plan: CascadePlan, device)
 
     def register(name, call, side, pick):
         static = call.device_offsets(device)[side]
+        field = ("cu_q", "cu_k")[side]
         layout.varying((name, side, str(device)), static, lambda other: torch.tensor(
-            (pick(cascade_plan(other)).cu_q, pick(cascade_plan(other)).cu_k)[side], dtype=static.dtype))
+            getattr(pick(cascade_plan(other)), field), dtype=static.dtype))
 
     def bind():
         sides = (0, 1) if layout.level_buckets else (1,)

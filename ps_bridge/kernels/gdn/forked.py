@@ -40,15 +40,15 @@ def forked_causal_conv1d(x, weight, bias, plan: GDNPlan, backend, activation="si
     `fork=False` starts every node from zeros (a deliberately wrong variant, for negative tests).
     `tails`: the `(index, mask)` of `plan.conv_tail_index` given by the caller (a bucketed layout's,
     `plan.bucketed_conv_tails`)."""
-    chunks = {} if plan.conv_chunk_index is None else dict(chunk_indices=plan.conv_chunk_index)
+    chunks = plan.conv_chunk_index
     if plan.depth == 0 or not fork:
-        y, _ = backend.causal_conv1d(x, weight, bias, plan.cu_all, plan.cu_all_host, None, False, activation, **chunks)
+        y, _ = backend.causal_conv1d(x, weight, bias, plan.cu_all, plan.cu_all_host, None, False, activation, chunks)
         return y
     D, W = weight.shape
     index, valid = plan.conv_tail_index(W, x.device) if tails is None else tails
     tails = x.index_select(0, index).view(-1, W, D) * valid.unsqueeze(-1).to(x.dtype)  # [N, W, D]
     init = tails.transpose(1, 2)  # fla's [N, D, W]
-    y, _ = backend.causal_conv1d(x, weight, bias, plan.cu_all, plan.cu_all_host, init, False, activation, **chunks)
+    y, _ = backend.causal_conv1d(x, weight, bias, plan.cu_all, plan.cu_all_host, init, False, activation, chunks)
     return y
 
 
@@ -64,10 +64,9 @@ def forked_gated_delta_rule(q, k, v, g, beta, scale, plan: GDNPlan, backend, for
             init = fork_states(states, level.parent)
             if level.fillers:
                 init = torch.cat([init, init.new_zeros(level.fillers, *init.shape[1:])])
-        chunks = {} if level.chunk_index is None else dict(chunk_indices=level.chunk_index)
         o, states = backend.gated_delta_rule(
             q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], scale, level.cu, level.cu_host, init, level.has_children,
-            **chunks,
+            level.chunk_index,
         )
         outs.append(o)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

@@ -147,6 +147,15 @@ def bucketed_conv_tails(layout, width: int, device) -> Tuple[torch.Tensor, torch
     return layout.derived(("gdn_bucketed_conv_tails", width, str(device)), on_device)
 
 
+def parents(parent: Sequence[int]) -> List[bool]:
+    """For each node (`parent[s]`: its parent, -1 for a root), whether it is some node's parent."""
+    is_parent = [False] * len(parent)
+    for p in parent:
+        if p >= 0:
+            is_parent[p] = True
+    return is_parent
+
+
 def level_sequences_of(layout) -> List[List[int]]:
     """Per level of a level-bucketed layout, the lengths of the sequences the GDN runs it as: its
     segments (each its own length, padded to the layout's `pad_multiple`) and then the fillers over the
@@ -192,10 +201,7 @@ def level_plan(layout, device) -> GDNPlan:
         return layout.varying(("gdn_level", key, str(device)), values[key].to(device),
                               lambda other: _level_values(other)[key])
 
-    is_parent = [False] * len(parent)
-    for p in parent:
-        if p >= 0:
-            is_parent[p] = True
+    is_parent = parents(parent)
     levels, start = [], 0
     for d, (lengths, block) in enumerate(zip(level_sequences_of(layout), host["level_blocks"])):
         lo, hi = offsets[d], offsets[d + 1]
@@ -233,10 +239,7 @@ def build_plan(
         gather_index = torch.cat(
             [torch.arange(int(a), int(a) + int(n), dtype=torch.long) for a, n in zip(starts, valid_lengths)]
         ).to(device)
-    is_parent = [False] * N
-    for p in parent:
-        if p >= 0:
-            is_parent[p] = True
+    is_parent = parents(parent)
     levels = []
     for d in range(len(level_offsets) - 1):
         lo, hi = level_offsets[d], level_offsets[d + 1]
