@@ -61,6 +61,7 @@ from typing import Callable, Optional, Tuple
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
+from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import unwrap_model
 
 from ps_bridge.compat import fla as compat_fla
@@ -218,6 +219,9 @@ class _Graph:
 
     seen: int = 0
     failed: bool = False
+    # the dtype of the eager pass's output, which a replay returns: a graph of a Float16Module-wrapped
+    # model holds its half-precision logits (`graphed`) and the replay casts them as the module does
+    dtype: Optional[torch.dtype] = None
     layout: Optional[PackedPrefixLayout] = None
     graph: Optional[object] = None
     output: Optional[torch.Tensor] = None
@@ -294,12 +298,12 @@ class _Replayed(torch.autograd.Function):
         entry.graph.replay()
         entry.pending = True
         ctx.entry = entry
-        return entry.output.clone()
+        return entry.output.to(entry.dtype, copy=True)
 
     @staticmethod
     def backward(ctx, grad_output):
         entry = ctx.entry
-        entry.grad_output.copy_(grad_output)
+        entry.grad_output.copy_(grad_output)  # in the graph's dtype: the rounding of the cast's backward
         entry.backward.replay()
         entry.pending = False
         return (None,) + tuple(entry.grads)
@@ -321,10 +325,13 @@ class ModelGraphs:
         self.replays = 0
 
     def run(self, model: torch.nn.Module, layout: PackedPrefixLayout, key: tuple,
-            forward: Callable[[PackedPrefixLayout, Optional[dict]], torch.Tensor]) -> torch.Tensor:
+            forward: Callable[[PackedPrefixLayout, Optional[dict]], torch.Tensor],
+            graph_forward: Optional[Callable[[PackedPrefixLayout, Optional[dict]], torch.Tensor]] = None) -> torch.Tensor:
         """`forward(layout, None)`, replayed from a graph where one was captured for `layout`'s
         structure (`key` adds what else the forward depends on: the attention backend).
-        `forward(layout, params)` runs the model with `params` (name -> tensor) in place of its own."""
+        `forward(layout, params)` runs the model with `params` (name -> tensor) in place of its own.
+        The graph captures `graph_forward` (default `forward`): the same pass, whose output may be in
+        another dtype; a replay returns it in the dtype of `forward`'s."""
         fingerprint = storage_fingerprint(model)
         if fingerprint != self.fingerprint:
             if self.graphs:
@@ -341,9 +348,11 @@ class ModelGraphs:
         self.graphs.move_to_end(key)
         entry.seen += 1
         if entry.graph is None and not entry.failed and entry.seen >= CAPTURE_AT and not ModelGraphs.stopped:
-            self._capture(entry, model, layout, forward, training)
+            self._capture(entry, model, layout, graph_forward or forward, training)
         if entry.graph is None or entry.pending:
-            return forward(layout, None)
+            output = forward(layout, None)
+            entry.dtype = output.dtype
+            return output
         if layout.bucketed:
             refill(entry.layout, layout)
         else:
@@ -352,7 +361,7 @@ class ModelGraphs:
         COUNTS["replays"] += 1
         if not training:
             entry.graph.replay()
-            return entry.output.clone()
+            return entry.output.to(entry.dtype, copy=True)
         return _Replayed.apply(entry, *(ref() for ref in entry.params))
 
     def _capture(self, entry: _Graph, model, layout: PackedPrefixLayout, forward, training: bool) -> None:
@@ -386,6 +395,7 @@ class ModelGraphs:
         else:
             graph, output = self.capture.forward(lambda: forward(own, None))
         entry.layout, entry.graph, entry.output = own, graph, output
+        entry.dtype = entry.dtype or output.dtype
 
 
 # captures and replays of every model of this process (verl-check reports them per phase)
@@ -404,13 +414,20 @@ def model_graphs(model: torch.nn.Module) -> ModelGraphs:
 
 
 def graphed(model: torch.nn.Module, layout: PackedPrefixLayout, backend: Optional[str],
-            forward: Callable[[PackedPrefixLayout, Optional[dict]], torch.Tensor]) -> torch.Tensor:
+            forward: Callable[..., torch.Tensor]) -> torch.Tensor:
     """`forward(layout, None)` through the model's graphs where `graph_refusal` allows for the attention
-    `backend` (a graph is kept per backend), else eagerly (the reason logged once per reason)."""
+    `backend` (a graph is kept per backend), else eagerly (the reason logged once per reason).
+    `forward(layout, weights, fp32_output=False)` is megatron's Float16Module's pass without its cast of
+    the logits to float32: for such a model that is what the graph captures, so that its memory pool
+    keeps the logits in half precision (half the bytes, for as long as the graph lives), and the
+    replay casts them."""
     refusal = graph_refusal(model, layout, backend)
     if refusal is not None:
         if refusal not in _REFUSED:
             _REFUSED.add(refusal)
             logger.info("[PS][graphs] the forward runs without CUDA graphs: %s", refusal)
         return forward(layout, None)
-    return model_graphs(model).run(model, layout, (backend,), forward)
+    graph_forward = None
+    if isinstance(without_data_parallel(model), Float16Module):
+        graph_forward = lambda own, weights: forward(own, weights, fp32_output=False)  # noqa: E731
+    return model_graphs(model).run(model, layout, (backend,), forward, graph_forward)

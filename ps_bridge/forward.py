@@ -51,14 +51,16 @@ def run_packed(model: torch.nn.Module, layout: PackedPrefixLayout, config: Prefi
     forward (and its backward) replays CUDA graphs where they were captured for the layout's structure
     (`ps_bridge.cuda_graphs`)."""
     if config.cuda_graphs:
-        return graphed(model, layout, config.backend, lambda own, weights: _run(model, own, config, weights))
+        return graphed(model, layout, config.backend,
+                       lambda own, weights, **kwargs: _run(model, own, config, weights, **kwargs))
     return _run(model, layout, config)
 
 
 def _run(model: torch.nn.Module, layout: PackedPrefixLayout, config: PrefixSharingConfig,
-         weights: Optional[dict] = None) -> torch.Tensor:
+         weights: Optional[dict] = None, **module_kwargs) -> torch.Tensor:
     """The model's call; with `weights` (parameter name -> tensor, names of `without_data_parallel(model)`)
-    in place of its parameters."""
+    in place of its parameters; `module_kwargs` go to the module (megatron's Float16Module takes
+    `fp32_output`)."""
     shard = local_shard(layout)
     params = PrefixSharedPackedSeqParams.from_layout(layout, attention_backend=config.backend, cp_shard=shard)
     tokens = layout.tokens if shard is None else layout.tokens[shard]
@@ -67,6 +69,7 @@ def _run(model: torch.nn.Module, layout: PackedPrefixLayout, config: PrefixShari
         position_ids=params.local_positions.unsqueeze(0),
         attention_mask=None,
         packed_seq_params=params,
+        **module_kwargs,
     )
     if weights is not None:
         return torch.func.functional_call(without_data_parallel(model), weights, args=(), kwargs=inputs)

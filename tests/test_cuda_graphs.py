@@ -346,3 +346,36 @@ def test_graphs_die_with_their_model():
     del model, graphs
     gc.collect()
     assert gone() is None
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "qwen3.5"])
+def test_half_precision_graphs_keep_half_precision_logits(name, tmp_path_factory, monkeypatch):
+    """A model in megatron's Float16Module (bf16): the graph captures the pass without the module's
+    cast of the logits to float32 (its memory holds bf16 logits), and the replay casts them, so the
+    logits (float32) and every gradient equal the eager pass's exactly."""
+    from megatron.core.transformer.module import Float16Module
+
+    from ps_bridge import cuda_graphs
+
+    _, loaded, _ = load_tiny(name, tmp_path_factory)  # a model of its own: the wrapper casts it to bf16
+    loaded.model.config.bf16 = True
+    model = Float16Module(loaded.model.config, loaded.model)
+    config = replace(loaded.config, cuda_graphs=True)
+    monkeypatch.setattr(cuda_graphs, "graph_refusal", lambda *args: None)  # the CPU stands in for CUDA
+    graphs = cuda_graphs.model_graphs(model)
+    graphs.capture = record
+    vocab = min(loaded.vocab_size, 248)
+    samples = _samples(loaded)
+    for i, shift in enumerate((0, 4, 8)):
+        layout = _layout(loaded, relabelled(samples, vocab, shift), "tree")
+        with torch.no_grad():
+            got, want = run_packed(model, layout, config), run_packed(model, layout, loaded.config)
+        assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
+        out = run_packed(model, layout, config)
+        assert out.dtype == torch.float32
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(i))
+        grads = _loss_and_grads(model, out, weights)
+        want = _loss_and_grads(model, run_packed(model, layout, loaded.config), weights)
+        assert grads.keys() == want.keys() and all(torch.equal(grads[n], want[n]) for n in want)
+    assert (graphs.captures, graphs.replays) == (2, 4)  # a forward-only graph and one with gradients
+    assert {entry.output.dtype for entry in graphs.graphs.values()} == {torch.bfloat16}
