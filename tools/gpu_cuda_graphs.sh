@@ -7,6 +7,8 @@
 #           (space-separated: "off on" runs the grid twice), the shared packs bucketed as BUCKETS says
 #           (PS_BRIDGE_CUDA_GRAPH_BUCKETS: segment, the default, or level; "segment level" runs both);
 #   probe   tools/probe_fla_varlen_replay.py (fla's varlen kernels replayed on batches of other lengths).
+# GRID_ORDER: interleave (default: both engines resident, steps in turns) or shared-first (one engine at a
+# time, the prefix-shared one first: where both engines and the graphs' memory do not fit on the GPU at once).
 # Usage (repository root): STEPS="tests verl" GRID="qwen3.5-0.8b:128:32" tools/gpu_cuda_graphs.sh
 # (TESTS_K: a pytest -k expression narrowing the tests)
 # Everything runs within BUDGET_S seconds (default 580). Results in $OUT: cuda-graphs.log, gpu_tests.log,
@@ -40,7 +42,7 @@ for s in ${STEPS:-tests verl}; do
           [ "$limit" -lt 30 ] && { echo "=== verl grid ($buckets buckets, baseline graphs $baseline): skipped (budget spent)" | tee -a "$LOG"; continue; }
           echo "=== [$SECONDS s] verl grid, $buckets buckets, baseline graphs $baseline (limit ${limit}s)" | tee -a "$LOG"
           PS_BRIDGE_CUDA_GRAPHS=1 PS_BRIDGE_CUDA_GRAPH_BUCKETS=$buckets timeout -k 5 "$limit" python3 tools/verl_check_grid.py \
-            --runs "${GRID:-qwen3.5-0.8b:128:32,qwen2.5-0.5b:128:32}" --steps "${GRID_STEPS:-9}" --interleave \
+            --runs "${GRID:-qwen3.5-0.8b:128:32,qwen2.5-0.5b:128:32}" --steps "${GRID_STEPS:-9}" --"${GRID_ORDER:-interleave}" \
             --baseline-graphs "$baseline" --workdir /tmp/verl-check \
             --json "$OUT/verl-grid-$buckets-graphs-vs-$baseline.json" >>"$LOG" 2>&1
           echo "=== [$SECONDS s] verl grid exit $?" | tee -a "$LOG"
