@@ -81,44 +81,6 @@ def test_a_bucketed_layout_pads_each_level_to_its_bucket(case):
     assert plain[0].structure_key() != plain[1].structure_key()
 
 
-def read_positions(layout) -> set:
-    """The packed positions the layout's rows read: from each sample's last prompt position on."""
-    offsets, source = layout.row_offsets.tolist(), layout.row_source
-    prompts = layout.sample_prompt_length.tolist()
-    return {int(p) for i, P in enumerate(prompts) for p in source[offsets[i] + P - 1:offsets[i + 1]].tolist()}
-
-
-def assert_read_positions_bucketed(layouts):
-    """Shared bucketed `layouts` (of one structure) list their read positions, then copies of one
-    position no row reads up to a `read_bucket` count (at most the pack's tokens)."""
-    from ps_bridge.tree.level_buckets import read_bucket
-
-    for layout in layouts:
-        read = read_positions(layout)
-        listed = layout.output_positions.tolist()
-        assert listed[:len(read)] == sorted(read)
-        assert len(listed) == min(read_bucket(len(read)), layout.num_tokens)
-        assert len(set(listed[len(read):])) <= 1 and not set(listed[len(read):]) & read
-    assert len({layout.structure_key() for layout in layouts}) == 1
-    assert len({tuple(layout.output_positions.tolist()) for layout in layouts}) == len(layouts)
-
-
-@pytest.mark.parametrize("case", ["groups", "tree", "system"])
-def test_a_bucketed_shared_layout_runs_the_output_layer_on_a_bucketed_count_of_read_positions(case):
-    share, system = SHARES[case]
-    layouts = [_bucketed(_samples(seed, system=system), share, prompt_values=False) for seed in (0, 1, 2)]
-    assert_read_positions_bucketed(layouts)
-    # short responses in the same segment buckets: fewer read positions, another count, another structure
-    short = [replace(s, response=s.response[:5]) for s in _samples(0, system=system)]
-    fewer = _bucketed(short, share, prompt_values=False)
-    assert fewer.host["padded_lengths"] == layouts[0].host["padded_lengths"]
-    assert fewer.output_positions.numel() < layouts[0].output_positions.numel()
-    assert fewer.structure_key() != layouts[0].structure_key()
-    every = _bucketed(_samples(0, system=system), share)  # prompt values: every position
-    assert every.output_positions is None and every.structure_key() != layouts[0].structure_key()
-    assert _bucketed(_samples(0), False, prompt_values=False).output_positions is None  # unshared: every position
-
-
 @pytest.fixture(scope="module", params=["qwen2.5", "qwen3.5"])
 def tiny(request, tmp_path_factory):
     hf, loaded, _ = load_tiny(request.param, tmp_path_factory)
@@ -160,13 +122,6 @@ def test_bucketed_log_probs_and_gradients_equal_the_unbucketed_pack_and_hf(tiny,
     hf, loaded = tiny
     share, system = SHARES[case]
     assert_bucketing_changes_nothing(hf, loaded, _samples(3, system=system), share, bucket=True)
-
-
-@pytest.mark.parametrize("case", ["groups", "system"])
-def test_bucketed_read_positions_change_nothing(tiny, case):
-    hf, loaded = tiny
-    share, system = SHARES[case]
-    assert_bucketing_changes_nothing(hf, loaded, _samples(3, system=system), share, bucket=True, prompt_values=False)
 
 
 def _forward(model, config):
@@ -215,16 +170,6 @@ def test_a_training_replay_on_other_lengths_equals_eager(tiny, case):
     _, loaded = tiny
     layouts = [_case(case, seed) for seed in (0, 1, 2)]
     assert_replays_equal_eager(loaded.model, replace(loaded.config, cuda_graphs=True), layouts, training=True)
-
-
-@pytest.mark.parametrize("training", [False, True])
-def test_a_replay_refills_the_read_positions(tiny, training):
-    """Shared layouts that list their read positions (other positions for other lengths, one count):
-    the replay runs the output layer on each layout's own."""
-    _, loaded = tiny
-    layouts = [_bucketed(_samples(seed, system=20), "tree", prompt_values=False) for seed in (0, 1, 2)]
-    assert_read_positions_bucketed(layouts)
-    assert_replays_equal_eager(loaded.model, replace(loaded.config, cuda_graphs=True), layouts, training=training)
 
 
 def test_the_cascade_reads_refilled_key_offsets():

@@ -47,25 +47,12 @@ def filler_count(segments: int) -> int:
     return segments + 2 + segments // 63
 
 
-def rounded_bucket(n: int, shift: int) -> int:
-    """`n` rounded up to a multiple of 64 below `64 << shift`, and from there to a multiple of
-    `2 ** -shift` of the largest power of two not above `n`: at most that fraction is padding."""
-    step = max(CHUNK, 1 << max(int(n).bit_length() - 1 - shift, 0))
-    return -(-int(n) // step) * step
-
-
 def level_bucket(n: int) -> int:
     """`n` rounded up to a multiple of 64 below 1024, and from there to a multiple of an eighth of the
     largest power of two not above `n` (1024, 1152, ..., 2048, 2304, ...): at most an eighth of a
     level's block is padding, and blocks of nearby totals recur."""
-    return rounded_bucket(n, 3)
-
-
-def read_bucket(n: int) -> int:
-    """How many positions a bucketed shared pack runs its output layer on for `n` read positions: `n`
-    rounded up to a multiple of 64 below 2048 and from there to a sixteenth of the largest power of two
-    not above `n` (the output layer costs more per position than a level's padding: finer steps)."""
-    return rounded_bucket(n, 4)
+    step = max(CHUNK, 1 << max(int(n).bit_length() - 4, 0))
+    return -(-int(n) // step) * step
 
 
 def level_block_length(real_tokens: int, segments: int, multiple: int = 1) -> int:

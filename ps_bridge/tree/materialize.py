@@ -19,7 +19,7 @@ import torch
 
 from ps_bridge.packed_layout import PackedPrefixLayout, cumulative_offsets
 from ps_bridge.tree.decide import PrefixTree
-from ps_bridge.tree.level_buckets import RECENT_SHAPES, read_bucket
+from ps_bridge.tree.level_buckets import RECENT_SHAPES
 from ps_bridge.tree.order import PackOrder
 
 
@@ -101,8 +101,8 @@ def materialize(
 
     `bucket=True`: every segment of a tree level is padded to one length, the `bucket_length` of the
     level's longest, so the pack's shape depends on the tree's shape and the levels' buckets only,
-    not on each segment's length; a shared pack without `prompt_values` lists its read positions padded
-    to a `read_bucket` count (the padding repeats a position no row reads). `level_buckets` (with `bucket`):
+    not on each segment's length; the output layer then runs on every position (`output_positions`
+    None: which positions the rows read depends on the lengths). `level_buckets` (with `bucket`):
     segments keep their own lengths and each level's block is padded to a bucket instead, the padding
     on the level's last segment (`level_lengths`, `ps_bridge.tree.level_buckets`)."""
     nodes = order.nodes
@@ -171,20 +171,12 @@ def materialize(
     row_label[:-1] = flat[1:]
     row_label[offsets[1:] - 1] = -1
     output_positions = None
-    if shared and not prompt_values:
+    if shared and not prompt_values and not bucket:
         # what verl's losses read: row positions P_i - 1 on (each response, with its fork position)
         # (a mask over the pack, not a sort: linear in the tokens)
         read = np.zeros(segment.size, dtype=bool)
         read[row_source[row_t >= prompt_lengths[row_sample] - 1]] = True
-        read_at = np.flatnonzero(read)
-        if bucket:
-            # a count that recurs for packs of other lengths (`read_bucket`), the rest a position no
-            # row reads: its output is computed and never read, and its gradient is zero
-            count = min(read_bucket(read_at.size), segment.size)
-            if count > read_at.size:
-                filler = np.flatnonzero(~read)[0]
-                read_at = np.concatenate([read_at, np.full(count - read_at.size, filler, dtype=np.int64)])
-        output_positions = torch.from_numpy(read_at)
+        output_positions = torch.from_numpy(np.flatnonzero(read))
 
     as_long = lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))  # noqa: E731
     level_list = order.level.tolist()
