@@ -6,7 +6,10 @@
 #           prefix-shared engine, against our engine with sharing off and graphs BASELINE_GRAPHS
 #           (space-separated: "off on" runs the grid twice), the shared packs bucketed as BUCKETS says
 #           (PS_BRIDGE_CUDA_GRAPH_BUCKETS: segment, the default, or level; "segment level" runs both);
-#   probe   tools/probe_fla_varlen_replay.py (fla's varlen kernels replayed on batches of other lengths).
+#   probe   tools/probe_fla_varlen_replay.py (fla's varlen kernels replayed on batches of other lengths);
+#   profile tools/profile_verl_phase.py at PROFILE_SHAPE (model:P:R, default qwen3.5-0.8b:128:256; 24 layers,
+#           8 prompts x 8, mini-batch of 4 prompts) for PROFILE_PHASES, with PS_BRIDGE_SHARING=PROFILE_SHARING
+#           (default on: the shared passes the rule would run unshared) and graphs off; its files in $OUT/profile.tgz.
 # GRID_ORDER: interleave (default: both engines resident, steps in turns) or shared-first (one engine at a
 # time, the prefix-shared one first: where both engines and the graphs' memory do not fit on the GPU at once).
 # Usage (repository root): STEPS="tests verl" GRID="qwen3.5-0.8b:128:32" tools/gpu_cuda_graphs.sh
@@ -35,6 +38,16 @@ for s in ${STEPS:-tests verl}; do
       echo "=== [$SECONDS s] fla varlen replay probe" | tee -a "$LOG"
       timeout -k 5 120 python3 tools/probe_fla_varlen_replay.py --json "$OUT/probe.json" >>"$LOG" 2>&1
       echo "=== [$SECONDS s] probe exit $?" | tee -a "$LOG" ;;
+    profile)
+      IFS=: read -r pmodel pp pr <<<"${PROFILE_SHAPE:-qwen3.5-0.8b:128:256}"
+      echo "=== [$SECONDS s] profile $pmodel ($pp, $pr)" | tee -a "$LOG"
+      mkdir -p /tmp/profile
+      PS_BRIDGE_SHARING=${PROFILE_SHARING:-on} timeout -k 5 "${PROFILE_LIMIT:-150}" python3 tools/profile_verl_phase.py \
+        --model "$pmodel" --layers 24 --prompts 8 --n 8 --prompt-len "$pp" --system-prompt-len 0 --response-len "$pr" \
+        --phase "${PROFILE_PHASES:-update,old_log_prob}" --kinds shared,stock --out /tmp/profile \
+        actor_rollout_ref.actor.ppo_mini_batch_size=4 >/tmp/profile/profile.log 2>&1
+      echo "=== [$SECONDS s] profile exit $?" | tee -a "$LOG"
+      tar -C /tmp -czf "$OUT/profile.tgz" profile ;;
     verl)
       for buckets in ${BUCKETS:-segment}; do
         for baseline in ${BASELINE_GRAPHS:-off}; do
