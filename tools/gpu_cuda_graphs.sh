@@ -12,10 +12,12 @@
 #           (default on: the shared passes the rule would run unshared) and graphs off; its files in $OUT/profile.tgz.
 # GRID_ORDER: interleave (default: both engines resident, steps in turns) or shared-first (one engine at a
 # time, the prefix-shared one first: where both engines and the graphs' memory do not fit on the GPU at once).
+# SIDES="before after": the verl step runs first with the revision archived in .wt/base installed, then with
+# this checkout (archive it as tools/gpu_before_after.sh says; carry .wt); default "after" only.
 # Usage (repository root): STEPS="tests verl" GRID="qwen3.5-0.8b:128:32" tools/gpu_cuda_graphs.sh
 # (TESTS_K: a pytest -k expression narrowing the tests)
 # Everything runs within BUDGET_S seconds (default 580). Results in $OUT: cuda-graphs.log, gpu_tests.log,
-# verl-grid-<segment|level>-graphs-vs-<off|on>.json, probe.json, triton-autotune.tar.gz (kernel caches for the next run: copy to .whl/).
+# verl-grid-[before-]<segment|level>-graphs-vs-<off|on>.json, probe.json, triton-autotune.tar.gz (kernel caches for the next run: copy to .whl/).
 set -uo pipefail
 OUT=${OUT:-/tmp/ps-bridge-out}
 mkdir -p "$OUT"
@@ -49,18 +51,23 @@ for s in ${STEPS:-tests verl}; do
       echo "=== [$SECONDS s] profile exit $?" | tee -a "$LOG"
       tar -C /tmp -czf "$OUT/profile.tgz" profile ;;
     verl)
-      for buckets in ${BUCKETS:-segment}; do
-        for baseline in ${BASELINE_GRAPHS:-off}; do
-          limit=$(left)
-          [ "$limit" -lt 30 ] && { echo "=== verl grid ($buckets buckets, baseline graphs $baseline): skipped (budget spent)" | tee -a "$LOG"; continue; }
-          echo "=== [$SECONDS s] verl grid, $buckets buckets, baseline graphs $baseline (limit ${limit}s)" | tee -a "$LOG"
-          PS_BRIDGE_CUDA_GRAPHS=1 PS_BRIDGE_CUDA_GRAPH_BUCKETS=$buckets timeout -k 5 "$limit" python3 tools/verl_check_grid.py \
-            --runs "${GRID:-qwen3.5-0.8b:128:32,qwen2.5-0.5b:128:32}" --steps "${GRID_STEPS:-9}" --"${GRID_ORDER:-interleave}" \
-            --baseline-graphs "$baseline" --workdir /tmp/verl-check \
-            --json "$OUT/verl-grid-$buckets-graphs-vs-$baseline.json" >>"$LOG" 2>&1
-          echo "=== [$SECONDS s] verl grid exit $?" | tee -a "$LOG"
+      for side in ${SIDES:-after}; do
+        dir=.; tag=; [ "$side" = before ] && { dir=.wt/base; tag=before-; }
+        install_editable "$dir" || exit 1
+        for buckets in ${BUCKETS:-segment}; do
+          for baseline in ${BASELINE_GRAPHS:-off}; do
+            limit=$(left)
+            [ "$limit" -lt 30 ] && { echo "=== verl grid ($side, $buckets buckets, baseline graphs $baseline): skipped (budget spent)" | tee -a "$LOG"; continue; }
+            echo "=== [$SECONDS s] verl grid ($side), $buckets buckets, baseline graphs $baseline (limit ${limit}s)" | tee -a "$LOG"
+            (cd "$dir" && PS_BRIDGE_CUDA_GRAPHS=1 PS_BRIDGE_CUDA_GRAPH_BUCKETS=$buckets timeout -k 5 "$limit" python3 tools/verl_check_grid.py \
+              --runs "${GRID:-qwen3.5-0.8b:128:32,qwen2.5-0.5b:128:32}" --steps "${GRID_STEPS:-9}" --"${GRID_ORDER:-interleave}" \
+              --baseline-graphs "$baseline" --workdir /tmp/verl-check \
+              --json "$OUT/verl-grid-$tag$buckets-graphs-vs-$baseline.json") >>"$LOG" 2>&1
+            echo "=== [$SECONDS s] verl grid exit $?" | tee -a "$LOG"
+          done
         done
-      done ;;
+      done
+      install_editable ;;
   esac
 done
 grep -v -i "warn" "$LOG" | grep -v "^\[PS\]\|INFO" | tail -${TAIL:-70}
