@@ -29,12 +29,13 @@ of the model is dropped.
 
 verl's micro-batches differ in their lengths, so their layouts would hardly ever repeat. With
 graphs on, the layouts are built bucketed (`buckets_for`, `tree.materialize.bucket_length`): every
-segment of a tree level is padded to the level's bucket length, and every position is computed. Two
-such layouts of one tree shape and the same buckets have the same `structure_key` whatever their
-lengths inside the buckets; the kernels then read what follows those lengths from device tensors of
-fixed shape (the tokens, positions and valid flags: `BUCKET_INPUTS`; the attention calls' key
-offsets and the Gated DeltaNet conv tails: the layout's `varying` values), which a replay refills
-from the new layout before it runs the graph. The padding is computed, and counted in the FLOPs.
+segment of a tree level is padded to the level's bucket length, and the output layer runs on the
+positions the structure fixes (`tree.materialize.bucketed_read_positions`). Two such layouts of one
+tree shape and the same buckets have the same `structure_key` whatever their lengths inside the
+buckets; the kernels then read what follows those lengths from device tensors of fixed shape (the
+tokens, positions, valid flags and read positions: `BUCKET_INPUTS`; the attention calls' key offsets
+and the Gated DeltaNet conv tails: the layout's `varying` values), which a replay refills from the new
+layout before it runs the graph. The padding is computed, and counted in the FLOPs.
 Under level buckets (`PrefixSharingConfig.cuda_graph_buckets = "level"`, `tree.level_buckets`) the segments keep
 their lengths and each level's block is bucketed: every segment offset, and Gated DeltaNet's filler sequences'
 offsets and fla's chunk indices, are `varying` values too, fla's identity cache is off while capturing (what fla
@@ -182,7 +183,8 @@ def static_copy(layout: PackedPrefixLayout) -> PackedPrefixLayout:
     derived from it (the attention and GDN plans, the `varying` values) are built by the capture's
     warm-up, read by the graph and refilled by replays, none of them the caller's."""
     host = {k: v for k, v in layout.host.items() if k not in ("derived", "varying")}
-    return replace(layout, host=host, **{name: getattr(layout, name).clone() for name in BUCKET_INPUTS})
+    own = {name: getattr(layout, name) for name in BUCKET_INPUTS}
+    return replace(layout, host=host, **{name: t.clone() for name, t in own.items() if t is not None})
 
 
 def refill(static: PackedPrefixLayout, layout: PackedPrefixLayout) -> None:
@@ -190,7 +192,8 @@ def refill(static: PackedPrefixLayout, layout: PackedPrefixLayout) -> None:
     structure: `BUCKET_INPUTS`, and every `varying` value registered on `static` (built from `layout`
     on the host and copied without waiting for the GPU)."""
     for name in BUCKET_INPUTS:
-        getattr(static, name).copy_(getattr(layout, name))
+        if getattr(static, name) is not None:
+            getattr(static, name).copy_(getattr(layout, name))
     for build, tensor in static.host.get("varying", {}).values():
         tensor.copy_(to_device(build(layout), tensor.device))
 

@@ -41,7 +41,7 @@ _NOT_STRUCTURE = frozenset({"tokens", "row_label", "host", "images"})
 # the others (the rows, the counts) serve the rows, which are taken from the caller's layout
 _BUCKET_VARYING = frozenset({
     "positions", "valid", "valid_lengths", "cu_seqlens", "sample_prompt_length", "sample_response_length",
-    "row_offsets", "row_source", "tokens_unshared", "tokens_shared",
+    "row_offsets", "row_source", "tokens_unshared", "tokens_shared", "output_positions",
 })
 # and what it also leaves out under level buckets, where the segments keep their own lengths inside
 # their level's block (`ps_bridge.tree.level_buckets`): the segment offsets and the per-token segment
@@ -49,8 +49,9 @@ _BUCKET_VARYING = frozenset({
 # the attention's longest element, which the shapes and grids follow, are in the key
 # (`host["level_blocks"]`, `host["segment_bound"]`)
 _LEVEL_VARYING = frozenset({"padded_lengths", "cu_seqlens_padded", "segment_ids", "group_ids"})
-# the per-token tensors of a bucketed layout that its forward reads and a replay refills
-BUCKET_INPUTS = ("tokens", "positions", "valid")
+# the tensors of a bucketed layout that its forward reads and a replay refills (`output_positions`:
+# the read positions, their count bucketed, where the layout lists them)
+BUCKET_INPUTS = ("tokens", "positions", "valid", "output_positions")
 
 
 @dataclass
@@ -211,6 +212,10 @@ class PackedPrefixLayout:
             source = self.host.get("cpu_layout", self)
             digest = hashlib.blake2b(digest_size=16)
             left_out = _NOT_STRUCTURE | _BUCKET_VARYING if self.bucketed else _NOT_STRUCTURE
+            if self.bucketed:  # the read positions follow the lengths; their kinds and count are structure
+                outputs = source.output_positions
+                digest.update(f"outputs={None if outputs is None else outputs.numel()};".encode())
+                digest.update(f"read_kinds={source.host.get('read_kinds')!r};".encode())
             if self.level_buckets:
                 left_out = left_out | _LEVEL_VARYING
                 digest.update(f"level_blocks={source.host['level_blocks']!r};".encode())

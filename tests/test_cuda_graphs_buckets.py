@@ -81,6 +81,52 @@ def test_a_bucketed_layout_pads_each_level_to_its_bucket(case):
     assert plain[0].structure_key() != plain[1].structure_key()
 
 
+def read_positions(layout) -> set:
+    """The packed positions the layout's rows read: from each sample's last prompt position on."""
+    offsets, source = layout.row_offsets.tolist(), layout.row_source
+    prompts = layout.sample_prompt_length.tolist()
+    return {int(p) for i, P in enumerate(prompts) for p in source[offsets[i] + P - 1:offsets[i + 1]].tolist()}
+
+
+def assert_read_positions_bucketed(layouts, differ: bool = True):
+    """Shared bucketed `layouts` (of one structure) list every position their rows read, sorted, in a
+    count their structure fixes: every position of a segment with response tokens (under level buckets,
+    of its level's block), the last token of a segment that only ends prompts; with `differ`, the positions
+    differ (other prompt lengths: other forks)."""
+    for layout in layouts:
+        listed = layout.output_positions.tolist()
+        assert listed == sorted(set(listed)) and read_positions(layout) <= set(listed)
+        host = layout.host
+        kinds, starts = host["read_kinds"], host["cu_seqlens_padded"]
+        for k, kind in enumerate(kinds):
+            inside = [p for p in listed if starts[k] <= p < starts[k + 1]]
+            if kind == 1:
+                assert inside == [starts[k] + host["valid_lengths"][k] - 1]
+            elif kind == 2:
+                assert inside == list(range(starts[k], starts[k + 1]))
+    assert len({layout.structure_key() for layout in layouts}) == 1
+    assert len({layout.output_positions.numel() for layout in layouts}) == 1
+    if differ:
+        assert len({tuple(layout.output_positions.tolist()) for layout in layouts}) == len(layouts)
+
+
+@pytest.mark.parametrize("case", ["groups", "tree", "system"])
+def test_a_bucketed_shared_layout_runs_the_output_layer_on_a_bucketed_count_of_read_positions(case):
+    share, system = SHARES[case]
+    layouts = [_bucketed(_samples(seed, system=system), share, prompt_values=False) for seed in (0, 1, 2)]
+    assert_read_positions_bucketed(layouts)
+    # short responses in the same segment buckets: fewer read positions, the same count and structure
+    short = [replace(s, response=s.response[:5]) for s in _samples(0, system=system)]
+    fewer = _bucketed(short, share, prompt_values=False)
+    assert fewer.host["padded_lengths"] == layouts[0].host["padded_lengths"]
+    assert len(read_positions(fewer)) < len(read_positions(layouts[0]))
+    assert_read_positions_bucketed([fewer, layouts[0]], differ=False)
+    assert layouts[0].output_positions.numel() < layouts[0].num_tokens  # the prompts' own positions are left out
+    every = _bucketed(_samples(0, system=system), share)  # prompt values: every position
+    assert every.output_positions is None and every.structure_key() != layouts[0].structure_key()
+    assert _bucketed(_samples(0), False, prompt_values=False).output_positions is None  # unshared: every position
+
+
 @pytest.fixture(scope="module", params=["qwen2.5", "qwen3.5"])
 def tiny(request, tmp_path_factory):
     hf, loaded, _ = load_tiny(request.param, tmp_path_factory)
@@ -122,6 +168,13 @@ def test_bucketed_log_probs_and_gradients_equal_the_unbucketed_pack_and_hf(tiny,
     hf, loaded = tiny
     share, system = SHARES[case]
     assert_bucketing_changes_nothing(hf, loaded, _samples(3, system=system), share, bucket=True)
+
+
+@pytest.mark.parametrize("case", ["groups", "system"])
+def test_bucketed_read_positions_change_nothing(tiny, case):
+    hf, loaded = tiny
+    share, system = SHARES[case]
+    assert_bucketing_changes_nothing(hf, loaded, _samples(3, system=system), share, bucket=True, prompt_values=False)
 
 
 def _forward(model, config):
@@ -170,6 +223,16 @@ def test_a_training_replay_on_other_lengths_equals_eager(tiny, case):
     _, loaded = tiny
     layouts = [_case(case, seed) for seed in (0, 1, 2)]
     assert_replays_equal_eager(loaded.model, replace(loaded.config, cuda_graphs=True), layouts, training=True)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_replay_refills_the_read_positions(tiny, training):
+    """Shared layouts that list their read positions (other positions for other lengths, one count):
+    the replay runs the output layer on each layout's own."""
+    _, loaded = tiny
+    layouts = [_bucketed(_samples(seed, system=20), "tree", prompt_values=False) for seed in (0, 1, 2)]
+    assert_read_positions_bucketed(layouts)
+    assert_replays_equal_eager(loaded.model, replace(loaded.config, cuda_graphs=True), layouts, training=training)
 
 
 def test_the_cascade_reads_refilled_key_offsets():

@@ -33,7 +33,8 @@ from ps_bridge.tree.level_buckets import (
 )
 from qwen35_helpers import load_tiny
 from test_cuda_graphs import record
-from test_cuda_graphs_buckets import _forward, assert_bucketing_changes_nothing, assert_replays_equal_eager
+from test_cuda_graphs_buckets import (_forward, assert_bucketing_changes_nothing, assert_read_positions_bucketed,
+                                       assert_replays_equal_eager)
 
 
 @pytest.fixture(autouse=True)
@@ -114,13 +115,19 @@ def _level(samples, share, **kw):
     return build_layout(samples, share=share, vocab_size=200, min_shared=0, bucket=True, level_buckets=True, **kw)
 
 
-def _same_blocks(case, count=4, **kw):
-    """`count` level-bucketed layouts of `case` with other lengths and the same blocks."""
+def _same_blocks(case, count=4, prompt_values=True, **kw):
+    """`count` level-bucketed layouts of `case` with other lengths and the same blocks (and, without
+    `prompt_values`, the same count of read positions)."""
     share, system = SHARES[case]
     found, keys = [], set()
+
+    def shape(layout):
+        outputs = layout.output_positions
+        return layout.host["level_blocks"], None if outputs is None else outputs.numel()
+
     for seed in range(200):
-        layout = _level(_samples(seed, system=system, **kw), share)
-        if not found or layout.host["level_blocks"] == found[0].host["level_blocks"]:
+        layout = _level(_samples(seed, system=system, **kw), share, prompt_values=prompt_values)
+        if not found or shape(layout) == shape(found[0]):
             found.append(layout)
             keys.add(layout.structure_key())
         if len(found) == count:
@@ -292,6 +299,23 @@ def test_a_training_replay_on_other_lengths_equals_eager(tiny, case):
     _, loaded = tiny
     config = replace(_config(loaded, "flash_atten_gpu"), cuda_graphs=True, cuda_graph_buckets="level")
     assert_replays_equal_eager(loaded.model, config, _same_blocks(case, count=3), training=True)
+
+
+@pytest.mark.parametrize("case", ["groups", "system"])
+def test_level_bucketed_read_positions_change_nothing(tiny, case):
+    hf, loaded = tiny
+    share, system = SHARES[case]
+    assert_bucketing_changes_nothing(hf, loaded, _samples(3, system=system), share, _config(loaded, "flash_atten_gpu"),
+                                     bucket=True, level_buckets=True, prompt_values=False)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_level_bucketed_replay_refills_the_read_positions(tiny, training):
+    _, loaded = tiny
+    config = replace(_config(loaded, "flash_atten_gpu"), cuda_graphs=True, cuda_graph_buckets="level")
+    layouts = _same_blocks("system", count=3, prompt_values=False)
+    assert_read_positions_bucketed(layouts)
+    assert_replays_equal_eager(loaded.model, config, layouts, training=training)
 
 
 def test_the_reference_attention_does_not_replay_level_buckets(tiny, monkeypatch):

@@ -72,6 +72,35 @@ def bucketed_tokens(tree: PrefixTree, order: PackOrder, pad_multiple: int = 1, t
     return _padded(sum(bucketed_lengths(tree, order, pad_multiple, level_buckets, total_multiple)), total_multiple)
 
 
+def bucketed_read_positions(read: np.ndarray, answer: np.ndarray, segment: np.ndarray, seg_start: np.ndarray,
+                            padded: np.ndarray, valid_lengths: List[int], level_spans, whole_levels: bool):
+    """(the positions a bucketed shared pack runs its output layer on, each segment's read kind). A
+    segment that holds response tokens (or reads other than its last token) lists every position of it
+    (kind 2), one that only ends prompts lists its last valid token (kind 1: a fork), one that rows do
+    not read nothing (kind 0); with `whole_levels` (level buckets, where segments keep their own
+    lengths) a level with a kind-2 segment lists its whole block. The count then follows the kinds and
+    the buckets (the structure), not the lengths inside them; the positions listed that no row reads
+    (prompt tokens before a fork, padding) are computed and never read, their gradient zero."""
+    N = seg_start.size
+    reads = np.bincount(segment[read], minlength=N)
+    last = seg_start + np.asarray(valid_lengths, dtype=np.int64) - 1
+    fork_only = (reads == 1) & read[np.maximum(last, 0)] & (np.asarray(valid_lengths) > 0)
+    kinds = np.where((np.bincount(segment[answer], minlength=N) > 0) | ((reads > 0) & ~fork_only), 2,
+                     np.where(reads > 0, 1, 0))
+    pieces = []
+    for a, b in level_spans:
+        if whole_levels and (kinds[a:b] == 2).any():
+            pieces.append(np.arange(seg_start[a], seg_start[b - 1] + padded[b - 1]))
+            continue
+        for k in range(a, b):
+            if kinds[k] == 2:
+                pieces.append(np.arange(seg_start[k], seg_start[k] + padded[k]))
+            elif kinds[k] == 1:
+                pieces.append(last[k:k + 1])
+    positions = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+    return positions.astype(np.int64), kinds.tolist()
+
+
 def _repeat_arange(lengths: np.ndarray):
     """`(index of the run, offset inside the run)` for runs of `lengths`, concatenated."""
     runs = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
@@ -101,8 +130,8 @@ def materialize(
 
     `bucket=True`: every segment of a tree level is padded to one length, the `bucket_length` of the
     level's longest, so the pack's shape depends on the tree's shape and the levels' buckets only,
-    not on each segment's length; the output layer then runs on every position (`output_positions`
-    None: which positions the rows read depends on the lengths). `level_buckets` (with `bucket`):
+    not on each segment's length; a shared pack without `prompt_values` runs the output layer on the
+    positions `bucketed_read_positions` lists, a count the structure fixes. `level_buckets` (with `bucket`):
     segments keep their own lengths and each level's block is padded to a bucket instead, the padding
     on the level's last segment (`level_lengths`, `ps_bridge.tree.level_buckets`)."""
     nodes = order.nodes
@@ -171,16 +200,24 @@ def materialize(
     row_label[:-1] = flat[1:]
     row_label[offsets[1:] - 1] = -1
     output_positions = None
-    if shared and not prompt_values and not bucket:
+    read_kinds = None  # under buckets, each segment's kind of read positions (`bucketed_read_positions`)
+    if shared and not prompt_values:
         # what verl's losses read: row positions P_i - 1 on (each response, with its fork position)
         # (a mask over the pack, not a sort: linear in the tokens)
         read = np.zeros(segment.size, dtype=bool)
         read[row_source[row_t >= prompt_lengths[row_sample] - 1]] = True
-        output_positions = torch.from_numpy(np.flatnonzero(read))
+        read_at = np.flatnonzero(read)
+        if bucket:
+            answer = np.zeros(segment.size, dtype=bool)  # the response tokens' positions
+            answer[row_source[row_t >= prompt_lengths[row_sample]]] = True
+            read_at, read_kinds = bucketed_read_positions(read, answer, segment, seg_start, padded, valid_lengths,
+                                                          level_spans, whole_levels=level_buckets)
+        output_positions = torch.from_numpy(read_at)
 
     as_long = lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))  # noqa: E731
     level_list = order.level.tolist()
     host = dict(
+        read_kinds=read_kinds,
         valid_lengths=valid_lengths,
         padded_lengths=padded_lengths,
         cu_seqlens=cu_valid,
