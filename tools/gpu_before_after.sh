@@ -7,6 +7,7 @@
 #
 # Usage (repository root): BENCHES="--models qwen3.5-35b-a3b --groups 4 --grid 2048,512,8|--models qwen2.5-7b --trees chain" \
 #   tools/gpu_before_after.sh
+# SIDES=after runs the checkout's side only (default "before after").
 # $OUT gets: versions.txt, bench_{before,after}_<k>.json (k: the bench's place in BENCHES), bench.log
 set -uo pipefail
 OUT=${OUT:-/tmp/ps-bridge-out}
@@ -19,12 +20,13 @@ source tools/gpu_env.sh
 gpu_setup || exit 1
 cat "$OUT/versions.txt"
 IFS='|' read -r -a benches <<<"${BENCHES:?BENCHES: bench arguments, |-separated}"
-for side in before after; do
+SIDES=${SIDES:-before after}
+for side in $SIDES; do
   dir=.; [ "$side" = before ] && dir=.wt/base
   install_editable "$dir" || exit 1
   for k in "${!benches[@]}"; do
     read -r -a bench_args <<<"${benches[$k]}"
-    limit=$LIMIT; [ "$side$k" = before0 ] && limit=$FIRST_LIMIT
+    limit=$LIMIT; [ "$k" = 0 ] && [ "$side" = "${SIDES%% *}" ] && limit=$FIRST_LIMIT
     (cd "$dir" && timeout "$limit" python3 -m ps_bridge.tools.cli bench --no-progress "${bench_args[@]}" \
       --json "$OUT/bench_${side}_$k.json") >>"$OUT/bench.log" 2>&1
     echo "=== [$SECONDS s] $side, bench $k (${benches[$k]}): exit $?" | tee -a "$OUT/bench.log"
