@@ -4,7 +4,7 @@
 from the environment (`ENABLE_PREFIX_SHARING=1`, `PS_BRIDGE_BACKEND`, `PS_BRIDGE_PROVIDER`,
 `PS_BRIDGE_GDN_BACKEND`, `PS_BRIDGE_PROMPT_VALUES`, `PS_BRIDGE_SHARING`, `PS_BRIDGE_TREE`,
 `PS_BRIDGE_TREE_MIN_SHARED`, `PS_BRIDGE_TREE_MAX_DEPTH`, `PS_BRIDGE_CUDA_GRAPHS`,
-`PS_BRIDGE_CUDA_GRAPH_BUCKETS`), and validates names at construction so that a typo fails here, with the
+`PS_BRIDGE_CUDA_GRAPH_BUCKETS`, `PS_BRIDGE_CUDA_GRAPH_MEMORY`), and validates names at construction so that a typo fails here, with the
 valid choices, rather than deep inside a forward pass. `PS_BRIDGE_LOG_LEVEL` (the `[PS]` lines under
 verl) is read here too. torchrun's own variables are read where the process group is set up
 (`ps_bridge.parallel.groups`).
@@ -31,6 +31,7 @@ ENV_TREE_MIN_SHARED = "PS_BRIDGE_TREE_MIN_SHARED"
 ENV_TREE_MAX_DEPTH = "PS_BRIDGE_TREE_MAX_DEPTH"
 ENV_CUDA_GRAPHS = "PS_BRIDGE_CUDA_GRAPHS"
 ENV_CUDA_GRAPH_BUCKETS = "PS_BRIDGE_CUDA_GRAPH_BUCKETS"
+ENV_CUDA_GRAPH_MEMORY = "PS_BRIDGE_CUDA_GRAPH_MEMORY"
 # how a micro-batch's pack is bucketed for CUDA graphs (`ps_bridge.cuda_graphs`)
 GRAPH_BUCKETS = ("segment", "level")
 
@@ -48,6 +49,18 @@ def _env_flag(name: str, default: bool = False) -> bool:
     if raw in _FALSE:
         return False
     raise ValueError(f"{name}={os.environ[name]!r} is not a boolean; use 1 or 0")
+
+
+def _env_share(name: str) -> Optional[float]:
+    """A share (0 < x <= 1) from the environment, or None when unset or empty."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number; give a share of the device's memory, 0 < x <= 1 "
+                         f"(unset it for the default)") from None
 
 
 def _env_count(name: str) -> Optional[int]:
@@ -112,6 +125,11 @@ class PrefixSharingConfig:
                   longest; `level` keeps each segment's length and pads each level's block to a bucket
                   of its total (`ps_bridge.tree.level_buckets`: far less padding where a level's
                   responses differ in length). `PS_BRIDGE_CUDA_GRAPH_BUCKETS=segment|level`.
+    cuda_graph_memory: the share of the device's memory the process's CUDA graphs may hold (each graph's
+                  memory pool keeps its pass's activations and output for as long as it lives, memory the
+                  eager passes and the loss then do without); past it the least recently run graphs are
+                  dropped, and their structures run eagerly from then on. `PS_BRIDGE_CUDA_GRAPH_MEMORY`,
+                  0 < x <= 1.
     """
 
     enabled: bool = True
@@ -126,6 +144,7 @@ class PrefixSharingConfig:
     tree_max_depth: Optional[int] = None
     cuda_graphs: bool = False
     cuda_graph_buckets: str = "segment"
+    cuda_graph_memory: float = 0.25
 
     def __post_init__(self):
         # imported here: torch is heavy
@@ -160,6 +179,11 @@ class PrefixSharingConfig:
                 f"unknown CUDA-graph buckets {self.cuda_graph_buckets!r} ({ENV_CUDA_GRAPH_BUCKETS}); "
                 f"valid: {', '.join(GRAPH_BUCKETS)}"
             )
+        if not 0 < self.cuda_graph_memory <= 1:
+            raise ValueError(
+                f"cuda_graph_memory={self.cuda_graph_memory} ({ENV_CUDA_GRAPH_MEMORY}) is not a share of the device's "
+                f"memory: give 0 < x <= 1"
+            )
         if self.pad_multiple is not None and self.pad_multiple < 1:
             raise ValueError(f"pad_multiple must be >= 1, got {self.pad_multiple}")
 
@@ -180,7 +204,7 @@ class PrefixSharingConfig:
         """Read `ENABLE_PREFIX_SHARING`, `PS_BRIDGE_BACKEND`, `PS_BRIDGE_PROVIDER`,
         `PS_BRIDGE_GDN_BACKEND`, `PS_BRIDGE_PROMPT_VALUES`, `PS_BRIDGE_SHARING`, `PS_BRIDGE_TREE`,
         `PS_BRIDGE_TREE_MIN_SHARED`, `PS_BRIDGE_TREE_MAX_DEPTH`, `PS_BRIDGE_CUDA_GRAPHS`,
-        `PS_BRIDGE_CUDA_GRAPH_BUCKETS`; overrides win."""
+        `PS_BRIDGE_CUDA_GRAPH_BUCKETS`, `PS_BRIDGE_CUDA_GRAPH_MEMORY`; overrides win."""
         values = dict(
             enabled=_env_flag(ENV_ENABLE),
             prompt_values=_env_flag(ENV_PROMPT_VALUES),
@@ -194,6 +218,9 @@ class PrefixSharingConfig:
             cuda_graphs=_env_flag(ENV_CUDA_GRAPHS),
             cuda_graph_buckets=(os.environ.get(ENV_CUDA_GRAPH_BUCKETS) or "segment").strip().lower(),
         )
+        graph_memory = _env_share(ENV_CUDA_GRAPH_MEMORY)
+        if graph_memory is not None:
+            values["cuda_graph_memory"] = graph_memory
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 

@@ -15,7 +15,11 @@ the same buffer).
 (that run also does what must not happen under capture: Triton's autotuning, fla's and torch's lazy
 initialisations), captured the second time (after one more eager run on a side stream, as
 `torch.cuda.graphs` requires), and replayed from then on; the least recently used graphs beyond
-`MAX_GRAPHS` are dropped. A forward-only pass (`torch.no_grad`: verl's old and reference log-probs)
+`MAX_GRAPHS` are dropped. A graph's memory pool keeps its pass's activations and output for as long
+as the graph lives, so `GraphMemory` holds the process's graphs to a share of the device's memory
+(`PrefixSharingConfig.cuda_graph_memory`): past it the least recently run graphs are dropped, and
+their structures run eagerly from then on (recapturing them would cost a capture each time two
+structures took turns). A forward-only pass (`torch.no_grad`: verl's old and reference log-probs)
 is one graph. A pass with gradients is two, captured together: the forward, and the backward of its
 output (`torch.autograd.grad` into static parameter gradients, in the forward's memory pool); the
 replayed forward is one autograd node whose backward replays the second graph and hands autograd the
@@ -66,6 +70,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import unwrap_model
 
 from ps_bridge.compat import fla as compat_fla
+from ps_bridge.config import PrefixSharingConfig
 from ps_bridge.kernels.attention.registry import choose_attention_backend
 from ps_bridge.layout import PackedPrefixLayout
 from ps_bridge.packed_layout import BUCKET_INPUTS
@@ -312,6 +317,64 @@ class _Replayed(torch.autograd.Function):
         return (None,) + tuple(entry.grads)
 
 
+def _pool_bytes(graph) -> int:
+    """The device memory of `graph`'s memory pool (a backward graph captured into the forward's pool is
+    counted with it): the caching allocator's segments owned by the pool (none for a test's stand-in)."""
+    if not isinstance(graph, torch.cuda.CUDAGraph):
+        return 0
+    pool = tuple(graph.pool())
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot() if tuple(seg["segment_pool_id"]) == pool)
+
+
+def _cuda_total() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if torch.cuda.is_available() else 0
+
+
+class GraphMemory:
+    """The device memory the process's graphs hold, least recently run first, and the share of the
+    device's memory they may hold (`fraction`, `PrefixSharingConfig.cuda_graph_memory`). Tests pass
+    `pool_bytes` (a captured forward graph -> the bytes of its pool) and `total` (the device's bytes)."""
+
+    def __init__(self, pool_bytes: Callable[[object], int] = _pool_bytes, total: Callable[[], int] = _cuda_total,
+                 fraction: float = PrefixSharingConfig.cuda_graph_memory):
+        self.pool_bytes, self.total, self.fraction = pool_bytes, total, fraction
+        # (id(graphs), key) -> (weak reference to the ModelGraphs, bytes)
+        self.held: "OrderedDict[tuple, tuple]" = OrderedDict()
+
+    def budget(self) -> int:
+        return int(self.fraction * self.total())
+
+    def used(self) -> int:
+        for ident in [i for i, (ref, _) in self.held.items() if ref() is None]:
+            del self.held[ident]  # a model's graphs die with it
+        return sum(nbytes for _, nbytes in self.held.values())
+
+    def add(self, graphs: "ModelGraphs", key: tuple, nbytes: int) -> None:
+        self.held[(id(graphs), key)] = (weakref.ref(graphs), nbytes)
+
+    def touch(self, graphs: "ModelGraphs", key: tuple) -> None:
+        if (id(graphs), key) in self.held:
+            self.held.move_to_end((id(graphs), key))
+
+    def forget(self, graphs: "ModelGraphs", key: tuple) -> None:
+        self.held.pop((id(graphs), key), None)
+
+    def make_room(self, graphs: "ModelGraphs", key: tuple) -> None:
+        """After `key`'s capture: drop the least recently run graphs of any model (not one whose replayed
+        forward still waits for its backward) until the graphs fit the budget; `key`'s own last, where
+        the others do not make room."""
+        while self.used() > self.budget():
+            victim = next(((ref(), k) for (_, k), (ref, _) in self.held.items()
+                           if (ref(), k) != (graphs, key) and not ref().graphs[k].pending), None)
+            victim = victim or (graphs, key)
+            victim[0].drop_for_memory(victim[1], self)
+            if victim == (graphs, key):
+                return
+
+
+MEMORY = GraphMemory()  # the process's
+
+
 class ModelGraphs:
     """The CUDA graphs of one model, keyed by layout structure and by whether the pass has
     gradients (see the module docstring). `capture` makes them (`CudaGraphCapture`; tests pass one
@@ -319,10 +382,13 @@ class ModelGraphs:
 
     stopped: Optional[str] = None  # why captures stopped in this process (the first failed one)
 
-    def __init__(self, capture=CudaGraphCapture, max_graphs: int = MAX_GRAPHS):
+    def __init__(self, capture=CudaGraphCapture, max_graphs: int = MAX_GRAPHS, memory: Optional[GraphMemory] = None):
         self.capture = capture
         self.max_graphs = max_graphs
+        self.memory = memory or MEMORY
         self.graphs: "OrderedDict[tuple, _Graph]" = OrderedDict()
+        # structures whose graph was dropped for memory: they run eagerly
+        self.no_room: set = set()
         self.fingerprint: Optional[Tuple[int, ...]] = None
         self.captures = 0
         self.replays = 0
@@ -339,20 +405,26 @@ class ModelGraphs:
         if fingerprint != self.fingerprint:
             if self.graphs:
                 logger.info("[PS][graphs] the model's parameters moved: its %d CUDA graphs are dropped", len(self.graphs))
+            for old in self.graphs:
+                self.memory.forget(self, old)
             self.graphs.clear()
+            self.no_room.clear()
             self.fingerprint = fingerprint
         training = torch.is_grad_enabled()
         key = (layout.structure_key(), training) + tuple(key)
+        if key in self.no_room:
+            return forward(layout, None)
         entry = self.graphs.get(key)
         if entry is None:
             entry = self.graphs[key] = _Graph()
             while len(self.graphs) > self.max_graphs:
-                self.graphs.popitem(last=False)
+                self.memory.forget(self, self.graphs.popitem(last=False)[0])
         self.graphs.move_to_end(key)
+        self.memory.touch(self, key)
         entry.seen += 1
         if entry.graph is None and not entry.failed and entry.seen >= CAPTURE_AT and not ModelGraphs.stopped:
-            self._capture(entry, model, layout, graph_forward or forward, training)
-        if entry.graph is None or entry.pending:
+            self._capture(entry, key, model, layout, graph_forward or forward, training)
+        if entry.graph is None or entry.pending or key in self.no_room:
             output = forward(layout, None)
             entry.dtype = output.dtype
             return output
@@ -367,7 +439,19 @@ class ModelGraphs:
             return entry.output.to(entry.dtype, copy=True)
         return _Replayed.apply(entry, *(ref() for ref in entry.params))
 
-    def _capture(self, entry: _Graph, model, layout: PackedPrefixLayout, forward, training: bool) -> None:
+    def drop_for_memory(self, key: tuple, memory: GraphMemory) -> None:
+        """`key`'s graph dropped (its pool freed once no replayed pass holds it) and its structure eager
+        from now on."""
+        entry = self.graphs.pop(key, None)
+        memory.forget(self, key)
+        self.no_room.add(key)
+        logger.info("[PS][graphs] dropped the CUDA graph of a %s-token pass: the process's graphs would hold more "
+                    "than %.1f GiB (cuda_graph_memory=%g of the device's memory, PS_BRIDGE_CUDA_GRAPH_MEMORY); "
+                    "that structure runs eagerly from now on",
+                    entry.layout.num_tokens if entry is not None and entry.layout is not None else "?",
+                    memory.budget() / 2**30, memory.fraction)
+
+    def _capture(self, entry: _Graph, key: tuple, model, layout: PackedPrefixLayout, forward, training: bool) -> None:
         own = static_copy(layout)
         # under level buckets fla's varlen offsets are refilled at each replay: what fla derives from
         # them must be computed inside the graph, not taken from its identity cache
@@ -387,6 +471,8 @@ class ModelGraphs:
         COUNTS["captures"] += 1
         logger.info("[PS][graphs] captured the %s of a %d-token micro-batch (depth %d); it replays from now on",
                     "forward and backward" if training else "forward", layout.num_tokens, layout.tree_depth)
+        self.memory.add(self, key, self.memory.pool_bytes(entry.graph))
+        self.memory.make_room(self, key)
 
     def _capture_into(self, entry: _Graph, model, own: PackedPrefixLayout, forward, training: bool) -> None:
         if training:
@@ -417,13 +503,14 @@ def model_graphs(model: torch.nn.Module) -> ModelGraphs:
 
 
 def graphed(model: torch.nn.Module, layout: PackedPrefixLayout, backend: Optional[str],
-            forward: Callable[..., torch.Tensor]) -> torch.Tensor:
+            forward: Callable[..., torch.Tensor], memory_share: float) -> torch.Tensor:
     """`forward(layout, None)` through the model's graphs where `graph_refusal` allows for the attention
     `backend` (a graph is kept per backend), else eagerly (the reason logged once per reason).
     `forward(layout, weights, fp32_output=False)` is megatron's Float16Module's pass without its cast of
     the logits to float32: for such a model that is what the graph captures, so that its memory pool
     keeps the logits in half precision (half the bytes, for as long as the graph lives), and the
-    replay casts them."""
+    replay casts them. `memory_share`: the share of the device's memory the process's graphs may hold
+    (`GraphMemory`)."""
     refusal = graph_refusal(model, layout, backend)
     if refusal is not None:
         if refusal not in _REFUSED:
@@ -433,4 +520,6 @@ def graphed(model: torch.nn.Module, layout: PackedPrefixLayout, backend: Optiona
     graph_forward = None
     if isinstance(without_data_parallel(model), Float16Module):
         graph_forward = lambda own, weights: forward(own, weights, fp32_output=False)  # noqa: E731
-    return model_graphs(model).run(model, layout, (backend,), forward, graph_forward)
+    graphs = model_graphs(model)
+    graphs.memory.fraction = memory_share
+    return graphs.run(model, layout, (backend,), forward, graph_forward)

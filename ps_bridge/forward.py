@@ -52,7 +52,8 @@ def run_packed(model: torch.nn.Module, layout: PackedPrefixLayout, config: Prefi
     (`ps_bridge.cuda_graphs`)."""
     if config.cuda_graphs:
         return graphed(model, layout, config.backend,
-                       lambda own, weights, **kwargs: _run(model, own, config, weights, **kwargs))
+                       lambda own, weights, **kwargs: _run(model, own, config, weights, **kwargs),
+                       memory_share=config.cuda_graph_memory)
     return _run(model, layout, config)
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ps_bridge.config import PrefixSharingConfig
-from ps_bridge.cuda_graphs import ModelGraphs, graph_refusal, parameter_aliases
+from ps_bridge.cuda_graphs import GraphMemory, ModelGraphs, graph_refusal, parameter_aliases
 from ps_bridge.forward import _run, run_packed
 from ps_bridge.layout import Sample, build_layout
 from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
@@ -201,6 +201,108 @@ def test_other_structures_get_their_own_graph_and_old_ones_are_dropped(loaded):
             graphs.run(model, layout, ("torch_ref",), forward)
     # shared captured, then dropped for unshared (one graph kept): its third run is a first sighting
     assert graphs.captures == 2 and graphs.replays == 2 and len(graphs.graphs) == 1
+
+
+class Budget(GraphMemory):
+    """The process's graph memory with every captured graph holding `per_graph` bytes of a device of
+    `total` bytes (the share left at 1)."""
+
+    def __init__(self, total: int, per_graph: int = 100):
+        super().__init__(pool_bytes=lambda graph: per_graph, total=lambda: total, fraction=1.0)
+
+
+def _three_structures(loaded):
+    samples = _samples(loaded)
+    return _layout(loaded, samples, True), _layout(loaded, samples, False), _layout(loaded, _samples(loaded, 1), True)
+
+
+def test_graphs_beyond_the_memory_share_are_dropped_and_their_structures_run_eagerly(loaded):
+    """Three structures, room for two graphs: the third capture drops the least recently run graph;
+    that structure then runs eagerly (never recaptured), the others still replay, outputs equal eager."""
+    model = loaded.model
+    memory = Budget(total=250)
+    graphs = ModelGraphs(capture=record, memory=memory)
+    a, b, c = _three_structures(loaded)
+
+    def forward(layout, weights=None):
+        return run_packed(model, layout, loaded.config)
+
+    with torch.no_grad():
+        for layout in (a, a, b, b, a, c, c):  # a captured, b captured, a replayed, c captured: b goes
+            graphs.run(model, layout, (), forward)
+        assert (graphs.captures, graphs.replays) == (3, 4) and memory.used() == 200
+        assert set(graphs.graphs) == {k for k in graphs.graphs if k[0] != b.structure_key()}
+        for layout in (b, b, b, a, c):
+            assert torch.equal(graphs.run(model, layout, (), forward), forward(layout))
+    assert (graphs.captures, graphs.replays) == (3, 6)  # b stays eager; a and c replay
+
+
+def test_a_graph_larger_than_the_share_is_not_kept(loaded):
+    model = loaded.model
+    graphs = ModelGraphs(capture=record, memory=Budget(total=99))
+    a = _three_structures(loaded)[0]
+    with torch.no_grad():
+        outs = [graphs.run(model, a, (), lambda own, weights=None: run_packed(model, own, loaded.config))
+                for _ in range(4)]
+    assert (graphs.captures, graphs.replays, len(graphs.graphs)) == (1, 0, 0)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+def test_the_memory_share_spans_the_models_of_the_process(loaded):
+    """Two models (verl's actor and reference) share the device: a capture of the second drops the
+    first's least recently run graph; the dead model's graphs stop counting."""
+    import gc
+
+    memory = Budget(total=150)
+    first, second = ModelGraphs(capture=record, memory=memory), ModelGraphs(capture=record, memory=memory)
+    a, b, _ = _three_structures(loaded)
+    model = loaded.model
+    forward = lambda own, weights=None: run_packed(model, own, loaded.config)  # noqa: E731
+    with torch.no_grad():
+        for graphs, layout in ((first, a), (first, a), (second, b), (second, b)):
+            graphs.run(model, layout, (), forward)
+    assert (first.captures, second.captures) == (1, 1)
+    assert not first.graphs and len(second.graphs) == 1 and memory.used() == 100
+    del second, graphs
+    gc.collect()
+    assert memory.used() == 0
+
+
+def test_a_graph_whose_backward_is_pending_is_not_dropped(loaded):
+    """A replayed forward whose backward has not run holds its graph: the next capture beyond the share
+    drops itself, not that one, and the pending backward's gradients are right."""
+    model, config = loaded.model, replace(loaded.config, cuda_graphs=True)
+    memory = Budget(total=150)
+    graphs = ModelGraphs(capture=record, memory=memory)
+    a, b, _ = _three_structures(loaded)
+    run = lambda own, weights: _run(model, own, config, weights)  # noqa: E731
+    graphs.run(model, a, (), run).sum().backward()
+    graphs.run(model, a, (), run).sum().backward()  # captured (and replayed)
+    pending = graphs.run(model, a, (), run)  # replayed, its backward not yet run
+    with torch.no_grad():
+        graphs.run(model, b, (), run)
+        graphs.run(model, b, (), run)  # captured beyond the share: dropped itself
+    assert graphs.captures == 2 and [k[0] for k in graphs.graphs] == [a.structure_key()]
+    model.zero_grad(set_to_none=True)
+    pending.sum().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    run_packed(model, a, loaded.config).sum().backward()
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(got[n], p.grad, rtol=1e-6, atol=1e-6)
+    model.zero_grad(set_to_none=True)
+
+
+def test_the_memory_share_reads_its_environment_variable(monkeypatch):
+    monkeypatch.setenv("PS_BRIDGE_CUDA_GRAPH_MEMORY", "0.4")
+    assert PrefixSharingConfig.from_env().cuda_graph_memory == 0.4
+    monkeypatch.delenv("PS_BRIDGE_CUDA_GRAPH_MEMORY")
+    assert PrefixSharingConfig.from_env().cuda_graph_memory == PrefixSharingConfig.cuda_graph_memory
+    for bad in ("0", "1.5", "lots"):
+        monkeypatch.setenv("PS_BRIDGE_CUDA_GRAPH_MEMORY", bad)
+        with pytest.raises(ValueError, match="PS_BRIDGE_CUDA_GRAPH_MEMORY"):
+            PrefixSharingConfig.from_env()
 
 
 def test_moved_parameters_drop_the_graphs(loaded):

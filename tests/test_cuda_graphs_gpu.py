@@ -186,3 +186,35 @@ def test_bucketed_replays_on_other_lengths(tmp_path, name, buckets):
             assert diff <= 0.1 * rows_b.abs().max().item()
         print(f"{name} share={share} {buckets} buckets: {layouts[0].num_tokens} packed tokens, depth "
               f"{layouts[0].tree_depth}: bucketed replays == eager")
+
+
+def mine(memory, graphs) -> int:
+    """The bytes `memory` counts for the graphs of one model."""
+    return sum(nbytes for ref, nbytes in memory.held.values() if ref() is graphs)
+
+
+def test_a_graphs_memory_is_its_pools_segments_and_the_share_holds(tmp_path):
+    """The process's graphs are counted by their memory pools' segments (at least the captured output's
+    bytes, at most what the allocator reserved), and a share below one graph's pool keeps none: the
+    structure then runs eagerly, with the same logits."""
+    from ps_bridge.cuda_graphs import MEMORY
+    from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
+
+    loaded = _loaded("qwen2.5", tmp_path)
+    graphs = model_graphs(loaded.model)
+    samples = grpo_like_samples(loaded.vocab_size, num_prompts=3, n=4, prompt_len=(20, 90), response_len=(1, 40), seed=3)
+    layout = build_layout(samples, share=True, pad_multiple=8, vocab_size=loaded.vocab_size).to(loaded.device)
+    with torch.no_grad():
+        first = run_packed(loaded.model, layout, loaded.config)
+        run_packed(loaded.model, layout, loaded.config)
+        (key, entry), = graphs.graphs.items()
+        held = MEMORY.pool_bytes(entry.graph)
+        assert entry.output.numel() * entry.output.element_size() <= held <= torch.cuda.memory_reserved()
+        assert mine(MEMORY, graphs) == held
+        small = replace(loaded.config, cuda_graph_memory=held / 2 / MEMORY.total())
+        other = build_layout(samples, share=False, pad_multiple=8, vocab_size=loaded.vocab_size).to(loaded.device)
+        outs = [run_packed(loaded.model, other, small) for _ in range(3)]
+    # the new capture dropped the old graph, then itself
+    assert not graphs.graphs and len(graphs.no_room) == 2 and mine(MEMORY, graphs) == 0
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert torch.equal(first, run_packed(loaded.model, layout, replace(loaded.config, cuda_graphs=False)))
