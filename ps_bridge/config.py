@@ -127,9 +127,9 @@ class PrefixSharingConfig:
                   responses differ in length). `PS_BRIDGE_CUDA_GRAPH_BUCKETS=segment|level`.
     cuda_graph_memory: the share of the device's memory the process's CUDA graphs may hold (each graph's
                   memory pool keeps its pass's activations and output for as long as it lives, memory the
-                  eager passes and the loss then do without); past it the least recently run graphs are
-                  dropped, and their structures run eagerly from then on. `PS_BRIDGE_CUDA_GRAPH_MEMORY`,
-                  0 < x <= 1.
+                  eager passes and the loss then do without); a graph that would take them past it is not
+                  kept, unless graphs not run for a while make room, and its structure runs eagerly from
+                  then on. `PS_BRIDGE_CUDA_GRAPH_MEMORY`, 0 < x <= 1.
     """
 
     enabled: bool = True

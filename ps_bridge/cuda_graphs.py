@@ -17,9 +17,8 @@ initialisations), captured the second time (after one more eager run on a side s
 `torch.cuda.graphs` requires), and replayed from then on; the least recently used graphs beyond
 `MAX_GRAPHS` are dropped. A graph's memory pool keeps its pass's activations and output for as long
 as the graph lives, so `GraphMemory` holds the process's graphs to a share of the device's memory
-(`PrefixSharingConfig.cuda_graph_memory`): past it the least recently run graphs are dropped, and
-their structures run eagerly from then on (recapturing them would cost a capture each time two
-structures took turns). A forward-only pass (`torch.no_grad`: verl's old and reference log-probs)
+(`PrefixSharingConfig.cuda_graph_memory`): a new graph that does not fit, once graphs not run for a
+while are dropped, is not kept, and its structure runs eagerly from then on. A forward-only pass (`torch.no_grad`: verl's old and reference log-probs)
 is one graph. A pass with gradients is two, captured together: the forward, and the backward of its
 output (`torch.autograd.grad` into static parameter gradients, in the forward's memory pool); the
 replayed forward is one autograd node whose backward replays the second graph and hands autograd the
@@ -80,6 +79,7 @@ logger = logging.getLogger("ps_bridge")
 
 CAPTURE_AT = 2  # a structure is captured the second time it is run: a one-off pack is never captured
 MAX_GRAPHS = 4  # graphs kept per model (each holds its own memory pool: the forward's peak activations, its output)
+STALE_PASSES = 64  # a graph not run in the process's last this many graphed passes may make room for a new one
 
 
 # the attention backends whose kernels read a bucketed layout's lengths only through registered
@@ -331,45 +331,68 @@ def _cuda_total() -> int:
 
 
 class GraphMemory:
-    """The device memory the process's graphs hold, least recently run first, and the share of the
-    device's memory they may hold (`fraction`, `PrefixSharingConfig.cuda_graph_memory`). Tests pass
-    `pool_bytes` (a captured forward graph -> the bytes of its pool) and `total` (the device's bytes)."""
+    """The device memory the process's graphs hold, and the share of the device's memory they may hold
+    (`fraction`, `PrefixSharingConfig.cuda_graph_memory`). A graph makes room for a new one only once it
+    is stale: not run in the process's last `stale_passes` graphed passes (it is then dropped; its
+    structure, should it come back, is captured anew). verl's phases take turns (log-probs,
+    then the update), so the graphs of the phases before the running one are the least recently run:
+    dropping those for the running phase's would recapture every phase's graphs each step. A capture that would not fit is not made where the graphs held
+    predict its size (their bytes per token, passes with or without gradients apart), else it is made and
+    dropped. Tests pass `pool_bytes` (a captured forward graph -> the bytes of its pool) and `total` (the
+    device's bytes)."""
 
     def __init__(self, pool_bytes: Callable[[object], int] = _pool_bytes, total: Callable[[], int] = _cuda_total,
-                 fraction: float = PrefixSharingConfig.cuda_graph_memory):
-        self.pool_bytes, self.total, self.fraction = pool_bytes, total, fraction
-        # (id(graphs), key) -> (weak reference to the ModelGraphs, bytes)
-        self.held: "OrderedDict[tuple, tuple]" = OrderedDict()
+                 fraction: float = PrefixSharingConfig.cuda_graph_memory, stale_passes: int = STALE_PASSES):
+        self.pool_bytes, self.total, self.fraction, self.stale_passes = pool_bytes, total, fraction, stale_passes
+        self.clock = 0  # graphed passes run in this process
+        # (id(graphs), key) -> [weak reference to the ModelGraphs, bytes, tokens, clock of its last run]
+        self.held: "OrderedDict[tuple, list]" = OrderedDict()
 
     def budget(self) -> int:
         return int(self.fraction * self.total())
 
     def used(self) -> int:
-        for ident in [i for i, (ref, _) in self.held.items() if ref() is None]:
+        for ident in [i for i, (ref, *_) in self.held.items() if ref() is None]:
             del self.held[ident]  # a model's graphs die with it
-        return sum(nbytes for _, nbytes in self.held.values())
+        return sum(nbytes for _, nbytes, *_ in self.held.values())
 
-    def add(self, graphs: "ModelGraphs", key: tuple, nbytes: int) -> None:
-        self.held[(id(graphs), key)] = (weakref.ref(graphs), nbytes)
+    def add(self, graphs: "ModelGraphs", key: tuple, nbytes: int, tokens: int) -> None:
+        self.held[(id(graphs), key)] = [weakref.ref(graphs), nbytes, tokens, self.clock]
 
     def touch(self, graphs: "ModelGraphs", key: tuple) -> None:
-        if (id(graphs), key) in self.held:
+        """A graphed pass of `key` runs (replayed or not)."""
+        self.clock += 1
+        held = self.held.get((id(graphs), key))
+        if held is not None:
+            held[3] = self.clock
             self.held.move_to_end((id(graphs), key))
 
     def forget(self, graphs: "ModelGraphs", key: tuple) -> None:
         self.held.pop((id(graphs), key), None)
 
+    def room_for(self, key: tuple, tokens: int) -> bool:
+        """Before `key`'s capture: whether its predicted size fits, once stale graphs are dropped (True
+        where no graph of its kind is held to predict from)."""
+        same_kind = [nbytes / max(held_tokens, 1) for (_, k), (_, nbytes, held_tokens, _) in self.held.items()
+                     if k[1] == key[1]]
+        return not same_kind or self._fit(int(max(same_kind) * tokens), None)
+
     def make_room(self, graphs: "ModelGraphs", key: tuple) -> None:
-        """After `key`'s capture: drop the least recently run graphs of any model (not one whose replayed
-        forward still waits for its backward) until the graphs fit the budget; `key`'s own last, where
-        the others do not make room."""
-        while self.used() > self.budget():
-            victim = next(((ref(), k) for (_, k), (ref, _) in self.held.items()
-                           if (ref(), k) != (graphs, key) and not ref().graphs[k].pending), None)
-            victim = victim or (graphs, key)
-            victim[0].drop_for_memory(victim[1], self)
-            if victim == (graphs, key):
-                return
+        """After `key`'s capture: stale graphs dropped until the graphs fit the share, else `key`'s own."""
+        if not self._fit(0, (graphs, key)):
+            graphs.drop_for_memory(key, self, self.held[(id(graphs), key)][2])
+
+    def _fit(self, extra: int, keep) -> bool:
+        while self.used() + extra > self.budget():
+            victim = next(((ref(), k) for (_, k), (ref, _, _, last) in self.held.items()
+                           if (ref(), k) != keep and self.clock - last > self.stale_passes
+                           and not ref().graphs[k].pending), None)
+            if victim is None:
+                return False
+            # a stale structure that comes back is seen and captured anew
+            victim[0].graphs.pop(victim[1], None)
+            self.forget(*victim)
+        return True
 
 
 MEMORY = GraphMemory()  # the process's
@@ -423,7 +446,10 @@ class ModelGraphs:
         self.memory.touch(self, key)
         entry.seen += 1
         if entry.graph is None and not entry.failed and entry.seen >= CAPTURE_AT and not ModelGraphs.stopped:
-            self._capture(entry, key, model, layout, graph_forward or forward, training)
+            if self.memory.room_for(key, layout.num_tokens):
+                self._capture(entry, key, model, layout, graph_forward or forward, training)
+            else:
+                self.drop_for_memory(key, self.memory, layout.num_tokens)
         if entry.graph is None or entry.pending or key in self.no_room:
             output = forward(layout, None)
             entry.dtype = output.dtype
@@ -439,17 +465,16 @@ class ModelGraphs:
             return entry.output.to(entry.dtype, copy=True)
         return _Replayed.apply(entry, *(ref() for ref in entry.params))
 
-    def drop_for_memory(self, key: tuple, memory: GraphMemory) -> None:
-        """`key`'s graph dropped (its pool freed once no replayed pass holds it) and its structure eager
-        from now on."""
-        entry = self.graphs.pop(key, None)
+    def drop_for_memory(self, key: tuple, memory: GraphMemory, tokens: int) -> None:
+        """`key`'s graph dropped or never captured (a dropped pool is freed once no replayed pass holds it),
+        and its structure eager from now on."""
+        self.graphs.pop(key, None)
         memory.forget(self, key)
         self.no_room.add(key)
-        logger.info("[PS][graphs] dropped the CUDA graph of a %s-token pass: the process's graphs would hold more "
-                    "than %.1f GiB (cuda_graph_memory=%g of the device's memory, PS_BRIDGE_CUDA_GRAPH_MEMORY); "
-                    "that structure runs eagerly from now on",
-                    entry.layout.num_tokens if entry is not None and entry.layout is not None else "?",
-                    memory.budget() / 2**30, memory.fraction)
+        logger.info("[PS][graphs] a %d-token pass runs eagerly from now on: with its CUDA graph the process's graphs "
+                    "would hold more than %.1f GiB (cuda_graph_memory=%g of the device's memory, "
+                    "PS_BRIDGE_CUDA_GRAPH_MEMORY)",
+                    tokens, memory.budget() / 2**30, memory.fraction)
 
     def _capture(self, entry: _Graph, key: tuple, model, layout: PackedPrefixLayout, forward, training: bool) -> None:
         own = static_copy(layout)
@@ -471,7 +496,7 @@ class ModelGraphs:
         COUNTS["captures"] += 1
         logger.info("[PS][graphs] captured the %s of a %d-token micro-batch (depth %d); it replays from now on",
                     "forward and backward" if training else "forward", layout.num_tokens, layout.tree_depth)
-        self.memory.add(self, key, self.memory.pool_bytes(entry.graph))
+        self.memory.add(self, key, self.memory.pool_bytes(entry.graph), layout.num_tokens)
         self.memory.make_room(self, key)
 
     def _capture_into(self, entry: _Graph, model, own: PackedPrefixLayout, forward, training: bool) -> None:

@@ -204,11 +204,14 @@ def test_other_structures_get_their_own_graph_and_old_ones_are_dropped(loaded):
 
 
 class Budget(GraphMemory):
-    """The process's graph memory with every captured graph holding `per_graph` bytes of a device of
-    `total` bytes (the share left at 1)."""
+    """The process's graph memory on a device of `total` bytes (the share left at 1), each captured graph
+    holding a byte per token of its pass."""
 
-    def __init__(self, total: int, per_graph: int = 100):
-        super().__init__(pool_bytes=lambda graph: per_graph, total=lambda: total, fraction=1.0)
+    def __init__(self, total: int, stale_passes: int = 64):
+        super().__init__(pool_bytes=lambda graph: 0, total=lambda: total, fraction=1.0, stale_passes=stale_passes)
+
+    def add(self, graphs, key, nbytes, tokens):
+        super().add(graphs, key, tokens, tokens)
 
 
 def _three_structures(loaded):
@@ -216,73 +219,91 @@ def _three_structures(loaded):
     return _layout(loaded, samples, True), _layout(loaded, samples, False), _layout(loaded, _samples(loaded, 1), True)
 
 
-def test_graphs_beyond_the_memory_share_are_dropped_and_their_structures_run_eagerly(loaded):
-    """Three structures, room for two graphs: the third capture drops the least recently run graph;
-    that structure then runs eagerly (never recaptured), the others still replay, outputs equal eager."""
-    model = loaded.model
-    memory = Budget(total=250)
-    graphs = ModelGraphs(capture=record, memory=memory)
+def _eager(loaded):
+    return lambda own, weights=None: run_packed(loaded.model, own, loaded.config)
+
+
+def test_a_graph_beyond_the_memory_share_is_not_kept_while_the_others_run(loaded):
+    """Room for two graphs, three structures in turns (as verl's phases take turns): the third is not
+    kept and runs eagerly from then on; the two held replay; outputs equal eager."""
+    model, forward = loaded.model, _eager(loaded)
     a, b, c = _three_structures(loaded)
-
-    def forward(layout, weights=None):
-        return run_packed(model, layout, loaded.config)
-
+    memory = Budget(total=a.num_tokens + b.num_tokens + c.num_tokens - 1)
+    graphs = ModelGraphs(capture=record, memory=memory)
     with torch.no_grad():
-        for layout in (a, a, b, b, a, c, c):  # a captured, b captured, a replayed, c captured: b goes
+        for layout in (a, a, b, b, c, c):
             graphs.run(model, layout, (), forward)
-        assert (graphs.captures, graphs.replays) == (3, 4) and memory.used() == 200
-        assert set(graphs.graphs) == {k for k in graphs.graphs if k[0] != b.structure_key()}
-        for layout in (b, b, b, a, c):
+        assert memory.used() == a.num_tokens + b.num_tokens and {k[0] for k in graphs.graphs} == {a.structure_key(), b.structure_key()}
+        replays = graphs.replays
+        for layout in (c, c, a, b):
             assert torch.equal(graphs.run(model, layout, (), forward), forward(layout))
-    assert (graphs.captures, graphs.replays) == (3, 6)  # b stays eager; a and c replay
+    assert graphs.replays == replays + 2 and graphs.captures == 2  # c: eager, its size predicted
+    assert [k[0] for k in graphs.no_room] == [c.structure_key()]
+
+
+def test_stale_graphs_make_room(loaded):
+    """A graph not run in the last `stale_passes` graphed passes is dropped for a new one; its structure,
+    back again, is seen and captured anew."""
+    model, forward = loaded.model, _eager(loaded)
+    a, b, c = _three_structures(loaded)
+    memory = Budget(total=a.num_tokens + b.num_tokens + c.num_tokens - 1, stale_passes=3)
+    graphs = ModelGraphs(capture=record, memory=memory)
+    with torch.no_grad():
+        for layout in (a, a, b, b, b, b, c, c):  # a last ran 6 passes before c's capture
+            graphs.run(model, layout, (), forward)
+        assert {k[0] for k in graphs.graphs} == {b.structure_key(), c.structure_key()} and not graphs.no_room
+        for layout in (c, c, c, c, a, a):  # a seen anew; at its capture b is stale: dropped for it
+            assert torch.equal(graphs.run(model, layout, (), forward), forward(layout))
+    assert {k[0] for k in graphs.graphs} == {c.structure_key(), a.structure_key()} and graphs.captures == 4
 
 
 def test_a_graph_larger_than_the_share_is_not_kept(loaded):
     model = loaded.model
-    graphs = ModelGraphs(capture=record, memory=Budget(total=99))
     a = _three_structures(loaded)[0]
+    graphs = ModelGraphs(capture=record, memory=Budget(total=a.num_tokens - 1))
     with torch.no_grad():
-        outs = [graphs.run(model, a, (), lambda own, weights=None: run_packed(model, own, loaded.config))
-                for _ in range(4)]
+        outs = [graphs.run(model, a, (), _eager(loaded)) for _ in range(4)]
     assert (graphs.captures, graphs.replays, len(graphs.graphs)) == (1, 0, 0)
     assert all(torch.equal(o, outs[0]) for o in outs)
 
 
 def test_the_memory_share_spans_the_models_of_the_process(loaded):
-    """Two models (verl's actor and reference) share the device: a capture of the second drops the
-    first's least recently run graph; the dead model's graphs stop counting."""
+    """Two models (verl's actor and reference) share the device: the second's graph does not fit beside
+    the first's, which runs; once the first's is stale, it makes room; a dead model's graphs stop counting."""
     import gc
 
-    memory = Budget(total=150)
-    first, second = ModelGraphs(capture=record, memory=memory), ModelGraphs(capture=record, memory=memory)
     a, b, _ = _three_structures(loaded)
-    model = loaded.model
-    forward = lambda own, weights=None: run_packed(model, own, loaded.config)  # noqa: E731
+    memory = Budget(total=a.num_tokens + b.num_tokens - 1, stale_passes=2)
+    first, second = ModelGraphs(capture=record, memory=memory), ModelGraphs(capture=record, memory=memory)
+    model, forward = loaded.model, _eager(loaded)
     with torch.no_grad():
-        for graphs, layout in ((first, a), (first, a), (second, b), (second, b)):
+        for graphs, layout in ((first, a), (first, a), (second, b), (first, a), (second, b)):
             graphs.run(model, layout, (), forward)
-    assert (first.captures, second.captures) == (1, 1)
-    assert not first.graphs and len(second.graphs) == 1 and memory.used() == 100
-    del second, graphs
+        assert (first.captures, len(first.graphs), len(second.graphs)) == (1, 1, 0) and second.no_room
+        other = ModelGraphs(capture=record, memory=memory)
+        for layout in (b, b, b, b):  # a not run for 3 passes at b's capture: dropped for it
+            other.run(model, layout, (), forward)
+    assert (len(first.graphs), len(other.graphs), memory.used()) == (0, 1, b.num_tokens)
+    del other
     gc.collect()
     assert memory.used() == 0
 
 
 def test_a_graph_whose_backward_is_pending_is_not_dropped(loaded):
-    """A replayed forward whose backward has not run holds its graph: the next capture beyond the share
-    drops itself, not that one, and the pending backward's gradients are right."""
+    """A replayed forward whose backward has not run holds its graph, stale or not: a capture beyond the
+    share is not kept, and the pending backward's gradients are right."""
     model, config = loaded.model, replace(loaded.config, cuda_graphs=True)
-    memory = Budget(total=150)
-    graphs = ModelGraphs(capture=record, memory=memory)
     a, b, _ = _three_structures(loaded)
+    memory = Budget(total=a.num_tokens + b.num_tokens - 1, stale_passes=0)
+    graphs = ModelGraphs(capture=record, memory=memory)
     run = lambda own, weights: _run(model, own, config, weights)  # noqa: E731
     graphs.run(model, a, (), run).sum().backward()
     graphs.run(model, a, (), run).sum().backward()  # captured (and replayed)
     pending = graphs.run(model, a, (), run)  # replayed, its backward not yet run
     with torch.no_grad():
         graphs.run(model, b, (), run)
-        graphs.run(model, b, (), run)  # captured beyond the share: dropped itself
-    assert graphs.captures == 2 and [k[0] for k in graphs.graphs] == [a.structure_key()]
+        graphs.run(model, b, (), run)
+    assert [k[0] for k in graphs.graphs] == [a.structure_key()] and [k[0] for k in graphs.no_room] == [b.structure_key()]
     model.zero_grad(set_to_none=True)
     pending.sum().backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
