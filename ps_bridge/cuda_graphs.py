@@ -471,6 +471,7 @@ class ModelGraphs:
         self.graphs.pop(key, None)
         memory.forget(self, key)
         self.no_room.add(key)
+        COUNTS["no_room"] += 1
         logger.info("[PS][graphs] a %d-token pass runs eagerly from now on: with its CUDA graph the process's graphs "
                     "would hold more than %.1f GiB (cuda_graph_memory=%g of the device's memory, "
                     "PS_BRIDGE_CUDA_GRAPH_MEMORY)",
@@ -512,8 +513,9 @@ class ModelGraphs:
         entry.dtype = entry.dtype or output.dtype
 
 
-# captures and replays of every model of this process (verl-check reports them per phase)
-COUNTS = {"captures": 0, "replays": 0}
+# captures, replays and structures left eager for the memory share (`GraphMemory`), of every model of this
+# process (verl-check reports them per phase)
+COUNTS = {"captures": 0, "replays": 0, "no_room": 0}
 
 _GRAPHS: "weakref.WeakKeyDictionary[torch.nn.Module, ModelGraphs]" = weakref.WeakKeyDictionary()
 _REFUSED: set = set()

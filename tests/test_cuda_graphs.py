@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ps_bridge.config import PrefixSharingConfig
-from ps_bridge.cuda_graphs import GraphMemory, ModelGraphs, graph_refusal, parameter_aliases
+from ps_bridge.cuda_graphs import COUNTS, GraphMemory, ModelGraphs, graph_refusal, parameter_aliases
 from ps_bridge.forward import _run, run_packed
 from ps_bridge.layout import Sample, build_layout
 from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
@@ -230,6 +230,7 @@ def test_a_graph_beyond_the_memory_share_is_not_kept_while_the_others_run(loaded
     a, b, c = _three_structures(loaded)
     memory = Budget(total=a.num_tokens + b.num_tokens + c.num_tokens - 1)
     graphs = ModelGraphs(capture=record, memory=memory)
+    left_eager = COUNTS["no_room"]
     with torch.no_grad():
         for layout in (a, a, b, b, c, c):
             graphs.run(model, layout, (), forward)
@@ -238,7 +239,7 @@ def test_a_graph_beyond_the_memory_share_is_not_kept_while_the_others_run(loaded
         for layout in (c, c, a, b):
             assert torch.equal(graphs.run(model, layout, (), forward), forward(layout))
     assert graphs.replays == replays + 2 and graphs.captures == 2  # c: eager, its size predicted
-    assert [k[0] for k in graphs.no_room] == [c.structure_key()]
+    assert [k[0] for k in graphs.no_room] == [c.structure_key()] and COUNTS["no_room"] == left_eager + 1
 
 
 def test_stale_graphs_make_room(loaded):

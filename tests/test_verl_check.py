@@ -201,6 +201,10 @@ def test_the_report_counts_cuda_graphs_per_engine_and_phase():
              {"step": 2, "cuda_graphs": {"stock": {"update": none}, "shared": {"update": {"captures": 0, "replays": 4},
                                                                           "old_log_prob": none}}}]
     assert graph_lines(steps, ("stock", "shared")) == ["CUDA graphs, shared engine: update 2 captured / 5 replayed"]
+    steps[1]["cuda_graphs"]["shared"]["ref"] = {"captures": 0, "replays": 0, "no_room": 1}
+    assert graph_lines(steps, ("stock", "shared")) == [
+        "CUDA graphs, shared engine: update 2 captured / 5 replayed, ref 0 captured / 0 replayed / 1 left eager "
+        "(PS_BRIDGE_CUDA_GRAPH_MEMORY)"]
     assert graph_lines([{"step": 1}], ("stock", "shared")) == []  # runs without graphs print nothing
 
 

@@ -97,17 +97,19 @@ def compile_lines(steps, kinds) -> list:
 
 def graph_lines(steps, kinds) -> list:
     """CUDA graphs captured and replayed per engine and phase over all steps (`PS_BRIDGE_CUDA_GRAPHS=1`),
-    where any was: a graph replays only micro-batches whose layout repeats one captured before."""
+    where any was: a graph replays only micro-batches whose layout repeats one captured before; and the
+    structures left eager because their graph would not fit the memory share."""
     lines = []
     for kind in kinds:
         totals: dict = {}
         for s in steps:
             for phase, c in (s.get("cuda_graphs") or {}).get(kind, {}).items():
-                t = totals.setdefault(phase, {"captures": 0, "replays": 0})
+                t = totals.setdefault(phase, {"captures": 0, "replays": 0, "no_room": 0})
                 for k in t:
                     t[k] += (c or {}).get(k, 0)
-        parts = [f"{phase} {t['captures']} captured / {t['replays']} replayed" for phase, t in totals.items()
-                 if t["captures"] or t["replays"]]
+        parts = [f"{phase} {t['captures']} captured / {t['replays']} replayed"
+                 + (f" / {t['no_room']} left eager (PS_BRIDGE_CUDA_GRAPH_MEMORY)" if t["no_room"] else "")
+                 for phase, t in totals.items() if t["captures"] or t["replays"] or t["no_room"]]
         if parts:
             lines.append(f"CUDA graphs, {kind} engine: " + ", ".join(parts))
     return lines
