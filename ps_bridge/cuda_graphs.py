@@ -386,7 +386,7 @@ class GraphMemory:
         while self.used() + extra > self.budget():
             victim = next(((ref(), k) for (_, k), (ref, _, _, last) in self.held.items()
                            if (ref(), k) != keep and self.clock - last > self.stale_passes
-                           and not ref().graphs[k].pending), None)
+                           and not getattr(ref().graphs.get(k), "pending", False)), None)
             if victim is None:
                 return False
             # a stale structure that comes back is seen and captured anew
@@ -472,10 +472,12 @@ class ModelGraphs:
         memory.forget(self, key)
         self.no_room.add(key)
         COUNTS["no_room"] += 1
-        logger.info("[PS][graphs] a %d-token pass runs eagerly from now on: with its CUDA graph the process's graphs "
-                    "would hold more than %.1f GiB (cuda_graph_memory=%g of the device's memory, "
-                    "PS_BRIDGE_CUDA_GRAPH_MEMORY)",
-                    tokens, memory.budget() / 2**30, memory.fraction)
+        # said once at INFO (with the setting to raise); each later structure at DEBUG
+        logger.log(logging.DEBUG if COUNTS["no_room"] > 1 else logging.INFO,
+                   "[PS][graphs] a %d-token pass runs eagerly from now on: with its CUDA graph the process's graphs "
+                   "would hold more than %.1f GiB (cuda_graph_memory=%g of the device's memory; raise "
+                   "PS_BRIDGE_CUDA_GRAPH_MEMORY where the device has room)", tokens, memory.budget() / 2**30,
+                   memory.fraction)
 
     def _capture(self, entry: _Graph, key: tuple, model, layout: PackedPrefixLayout, forward, training: bool) -> None:
         own = static_copy(layout)

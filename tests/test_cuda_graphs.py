@@ -223,7 +223,7 @@ def _eager(loaded):
     return lambda own, weights=None: run_packed(loaded.model, own, loaded.config)
 
 
-def test_a_graph_beyond_the_memory_share_is_not_kept_while_the_others_run(loaded):
+def test_a_graph_beyond_the_memory_share_is_not_kept_while_the_others_run(loaded, caplog):
     """Room for two graphs, three structures in turns (as verl's phases take turns): the third is not
     kept and runs eagerly from then on; the two held replay; outputs equal eager."""
     model, forward = loaded.model, _eager(loaded)
@@ -231,6 +231,7 @@ def test_a_graph_beyond_the_memory_share_is_not_kept_while_the_others_run(loaded
     memory = Budget(total=a.num_tokens + b.num_tokens + c.num_tokens - 1)
     graphs = ModelGraphs(capture=record, memory=memory)
     left_eager = COUNTS["no_room"]
+    caplog.set_level("DEBUG", logger="ps_bridge")
     with torch.no_grad():
         for layout in (a, a, b, b, c, c):
             graphs.run(model, layout, (), forward)
@@ -240,6 +241,8 @@ def test_a_graph_beyond_the_memory_share_is_not_kept_while_the_others_run(loaded
             assert torch.equal(graphs.run(model, layout, (), forward), forward(layout))
     assert graphs.replays == replays + 2 and graphs.captures == 2  # c: eager, its size predicted
     assert [k[0] for k in graphs.no_room] == [c.structure_key()] and COUNTS["no_room"] == left_eager + 1
+    said = [r.getMessage() for r in caplog.records if "runs eagerly from now on" in r.getMessage()]
+    assert len(said) == 1 and f"a {c.num_tokens}-token pass" in said[0] and "PS_BRIDGE_CUDA_GRAPH_MEMORY" in said[0]
 
 
 def test_stale_graphs_make_room(loaded):
