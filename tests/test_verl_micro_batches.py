@@ -10,6 +10,7 @@ import importlib.util
 import random
 
 import pytest
+import torch
 
 if importlib.util.find_spec("verl") is None:
     pytest.skip("verl is not installed (requirements-verl*.txt)", allow_module_level=True)
@@ -134,6 +135,19 @@ def test_prefix_aware_micro_batches_on_a_verl_batch():
     [one], [idx] = prefix_aware_micro_batches(whole)
     plan = tu.get_non_tensor_data(one, key=PLAN_KEY, default=None)
     assert idx == list(range(len(samples))) and plan.tree is not None and plan.tree.num_samples == len(samples)
+    # that micro-batch holds what verl's selection of every sample would, and keys set on it stay its own
+    selected = tu.index_select_tensor_dict(whole, idx)
+    assert one is not whole and sorted(one.keys()) == sorted(selected.keys())
+    for key in selected.keys():
+        got, want = one[key], selected[key]
+        if isinstance(want, torch.Tensor) and want.is_nested:
+            assert torch.equal(got.values(), want.values()) and torch.equal(got.offsets(), want.offsets()), key
+        elif isinstance(want, torch.Tensor):
+            assert torch.equal(got, want), key
+        elif key != PLAN_KEY:
+            assert list(got) == list(want) if hasattr(want, "__len__") and not isinstance(want, str) else got == want, key
+    tu.assign_non_tensor(one, num_micro_batch=7)
+    assert tu.get_non_tensor_data(whole, key="num_micro_batch", default=None) is None
     batches, indices = prefix_aware_micro_batches(td, min_num_micro_batch=len(samples))
     assert sorted(i for part in indices for i in part) == list(range(len(samples)))
     assert all(len(part) == 1 for part in indices)
