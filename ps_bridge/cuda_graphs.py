@@ -11,24 +11,24 @@ and labels, and of its other fields). Such a micro-batch's tokens are copied int
 layout's token buffer, the graph is replayed, and its output is copied out (the next replay writes
 the same buffer).
 
-`ModelGraphs` keeps one model's graphs: a structure is run eagerly the first time it is seen
-(that run also does what must not happen under capture: Triton's autotuning, fla's and torch's lazy
+`ModelGraphs` keeps one model's graphs: a structure is run eagerly the first time it is seen (that run
+also does what must not happen under capture: Triton's autotuning, fla's and torch's lazy
 initialisations), captured the second time (after one more eager run on a side stream, as
 `torch.cuda.graphs` requires), and replayed from then on; the least recently used graphs beyond
-`MAX_GRAPHS` are dropped. A graph's memory pool keeps its pass's activations and output for as long
-as the graph lives, so `GraphMemory` holds the process's graphs to a share of the device's memory
+`MAX_GRAPHS` are dropped. A graph's memory pool keeps its pass's activations and output for as long as
+the graph lives, so `GraphMemory` holds the process's graphs to a share of the device's memory
 (`PrefixSharingConfig.cuda_graph_memory`): a new graph that does not fit, once graphs not run for a
-while are dropped, is not kept, and its structure runs eagerly from then on. A forward-only pass (`torch.no_grad`: verl's old and reference log-probs)
-is one graph. A pass with gradients is two, captured together: the forward, and the backward of its
-output (`torch.autograd.grad` into static parameter gradients, in the forward's memory pool); the
-replayed forward is one autograd node whose backward replays the second graph and hands autograd the
-parameters' gradients, so they accumulate and megatron's gradient hooks run as after an eager
-backward. The loss stays outside the graphs. Until that backward has run, the structure's next
-forward runs eagerly (a replay would overwrite the saved activations). A capture that fails (a host
-read of a device tensor, an RNG state set inside the pass) stops captures in the process (the graphs
-already captured still replay), and says why once. A graph reads the parameters' storage as it was
-at capture: when any parameter or buffer of the model moves (verl's parameter offload), every graph
-of the model is dropped.
+while are dropped, is not kept, and its structure runs eagerly from then on. A forward-only pass
+(`torch.no_grad`: verl's old and reference log-probs) is one graph. A pass with gradients is two,
+captured together: the forward, and the backward of its output (`torch.autograd.grad` into static
+parameter gradients, in the forward's memory pool); the replayed forward is one autograd node whose
+backward replays the second graph and hands autograd the parameters' gradients, so they accumulate and
+megatron's gradient hooks run as after an eager backward. The loss stays outside the graphs. Until that
+backward has run, the structure's next forward runs eagerly (a replay would overwrite the saved
+activations). A capture that fails (a host read of a device tensor, an RNG state set inside the pass)
+stops captures in the process (the graphs already captured still replay), and says why once. A graph
+reads the parameters' storage as it was at capture: when any parameter or buffer of the model moves
+(verl's parameter offload), every graph of the model is dropped.
 
 verl's micro-batches differ in their lengths, so their layouts would hardly ever repeat. With
 graphs on, the layouts are built bucketed (`buckets_for`, `tree.materialize.bucket_length`): every
@@ -327,19 +327,21 @@ def _pool_bytes(graph) -> int:
 
 
 def _cuda_total() -> int:
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if torch.cuda.is_available() else 0
+    if not torch.cuda.is_available():
+        return 0
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 
 
 class GraphMemory:
     """The device memory the process's graphs hold, and the share of the device's memory they may hold
-    (`fraction`, `PrefixSharingConfig.cuda_graph_memory`). A graph makes room for a new one only once it
-    is stale: not run in the process's last `stale_passes` graphed passes (it is then dropped; its
-    structure, should it come back, is captured anew). verl's phases take turns (log-probs,
-    then the update), so the graphs of the phases before the running one are the least recently run:
-    dropping those for the running phase's would recapture every phase's graphs each step. A capture that would not fit is not made where the graphs held
-    predict its size (their bytes per token, passes with or without gradients apart), else it is made and
-    dropped. Tests pass `pool_bytes` (a captured forward graph -> the bytes of its pool) and `total` (the
-    device's bytes)."""
+    (`fraction`, `PrefixSharingConfig.cuda_graph_memory`). A graph makes room for a new one only once it is
+    stale: not run in the process's last `stale_passes` graphed passes (it is then dropped; its structure,
+    should it come back, is captured anew). verl's phases take turns (log-probs, then the update), so the
+    graphs of the phases before the running one are the least recently run: dropping those for the running
+    phase's would recapture every phase's graphs each step. A capture that would not fit is not made where
+    the graphs held predict its size (their bytes per token, passes with or without gradients apart), else
+    it is made and dropped. Tests pass `pool_bytes` (a captured forward graph -> the bytes of its pool) and
+    `total` (the device's bytes)."""
 
     def __init__(self, pool_bytes: Callable[[object], int] = _pool_bytes, total: Callable[[], int] = _cuda_total,
                  fraction: float = PrefixSharingConfig.cuda_graph_memory, stale_passes: int = STALE_PASSES):
@@ -497,10 +499,11 @@ class ModelGraphs:
             return
         self.captures += 1
         COUNTS["captures"] += 1
-        logger.info("[PS][graphs] captured the %s of a %d-token micro-batch (depth %d); it replays from now on",
-                    "forward and backward" if training else "forward", layout.num_tokens, layout.tree_depth)
         self.memory.add(self, key, self.memory.pool_bytes(entry.graph), layout.num_tokens)
         self.memory.make_room(self, key)
+        if key not in self.no_room:
+            logger.info("[PS][graphs] captured the %s of a %d-token micro-batch (depth %d); it replays from now on",
+                        "forward and backward" if training else "forward", layout.num_tokens, layout.tree_depth)
 
     def _capture_into(self, entry: _Graph, model, own: PackedPrefixLayout, forward, training: bool) -> None:
         if training:
