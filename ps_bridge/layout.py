@@ -299,8 +299,9 @@ def build_layout(
     decided for these samples (`decide_tree` with the same `share` and options, e.g. for the sharing
     rule's counts), packed as it is instead of being decided again; `order`: its pack order
     (`tree.order.pack_order(tree)`, e.g. from a `plan.SharingPlan`), else computed here. `bucket`:
-    every segment of a tree level padded to the level's bucket length, every position computed
-    (`tree.materialize.bucket_length`: the shape CUDA graphs replay, `ps_bridge.cuda_graphs`);
+    every segment of a tree level padded to the level's bucket length, the output layer on the positions
+    the structure fixes (`tree.materialize.bucket_length`, `bucketed_read_positions`: the shape CUDA graphs
+    replay, `ps_bridge.cuda_graphs`);
     `level_buckets` (with `bucket`): segments at their own lengths, each level's block padded to a
     bucket instead (`ps_bridge.tree.level_buckets`)."""
     if pad_multiple < 1:

@@ -87,18 +87,16 @@ def bucketed_read_positions(read: np.ndarray, answer: np.ndarray, segment: np.nd
     fork_only = (reads == 1) & read[np.maximum(last, 0)] & (np.asarray(valid_lengths) > 0)
     kinds = np.where((np.bincount(segment[answer], minlength=N) > 0) | ((reads > 0) & ~fork_only), 2,
                      np.where(reads > 0, 1, 0))
-    pieces = []
-    for a, b in level_spans:
-        if whole_levels and (kinds[a:b] == 2).any():
-            pieces.append(np.arange(seg_start[a], seg_start[b - 1] + padded[b - 1]))
-            continue
-        for k in range(a, b):
-            if kinds[k] == 2:
-                pieces.append(np.arange(seg_start[k], seg_start[k] + padded[k]))
-            elif kinds[k] == 1:
-                pieces.append(last[k:k + 1])
-    positions = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
-    return positions.astype(np.int64), kinds.tolist()
+    # one run of positions per segment: all of it (kind 2), its last valid token (kind 1), none (kind 0)
+    starts = np.where(kinds == 2, seg_start, np.maximum(last, 0)).astype(np.int64)
+    lengths = np.where(kinds == 2, padded, kinds).astype(np.int64)
+    if whole_levels:  # a level with a kind-2 segment: one run over its whole block
+        for a, b in level_spans:
+            if (kinds[a:b] == 2).any():
+                starts[a], lengths[a] = seg_start[a], seg_start[b - 1] + padded[b - 1] - seg_start[a]
+                lengths[a + 1:b] = 0
+    runs, offsets = _repeat_arange(lengths)
+    return starts[runs] + offsets, kinds.tolist()
 
 
 def _repeat_arange(lengths: np.ndarray):
