@@ -63,11 +63,15 @@ def cp_rope_table(table: torch.Tensor, cp_size: int) -> torch.Tensor:
 
 class SelectedOutputsMixin:
     """Before a GPTModel's `_postprocess`: keep the hidden states of `packed_seq_params.output_positions`
-    only (see the module docstring). megatron's `forward` calls `_postprocess` with keywords."""
+    only (see the module docstring). megatron's `forward` calls `_postprocess` with keywords. With
+    `packed_seq_params.hidden_states_only` the model returns those hidden states (gathered under sequence
+    parallelism), and `output_logits` applies the output layer to them."""
 
     def _postprocess(self, hidden_states, **kwargs):
-        positions = getattr(kwargs.get("packed_seq_params"), "output_positions", None)
-        if positions is None or not self.post_process:
+        params = kwargs.get("packed_seq_params")
+        positions = getattr(params, "output_positions", None)
+        hidden_only = getattr(params, "hidden_states_only", False)
+        if not self.post_process or (positions is None and not hidden_only):
             return super()._postprocess(hidden_states=hidden_states, **kwargs)
         if kwargs.get("labels") is not None or self.config.mtp_num_layers or kwargs.get("output_processor") is not None:
             raise ValueError(
@@ -76,19 +80,34 @@ class SelectedOutputsMixin:
                 "output processors are not supported with it; build the layout with prompt_values=True "
                 "(PrefixSharingConfig(prompt_values=True)) to compute every position"
             )
-        layer = self.output_layer
-        sequence_parallel = layer.sequence_parallel
-        if sequence_parallel:
+        if self.output_layer.sequence_parallel:
             # backward: this rank's part of the (already TP-summed) gradient, see the module docstring
             hidden_states = gather_from_sequence_parallel_region(
                 hidden_states, tensor_parallel_output_grad=False, group=self.pg_collection.tp
             )
-        hidden_states = hidden_states.index_select(0, positions.to(hidden_states.device))
-        layer.sequence_parallel = False  # the rows are gathered and selected: no second gather
+        if positions is not None:
+            hidden_states = hidden_states.index_select(0, positions.to(hidden_states.device))
+        if hidden_only:
+            return hidden_states
+        return self.output_logits(hidden_states, **kwargs)
+
+    def output_logits(self, hidden_states, **kwargs):
+        """megatron's `_postprocess` without multi-token prediction or labels (the output layer, its logit
+        scaling, `[s, b, v] -> [b, s, v]`) on final hidden states that this rank holds whole: under sequence
+        parallelism they are gathered already, so the output layer runs without its own gather."""
+        kwargs = {name: None for name in _POSTPROCESS_INPUTS} | kwargs
+        layer = self.output_layer
+        sequence_parallel = layer.sequence_parallel
+        layer.sequence_parallel = False
         try:
             return super()._postprocess(hidden_states=hidden_states, **kwargs)
         finally:
             layer.sequence_parallel = sequence_parallel
+
+
+# the inputs megatron's GPTModel._postprocess takes without a default; none of them is read on the
+# way to the logits without multi-token prediction or labels
+_POSTPROCESS_INPUTS = ("input_ids", "position_ids", "labels", "rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin")
 
 
 class PrefixSharedGPTModel(SelectedOutputsMixin, GPTModel):

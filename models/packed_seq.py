@@ -40,6 +40,10 @@ class PrefixSharedPackedSeqParams(PackedSeqParams):
     # the positions of this rank's tokens whose output-layer values the rows read, sorted (the
     # layout's `local_output_positions`); None: the output layer runs on every position
     output_positions: Optional[torch.Tensor] = None
+    # the model stops before its output layer and returns the final hidden states at the output
+    # positions (`SelectedOutputsMixin`): CUDA graphs capture the pass up to there, and the output
+    # layer runs eagerly (`cuda_graphs.graphed`)
+    hidden_states_only: bool = False
 
     @property
     def moe_token_weights(self) -> torch.Tensor:
@@ -56,7 +60,8 @@ class PrefixSharedPackedSeqParams(PackedSeqParams):
 
     @classmethod
     def from_layout(
-        cls, layout: PackedPrefixLayout, attention_backend: str = "torch_ref", cp_shard: Optional[slice] = None
+        cls, layout: PackedPrefixLayout, attention_backend: str = "torch_ref", cp_shard: Optional[slice] = None,
+        hidden_states_only: bool = False,
     ) -> "PrefixSharedPackedSeqParams":
         # megatron-core reads cu_seqlens only to apply RoPE (our attention and GDN read the layout).
         # Its THD RoPE loops over the packed sequences with a host sync per sequence; since our
@@ -81,6 +86,7 @@ class PrefixSharedPackedSeqParams(PackedSeqParams):
             attention_backend=attention_backend,
             cp_shard=cp_shard,
             output_positions=layout.local_output_positions(cp_shard),
+            hidden_states_only=hidden_states_only,
         )
 
 

@@ -3,6 +3,8 @@
 A small model's step on a short pack is host-bound: megatron's modules, fla's Triton launchers and
 the attention calls cost more host time per layer than the GPU spends on the layer's kernels
 (BENCHMARKS.md, "small shapes"). A CUDA graph replays all of a pass's kernels from one host call.
+The graphs hold the model up to its output layer (it returns the final hidden states at the read
+positions); the output layer runs eagerly on them (`graphed`), so no graph's memory holds logits.
 It replays exactly what was captured: the same kernels, grids and host integers (sequence counts,
 maximum lengths, fla's chunk counts) and the same device buffers. So a graph serves a micro-batch
 only when every device tensor the forward reads, other than the token ids, holds the same values as
@@ -23,7 +25,8 @@ while are dropped, is not kept, and its structure runs eagerly from then on. A f
 captured together: the forward, and the backward of its output (`torch.autograd.grad` into static
 parameter gradients, in the forward's memory pool); the replayed forward is one autograd node whose
 backward replays the second graph and hands autograd the parameters' gradients, so they accumulate and
-megatron's gradient hooks run as after an eager backward. The loss stays outside the graphs. Until that
+megatron's gradient hooks run as after an eager backward. The output layer and the loss run outside the
+graphs (their gradients flow into the replayed node). Until that
 backward has run, the structure's next forward runs eagerly (a replay would overwrite the saved
 activations). A capture that fails (a host read of a device tensor, an RNG state set inside the pass)
 stops captures in the process (the graphs already captured still replay), and says why once. A graph
@@ -65,7 +68,7 @@ from typing import Callable, Optional, Tuple
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
-from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.module import Float16Module, float16_to_fp32
 from megatron.core.utils import unwrap_model
 
 from ps_bridge.compat import fla as compat_fla
@@ -146,6 +149,8 @@ def model_refusal(model: torch.nn.Module) -> Optional[str]:
         if size > 1:
             return f"{name} parallelism ({name} size {size}): its collectives are not captured"
     module = unwrap_model(model)
+    if not hasattr(module, "output_logits"):
+        return f"{type(module).__name__} does not stop before its output layer (ps_bridge's models do: SelectedOutputsMixin)"
     if hasattr(module, "vision_model"):
         return "a vision-language model (its forward has not been checked under capture on a GPU)"
     config = getattr(module, "config", None)
@@ -227,9 +232,6 @@ class _Graph:
 
     seen: int = 0
     failed: bool = False
-    # the dtype of the eager pass's output, which a replay returns: a graph of a Float16Module-wrapped
-    # model holds its half-precision logits (`graphed`) and the replay casts them as the module does
-    dtype: Optional[torch.dtype] = None
     layout: Optional[PackedPrefixLayout] = None
     graph: Optional[object] = None
     output: Optional[torch.Tensor] = None
@@ -306,12 +308,12 @@ class _Replayed(torch.autograd.Function):
         entry.graph.replay()
         entry.pending = True
         ctx.entry = entry
-        return entry.output.to(entry.dtype, copy=True)
+        return entry.output.clone()
 
     @staticmethod
     def backward(ctx, grad_output):
         entry = ctx.entry
-        entry.grad_output.copy_(grad_output)  # in the graph's dtype: the rounding of the cast's backward
+        entry.grad_output.copy_(grad_output)
         entry.backward.replay()
         entry.pending = False
         return (None,) + tuple(entry.grads)
@@ -419,13 +421,10 @@ class ModelGraphs:
         self.replays = 0
 
     def run(self, model: torch.nn.Module, layout: PackedPrefixLayout, key: tuple,
-            forward: Callable[[PackedPrefixLayout, Optional[dict]], torch.Tensor],
-            graph_forward: Optional[Callable[[PackedPrefixLayout, Optional[dict]], torch.Tensor]] = None) -> torch.Tensor:
+            forward: Callable[[PackedPrefixLayout, Optional[dict]], torch.Tensor]) -> torch.Tensor:
         """`forward(layout, None)`, replayed from a graph where one was captured for `layout`'s
         structure (`key` adds what else the forward depends on: the attention backend).
-        `forward(layout, params)` runs the model with `params` (name -> tensor) in place of its own.
-        The graph captures `graph_forward` (default `forward`): the same pass, whose output may be in
-        another dtype; a replay returns it in the dtype of `forward`'s."""
+        `forward(layout, params)` runs the model with `params` (name -> tensor) in place of its own."""
         fingerprint = storage_fingerprint(model)
         if fingerprint != self.fingerprint:
             if self.graphs:
@@ -449,13 +448,11 @@ class ModelGraphs:
         entry.seen += 1
         if entry.graph is None and not entry.failed and entry.seen >= CAPTURE_AT and not ModelGraphs.stopped:
             if self.memory.room_for(key, layout.num_tokens):
-                self._capture(entry, key, model, layout, graph_forward or forward, training)
+                self._capture(entry, key, model, layout, forward, training)
             else:
                 self.drop_for_memory(key, self.memory, layout.num_tokens)
         if entry.graph is None or entry.pending or key in self.no_room:
-            output = forward(layout, None)
-            entry.dtype = output.dtype
-            return output
+            return forward(layout, None)
         if layout.bucketed:
             refill(entry.layout, layout)
         else:
@@ -464,7 +461,7 @@ class ModelGraphs:
         COUNTS["replays"] += 1
         if not training:
             entry.graph.replay()
-            return entry.output.to(entry.dtype, copy=True)
+            return entry.output.clone()
         return _Replayed.apply(entry, *(ref() for ref in entry.params))
 
     def drop_for_memory(self, key: tuple, memory: GraphMemory, tokens: int) -> None:
@@ -515,7 +512,6 @@ class ModelGraphs:
         else:
             graph, output = self.capture.forward(lambda: forward(own, None))
         entry.layout, entry.graph, entry.output = own, graph, output
-        entry.dtype = entry.dtype or output.dtype
 
 
 # captures, replays and structures left eager for the memory share (`GraphMemory`), of every model of this
@@ -536,22 +532,28 @@ def model_graphs(model: torch.nn.Module) -> ModelGraphs:
 
 def graphed(model: torch.nn.Module, layout: PackedPrefixLayout, backend: Optional[str],
             forward: Callable[..., torch.Tensor], memory_share: float) -> torch.Tensor:
-    """`forward(layout, None)` through the model's graphs where `graph_refusal` allows for the attention
-    `backend` (a graph is kept per backend), else eagerly (the reason logged once per reason).
-    `forward(layout, weights, fp32_output=False)` is megatron's Float16Module's pass without its cast of
-    the logits to float32: for such a model that is what the graph captures, so that its memory pool
-    keeps the logits in half precision (half the bytes, for as long as the graph lives), and the
-    replay casts them. `memory_share`: the share of the device's memory the process's graphs may hold
-    (`GraphMemory`)."""
+    """`forward(layout, None)` (the logits) with the model up to its output layer through the model's
+    graphs, where `graph_refusal` allows for the attention `backend` (a graph is kept per backend), else
+    eagerly (the reason logged once per reason). `forward(layout, weights, hidden_states_only=True)` is the
+    model stopped before its output layer (`SelectedOutputsMixin`): the graphs capture that, and the output
+    layer runs eagerly on the hidden states they return. So a graph's memory pool holds the final hidden
+    states, not the logits, which at verl's shapes are the larger part of a pass's memory (16k read
+    positions of Qwen3.5's 248k vocabulary are 8 GB in bf16, their gradient as much again); the output
+    layer is one GEMM each way, so little host time is left outside. A model in megatron's Float16Module
+    runs that part without the module's cast (`fp32_output=False`: the hidden states stay in half
+    precision), and the cast follows the output layer, as in the module. `memory_share`: the share of the
+    device's memory the process's graphs may hold (`GraphMemory`)."""
     refusal = graph_refusal(model, layout, backend)
     if refusal is not None:
         if refusal not in _REFUSED:
             _REFUSED.add(refusal)
             logger.info("[PS][graphs] the forward runs without CUDA graphs: %s", refusal)
         return forward(layout, None)
-    graph_forward = None
-    if isinstance(without_data_parallel(model), Float16Module):
-        graph_forward = lambda own, weights: forward(own, weights, fp32_output=False)  # noqa: E731
+    half = isinstance(without_data_parallel(model), Float16Module)
+    cast = {"fp32_output": False} if half else {}
     graphs = model_graphs(model)
     graphs.memory.fraction = memory_share
-    return graphs.run(model, layout, (backend,), forward, graph_forward)
+    hidden = graphs.run(model, layout, (backend,),
+                        lambda own, weights: forward(own, weights, hidden_states_only=True, **cast))
+    logits = unwrap_model(model).output_logits(hidden)
+    return float16_to_fp32(logits) if half else logits

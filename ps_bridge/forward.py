@@ -48,8 +48,8 @@ def shard_tag(layout: PackedPrefixLayout) -> str:
 def run_packed(model: torch.nn.Module, layout: PackedPrefixLayout, config: PrefixSharingConfig) -> torch.Tensor:
     """`model` (megatron's module, wrapped or not) on the packed sequence of `layout` (on the model's
     device), with `config.backend` as the softmax-attention backend. With `config.cuda_graphs` the
-    forward (and its backward) replays CUDA graphs where they were captured for the layout's structure
-    (`ps_bridge.cuda_graphs`)."""
+    model up to its output layer (and its backward) replays CUDA graphs where they were captured for the
+    layout's structure, and the output layer runs eagerly (`ps_bridge.cuda_graphs.graphed`)."""
     if config.cuda_graphs:
         return graphed(model, layout, config.backend,
                        lambda own, weights, **kwargs: _run(model, own, config, weights, **kwargs),
@@ -58,12 +58,14 @@ def run_packed(model: torch.nn.Module, layout: PackedPrefixLayout, config: Prefi
 
 
 def _run(model: torch.nn.Module, layout: PackedPrefixLayout, config: PrefixSharingConfig,
-         weights: Optional[dict] = None, **module_kwargs) -> torch.Tensor:
+         weights: Optional[dict] = None, hidden_states_only: bool = False, **module_kwargs) -> torch.Tensor:
     """The model's call; with `weights` (parameter name -> tensor, names of `without_data_parallel(model)`)
-    in place of its parameters; `module_kwargs` go to the module (megatron's Float16Module takes
+    in place of its parameters; `hidden_states_only`: the model stops before its output layer
+    (`SelectedOutputsMixin`); `module_kwargs` go to the module (megatron's Float16Module takes
     `fp32_output`)."""
     shard = local_shard(layout)
-    params = PrefixSharedPackedSeqParams.from_layout(layout, attention_backend=config.backend, cp_shard=shard)
+    params = PrefixSharedPackedSeqParams.from_layout(layout, attention_backend=config.backend, cp_shard=shard,
+                                                     hidden_states_only=hidden_states_only)
     tokens = layout.tokens if shard is None else layout.tokens[shard]
     inputs = dict(
         input_ids=tokens.unsqueeze(0),

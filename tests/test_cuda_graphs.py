@@ -475,11 +475,55 @@ def test_graphs_die_with_their_model():
     assert gone() is None
 
 
+def _graphed_against_eager(model, loaded, config, samples, shifts=(0, 4, 8)):
+    """Through `run_packed` with graphs (the CPU standing in for CUDA, `record` for the capture) and
+    without: each pass's logits, and with gradients every parameter's gradient, must be equal."""
+    vocab = min(loaded.vocab_size, 248)
+    for i, shift in enumerate(shifts):
+        layout = _layout(loaded, relabelled(samples, vocab, shift), "tree")
+        with torch.no_grad():
+            got, want = run_packed(model, layout, config), run_packed(model, layout, loaded.config)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        out = run_packed(model, layout, config)
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(i))
+        grads = _loss_and_grads(model, out, weights)
+        want = _loss_and_grads(model, run_packed(model, layout, loaded.config), weights)
+        assert grads.keys() == want.keys() and all(torch.equal(grads[n], want[n]) for n in want)
+        yield out
+
+
+@pytest.mark.parametrize("name,tied", [("qwen2.5", False), ("qwen2.5", True), ("qwen3.5", False)])
+def test_graphs_hold_the_hidden_states_and_the_output_layer_runs_eagerly(name, tied, tmp_path, monkeypatch):
+    """The graphs capture the model up to its output layer: what they hold is the final hidden states
+    at the read positions, and the output layer runs eagerly on them; the logits and every gradient,
+    the output layer's (with tied embeddings: the embedding's, from both uses) included, equal the
+    eager pass's."""
+    from ps_bridge import cuda_graphs
+    from ps_bridge.tools.runtime import load_model
+    from ps_bridge.tools.tiny_checkpoints import TINY_BUILDERS
+
+    TINY_BUILDERS[name](str(tmp_path), **({"tie_word_embeddings": True} if tied else {}))
+    loaded = load_model(str(tmp_path))
+    assert loaded.model.share_embeddings_and_output_weights == tied
+    config = replace(loaded.config, cuda_graphs=True)
+    monkeypatch.setattr(cuda_graphs, "graph_refusal", lambda *args: None)  # the CPU stands in for CUDA
+    graphs = cuda_graphs.model_graphs(loaded.model)
+    graphs.capture = record
+    outs = list(_graphed_against_eager(loaded.model, loaded, config, _samples(loaded)))
+    assert (graphs.captures, graphs.replays) == (2, 4)  # a forward-only graph and one with gradients
+    hidden = loaded.model.config.hidden_size
+    assert [(entry.backward is not None, entry.output.shape) for entry in graphs.graphs.values()] == [
+        (False, (outs[-1].shape[1], 1, hidden)), (True, (outs[-1].shape[1], 1, hidden))]  # a row per read position
+    assert next(reversed(graphs.graphs.values())).grad_output.shape[-1] == hidden
+    assert outs[-1].shape[-1] == loaded.model.vocab_size != hidden
+
+
 @pytest.mark.parametrize("name", ["qwen2.5", "qwen3.5"])
-def test_half_precision_graphs_keep_half_precision_logits(name, tmp_path_factory, monkeypatch):
-    """A model in megatron's Float16Module (bf16): the graph captures the pass without the module's
-    cast of the logits to float32 (its memory holds bf16 logits), and the replay casts them, so the
-    logits (float32) and every gradient equal the eager pass's exactly."""
+def test_half_precision_graphs_keep_half_precision_hidden_states(name, tmp_path_factory, monkeypatch):
+    """A model in megatron's Float16Module (bf16): the graphs capture the model up to its output layer
+    without the module's cast to float32 (their memory holds bf16 hidden states), and the cast follows
+    the eager output layer, as in the module, so the logits (float32) and every gradient equal the
+    eager pass's exactly."""
     from megatron.core.transformer.module import Float16Module
 
     from ps_bridge import cuda_graphs
@@ -491,18 +535,8 @@ def test_half_precision_graphs_keep_half_precision_logits(name, tmp_path_factory
     monkeypatch.setattr(cuda_graphs, "graph_refusal", lambda *args: None)  # the CPU stands in for CUDA
     graphs = cuda_graphs.model_graphs(model)
     graphs.capture = record
-    vocab = min(loaded.vocab_size, 248)
-    samples = _samples(loaded)
-    for i, shift in enumerate((0, 4, 8)):
-        layout = _layout(loaded, relabelled(samples, vocab, shift), "tree")
-        with torch.no_grad():
-            got, want = run_packed(model, layout, config), run_packed(model, layout, loaded.config)
-        assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
-        out = run_packed(model, layout, config)
-        assert out.dtype == torch.float32
-        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(i))
-        grads = _loss_and_grads(model, out, weights)
-        want = _loss_and_grads(model, run_packed(model, layout, loaded.config), weights)
-        assert grads.keys() == want.keys() and all(torch.equal(grads[n], want[n]) for n in want)
+    outs = list(_graphed_against_eager(model, loaded, config, _samples(loaded)))
+    assert {out.dtype for out in outs} == {torch.float32}
     assert (graphs.captures, graphs.replays) == (2, 4)  # a forward-only graph and one with gradients
-    assert {entry.output.dtype for entry in graphs.graphs.values()} == {torch.bfloat16}
+    assert {(entry.output.dtype, entry.output.shape[-1]) for entry in graphs.graphs.values()} == {
+        (torch.bfloat16, loaded.model.config.hidden_size)}

@@ -1,8 +1,9 @@
 """CUDA graphs of the forward on the GPU (marker `gpu`): captured, replayed, and equal to eager.
 
 bf16, flash kernels (the cascade on shared packs) and fla's Gated DeltaNet kernels: a pack of the
-same structure with other tokens, replayed from the graph, gives the eager forward's logits bit for
-bit, for the unshared pack, one level of sharing and a prefix tree. A capture that fails would leave
+same structure with other tokens, replayed from the graph (the model up to its output layer; the
+output layer eager), gives the eager forward's logits bit for bit, for the unshared pack, one level of
+sharing and a prefix tree. A capture that fails would leave
 the run eager; the test requires the capture to have happened.
 
 Run on an H200:  python -m pytest -q -s -m gpu tests/test_cuda_graphs_gpu.py
@@ -190,7 +191,7 @@ def test_bucketed_replays_on_other_lengths(tmp_path, name, buckets):
 
 def mine(memory, graphs) -> int:
     """The bytes `memory` counts for the graphs of one model."""
-    return sum(nbytes for ref, nbytes in memory.held.values() if ref() is graphs)
+    return sum(nbytes for ref, nbytes, *_ in memory.held.values() if ref() is graphs)
 
 
 def test_a_graphs_memory_is_its_pools_segments_and_the_share_holds(tmp_path):
