@@ -739,3 +739,47 @@ def test_bucketed_micro_batches_match_stock_engine(engines, checkpoints, family,
                                   vt.grpo_micro_batch(samples, **BATCHINGS["static"]))
     worst = max(((g_ours[n] - g_stock[n]).abs().max() / g_stock[n].abs().max().clamp(min=1e-12)).item() for n in g_stock)
     assert worst < TOL
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "qwen3.5"])
+def test_cuda_graph_replays_match_stock_engine(engines, checkpoints, family, monkeypatch):
+    """With CUDA graphs (the CPU standing in for CUDA, a recorded rerun for the capture), the same batch
+    three times, forward-only and with gradients: each structure is captured on its second run and
+    replayed from then on; the graphs hold the final hidden states, the output layer runs eagerly, and the rows and every gradient
+    equal verl's stock engine's each time."""
+    from test_cuda_graphs import record
+
+    import ps_bridge.verl.engine as engine_module
+    from ps_bridge import cuda_graphs
+
+    made = {}
+
+    def graphs_of(model):
+        return made.setdefault(id(model), cuda_graphs.ModelGraphs(capture=record))
+
+    monkeypatch.setattr(cuda_graphs, "graph_refusal", lambda *args: None)
+    monkeypatch.setattr(cuda_graphs, "model_graphs", graphs_of)
+    monkeypatch.setattr(engine_module, "buckets_for", lambda model, config: True)
+    _, hf = checkpoints(family)
+    samples = fold_into_vocabulary(grpo_like_samples(256, num_prompts=4, n=4, prompt_len=(40, 48), response_len=(5, 16),
+                                                     seed=5, shuffle=False), hf.config.vocab_size)
+    batch = lambda: vt.grpo_micro_batch(samples, **BATCHINGS["static"])  # noqa: E731
+    for forward_only in (True, False):
+        ours = engines(family, "thd", "ours", forward_only=forward_only)
+        monkeypatch.setattr(ours, "prefix_sharing_config", replace(ours._prefix_sharing(), cuda_graphs=True))
+    stock = infer(engines(family, "thd", "stock"), batch())
+    g_stock = grads_after_backward(engines(family, "thd", "stock", forward_only=False), batch())
+    read = prompt_lengths(samples)
+    for _ in range(3):
+        rows = infer(engines(family, "thd", "ours"), batch())
+        assert max(max_row_diff(rows[k], stock[k], prompt_lengths=read) for k in ("log_probs", "entropy")) < TOL
+        grads = grads_after_backward(engines(family, "thd", "ours", forward_only=False), batch())
+        assert max(((grads[n] - g_stock[n]).abs().max() / g_stock[n].abs().max().clamp(min=1e-12)).item()
+                   for n in g_stock) < TOL
+    graphs = [entry for model_graphs in made.values() for entry in model_graphs.graphs.values()]
+    hidden = hf.config.hidden_size
+    assert {entry.backward is not None for entry in graphs} == {False, True}
+    assert all(entry.output.shape[-1] == hidden for entry in graphs)
+    # a pass's two micro-batches (two groups of 4 each) are one bucketed structure: seen six times with and
+    # six times without gradients, each kind captured on its second run and replayed from then on
+    assert (sum(g.captures for g in made.values()), sum(g.replays for g in made.values())) == (2, 10)
