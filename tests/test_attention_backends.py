@@ -112,9 +112,9 @@ def test_cascade_backward_from_merged_output_matches_autograd_through_merge():
     dq, dk, dv = cascade.cascade_backward(dout, q, k, v, out, lse, plan, scale, kernel, aux)
 
     qa, ka, va = (x.clone().requires_grad_(True) for x in (q, k, v))
-    [level] = plan.levels  # one level: the responses against the prompts
-    e = level.queries[0]
-    assert e == layout.prompt_block_end and level.ancestors[0].keys == (0, e)
+    [cross] = plan.ancestors  # one level: the responses against the prompts
+    e = cross.queries[0]
+    assert e == layout.prompt_block_end and cross.keys == (0, e)
 
     def dense_partial(qs, ks, vs, call):
         # the same partial written with plain differentiable math, one batch element at a time
@@ -135,7 +135,7 @@ def test_cascade_backward_from_merged_output_matches_autograd_through_merge():
         return torch.cat(outs), torch.cat(lses, 1)
 
     o1, l1 = dense_partial(qa, ka, va, plan.segments)
-    o2, l2 = dense_partial(qa[e:], ka[:e], va[:e], level.ancestors[0].call)
+    o2, l2 = dense_partial(qa[e:], ka[:e], va[:e], cross.call)
     merged, _ = merge.merge_partials(o1[e:], l1[:, e:], o2, l2)
     full = torch.cat([o1[:e], merged])
     torch.testing.assert_close(full, out, rtol=1e-10, atol=1e-10)
@@ -164,7 +164,7 @@ def test_cascade_copies_no_key_value():
         assert kk.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
         assert vv.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
     # the cross call reads exactly the prompts' valid keys: padding is a keys-only batch element
-    cross = plan.levels[0].ancestors[0].call
+    cross = plan.ancestors[0].call
     read = sum(b - a for a, b, qa, qb in zip(cross.cu_k, cross.cu_k[1:], cross.cu_q, cross.cu_q[1:]) if qb > qa)
     assert read == sum(layout.host["valid_lengths"][: layout.num_prompt_segments])
 
@@ -188,10 +188,11 @@ def test_cascade_on_trees_matches_reference(seed, pad):
     check_float64_against_reference("flash_atten_gpu", layout, 4, 2, 32, seed=seed)
 
 
-def test_cascade_on_a_tree_launches_per_level_pair_and_copies_nothing():
-    """Launches grow with the depth (1 + D (D + 1) / 2), not with the node count; every call reads
-    views of the packed q/k/v (no copy); each ancestor call reads each ancestor level's valid keys
-    once (a node's keys are one batch element, whatever its descendants)."""
+def test_cascade_on_a_tree_launches_per_distance_and_copies_nothing():
+    """Launches grow with the depth (1 + D: a causal call and one per distance to the ancestors), not with
+    the node count; every call reads views of the packed q/k/v (no copy); the call of distance k pairs
+    each query segment of levels k .. D with its ancestor k levels up, and reads each such ancestor's
+    valid keys once (a node's keys are one batch element, whatever its descendants)."""
 
     class Recording(varlen.CpuFlashKernel):
         def __init__(self):
@@ -203,35 +204,54 @@ def test_cascade_on_a_tree_launches_per_level_pair_and_copies_nothing():
 
     layout = tree_layout(3, 2)
     D = layout.tree_depth
-    assert D >= 3 and layout.num_segments > 1 + D * (D + 1) // 2
+    assert D >= 3 and layout.num_segments > 1 + D
     q, k, v = qkv(layout, 4, 2, 16, torch.float32)
     plan = cascade.cascade_plan(layout)
     kernel = Recording()
     cascade.cascade_forward(q, k, v, plan, 0.25, kernel)
-    assert plan.num_calls == len(kernel.seen) == 1 + D * (D + 1) // 2
+    assert plan.num_calls == len(kernel.seen) == 1 + D
     for qq, kk, vv, _ in kernel.seen:
         for view, packed in ((qq, q), (kk, k), (vv, v)):
             assert view.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
     host = layout.host
-    offsets, valid = host["cu_seqlens_padded"], host["valid_lengths"]
-    for d, level in enumerate(plan.levels, start=1):
-        assert level.queries == (offsets[layout.level_offsets[d]], offsets[layout.level_offsets[d + 1]])
-        for a, x in enumerate(level.ancestors):
-            lo, hi = layout.level_offsets[a], layout.level_offsets[a + 1]
-            assert x.keys == (offsets[lo], offsets[hi])
-            call = x.call
-            read = [(ka, kb) for ka, kb, qa, qb in zip(call.cu_k, call.cu_k[1:], call.cu_q, call.cu_q[1:]) if qb > qa]
-            base = offsets[lo]
-            node_keys = {(offsets[s] - base, offsets[s] + valid[s] - base) for s in range(lo, hi)}
-            assert len(set(read)) == len(read) and set(read) <= node_keys  # a node's valid keys, once
-            assert call.total_q == level.queries[1] - level.queries[0]
+    offsets, valid, parent = host["cu_seqlens_padded"], host["valid_lengths"], host["segment_parent"]
+    levels = layout.level_offsets
+    assert plan.levels == [(offsets[levels[d]], offsets[levels[d + 1]]) for d in range(1, D + 1)]
+    start_of = {offsets[s]: s for s in range(layout.num_segments)}
+    for distance, x in enumerate(plan.ancestors, start=1):
+        assert x.queries == (offsets[levels[distance]], offsets[-1])
+        assert x.keys == (0, offsets[levels[D - distance + 1]])
+        call = x.call
+        assert call.total_q == x.queries[1] - x.queries[0] and call.cu_k[-1] == x.keys[1] - x.keys[0]
+        read = []
+        for qa, qb, ka, kb in zip(call.cu_q, call.cu_q[1:], call.cu_k, call.cu_k[1:]):
+            if qb == qa:
+                continue
+            node = start_of[ka + x.keys[0]]
+            assert kb - ka == valid[node]  # the node's valid keys
+            read.append(node)
+            for seg in range(layout.num_segments):  # every query segment of the element: a descendant
+                if qa + x.queries[0] <= offsets[seg] < qb + x.queries[0]:
+                    up = seg
+                    for _ in range(distance):
+                        up = parent[up]
+                    assert up == node
+        assert len(set(read)) == len(read)
+        below = {s for s in range(levels[distance], layout.num_segments)}
+        with_descendants = set()
+        for seg in below:
+            up = seg
+            for _ in range(distance):
+                up = parent[up]
+            with_descendants.add(up)
+        assert set(read) == with_descendants
 
 
 def test_cascade_on_a_depth_one_layout_is_the_two_call_cascade():
     layout = make_layout("shared", 4, seed=2)
     plan = cascade.cascade_plan(layout)
     assert plan.num_calls == 2 and len(plan.levels) == 1
-    assert plan.levels[0].queries[0] == layout.prompt_block_end
+    assert plan.levels[0][0] == plan.ancestors[0].queries[0] == layout.prompt_block_end
     assert cascade.cascade_plan(make_layout("unshared", 2)).num_calls == 1
 
 

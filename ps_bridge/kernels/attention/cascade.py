@@ -10,14 +10,18 @@ its ancestors; the ancestors of a level-d node are one node per level a < d. So:
 
   1. one causal call over every segment of the pack, with the padded segment offsets: each token
      sees its own node causally (padding sits at segment ends, so no valid query ever sees it);
-  2. for each level d >= 1 and each ancestor level a < d, one non-causal call of level d's block of
-     queries against level a's block of keys: batch element A pairs the run of A's level-d
-     descendants (queries) with A's valid keys, for every level-a node A in pack order (both
-     sequences of offsets are non-decreasing because both levels go depth first). A node's padding,
-     and a node without level-d descendants, are batch elements with keys and no queries, so
-     neither a copy nor a `seqused_k` (which torch's backward lacks) is needed;
-  3. each level's partial results (its own causal call and one per ancestor level) are merged by
-     their log-sum-exp, in float32, once per level, into the first call's output (`merge.py`).
+  2. for each distance k = 1 .. D, one non-causal call of the queries of levels k .. D (one
+     contiguous range of the pack) against their ancestors k levels up (the keys of levels 0 .. D - k,
+     one contiguous range too): for each level d >= k in turn, batch element A pairs the run of
+     A's level-d descendants (queries) with A's valid keys, for every level-(d - k) node A in pack
+     order (both sequences of offsets are non-decreasing because every level goes depth first, and
+     level d's elements follow level d - 1's on both sides). A node's padding, and a node without
+     descendants k levels down, are batch elements with keys and no queries, so neither a copy nor
+     a `seqused_k` (which torch's backward lacks) is needed. A flash kernel computes each batch
+     element on its own, so an element's result does not depend on which call holds it;
+  3. each level's partial results (its own causal call and one per ancestor level, from the calls of
+     distances 1 .. d) are merged by their log-sum-exp, in float32, once per level, into the first
+     call's output (`merge.py`).
   A bucketed layout (`PackedPrefixLayout.bucketed`) keeps its padding element even where it holds no
   key, and states the ancestor block's length as the calls' longest key run: the calls' batch sizes
   and maximum lengths then follow the tree and the buckets only, and the key offsets, which follow
@@ -27,9 +31,10 @@ its ancestors; the ancestors of a level-d node are one node per level a < d. So:
   offsets, follow the lengths too: they are `varying` values as well, and each call is told a bound
   on its longest element, which the kernels read only to size their grids: the causal call takes each
   level's padding as a few elements of their own and is bounded by the power of two above its longest
-  element (`host["segment_bound"]`, part of the structure), an ancestor call by its query and key blocks.
-  Kernel launches per layer: 1 + D (D + 1) / 2 for a tree of depth D, whatever its node count; no
-  key/value (or query) is copied: every call reads views of the packed tensors.
+  element (`host["segment_bound"]`, part of the structure), an ancestor call by its largest query and
+  key level blocks.
+  Kernel launches per layer: 1 + D for a tree of depth D, whatever its node count; no key/value (or
+  query) is copied: every call reads views of the packed tensors.
   Backward: each call's flash backward is run with the *merged* output and log-sum-exp of its
   queries and the gradients are summed. That is exact: a flash backward rebuilds the probabilities
   as exp(scores - lse) and the row term from (dout * out), so with the merged values each call
@@ -55,29 +60,31 @@ from ps_bridge.tree.level_buckets import padding_pieces
 
 @dataclass
 class AncestorCall:
-    """Queries of one level's block against the keys of one ancestor level's block."""
+    """Queries of a range of levels against the keys of the levels a fixed distance above them."""
 
-    call: VarlenCall  # non-causal; offsets relative to the two blocks
-    keys: Tuple[int, int]  # packed range [start, end) of the ancestor level's block
-
-
-@dataclass
-class LevelCalls:
-    """The calls a level d >= 1 adds to its own causal partial: one per ancestor level."""
-
-    queries: Tuple[int, int]  # packed range [start, end) of level d's block
-    ancestors: List[AncestorCall]
+    call: VarlenCall  # non-causal; offsets relative to the two ranges
+    queries: Tuple[int, int]  # packed range [start, end) of the query levels' blocks
+    keys: Tuple[int, int]  # packed range [start, end) of the ancestor levels' blocks
 
 
 @dataclass
 class CascadePlan:
     segments: VarlenCall  # causal, every segment of the pack
-    levels: List[LevelCalls]  # levels 1 .. depth (empty when nothing is shared)
+    ancestors: List[AncestorCall]  # distances 1 .. depth (empty when nothing is shared)
+    levels: List[Tuple[int, int]]  # packed range [start, end) of each level 1 .. depth's block
 
     @property
     def num_calls(self) -> int:
         """Varlen kernel launches per layer (forward; the backward runs as many)."""
-        return 1 + sum(len(level.ancestors) for level in self.levels)
+        return 1 + len(self.ancestors)
+
+    def partials(self, d: int, outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
+        """Level d's rows of the ancestor calls' partials `outs` / `lses` (one per distance), the farthest
+        ancestor level's (the roots') first."""
+        qs, qe = self.levels[d - 1]
+        picked = [(o[qs - x.queries[0]:qe - x.queries[0]], l[:, qs - x.queries[0]:qe - x.queries[0]])
+                  for x, o, l in zip(self.ancestors[:d], outs, lses)][::-1]
+        return [o for o, _ in picked], [l for _, l in picked]
 
     def forward(self, q, k, v, scale, kernel):
         return cascade_forward(q, k, v, self, scale, kernel)
@@ -106,9 +113,8 @@ def _bind_varying_offsets(layout: PackedPrefixLayout, plan: CascadePlan, device)
         for side in sides:
             if layout.level_buckets:
                 register("cascade_segments", plan.segments, side, lambda p: p.segments)
-            for d, level in enumerate(plan.levels):
-                for a, x in enumerate(level.ancestors):
-                    register(("cascade", d, a), x.call, side, lambda p, d=d, a=a: p.levels[d].ancestors[a].call)
+            for k, x in enumerate(plan.ancestors):
+                register(("cascade", k), x.call, side, lambda p, k=k: p.ancestors[k].call)
         return True
 
     layout.derived(("cascade_varying", str(device)), bind)
@@ -129,19 +135,39 @@ def _build_cascade_plan(layout: PackedPrefixLayout) -> CascadePlan:
         segments = VarlenCall(cu_q=list(offsets), cu_k=list(offsets), causal=True)
     parent = host["segment_parent"]
     valid = host["valid_lengths"]
-    levels: List[LevelCalls] = []
-    for d in range(1, len(level_offsets) - 1):
+    depth = len(level_offsets) - 2
+    by_distance: List[List[AncestorCall]] = [[] for _ in range(depth)]
+    for d in range(1, depth + 1):
         lo, hi = level_offsets[d], level_offsets[d + 1]
         ancestor = list(range(lo, hi))  # each level-d segment's ancestor at level a, walking up
-        calls: List[AncestorCall] = []
         for a in range(d - 1, -1, -1):
             ancestor = [parent[s] for s in ancestor]
-            calls.append(_ancestor_call(ancestor, offsets, valid, level_offsets[a], level_offsets[a + 1], lo,
-                                        layout.bucketed))
+            x = _ancestor_call(ancestor, offsets, valid, level_offsets[a], level_offsets[a + 1], lo, hi, layout.bucketed)
             if layout.level_buckets:
-                calls[-1].call.max_q = offsets[hi] - offsets[lo]
-        levels.append(LevelCalls(queries=(offsets[lo], offsets[hi]), ancestors=calls[::-1]))
-    return CascadePlan(segments=segments, levels=levels)
+                x.call.max_q = offsets[hi] - offsets[lo]
+            by_distance[d - a - 1].append(x)
+    levels = [(offsets[level_offsets[d]], offsets[level_offsets[d + 1]]) for d in range(1, depth + 1)]
+    return CascadePlan(segments=segments, ancestors=[_joined(calls) for calls in by_distance], levels=levels)
+
+
+def _joined(calls: Sequence[AncestorCall]) -> AncestorCall:
+    """One call of the batch elements of `calls`, in order: each call's queries and keys follow the
+    previous one's in the pack (the levels of one distance, shallowest first). Its longest query and
+    key runs are the calls' (a bucketed call states its blocks')."""
+    for x, y in zip(calls, calls[1:]):
+        if x.queries[1] != y.queries[0] or x.keys[1] != y.keys[0]:
+            raise AssertionError(f"the calls of one distance are not adjacent in the pack: {x.queries, x.keys} "
+                                 f"then {y.queries, y.keys}")
+    cu_q, cu_k = [0], [0]
+    for x in calls:
+        q0, k0 = x.queries[0] - calls[0].queries[0], x.keys[0] - calls[0].keys[0]
+        cu_q += [q0 + c for c in x.call.cu_q[1:]]
+        cu_k += [k0 + c for c in x.call.cu_k[1:]]
+    call = VarlenCall(cu_q=cu_q, cu_k=cu_k, causal=False)
+    call.max_q = max(x.call.max_q for x in calls)
+    call.max_k = max(x.call.max_k for x in calls)
+    return AncestorCall(call=call, queries=(calls[0].queries[0], calls[-1].queries[1]),
+                        keys=(calls[0].keys[0], calls[-1].keys[1]))
 
 
 def _level_segment_offsets(layout: PackedPrefixLayout) -> List[int]:
@@ -159,8 +185,8 @@ def _level_segment_offsets(layout: PackedPrefixLayout) -> List[int]:
 
 
 def _ancestor_call(ancestor: Sequence[int], offsets: Sequence[int], valid: Sequence[int], a_lo: int, a_hi: int,
-                   d_lo: int, bucketed: bool = False) -> AncestorCall:
-    """The call of level d's queries (segments `d_lo ..`, whose level-a ancestors are `ancestor`)
+                   d_lo: int, d_hi: int, bucketed: bool = False) -> AncestorCall:
+    """The call of level d's queries (segments `d_lo .. d_hi`, whose level-a ancestors are `ancestor`)
     against level a's keys (segments `a_lo .. a_hi`): one batch element per level-a node (and its
     padding; `bucketed`: see the module docstring)."""
     if any(x > y for x, y in zip(ancestor, ancestor[1:])):
@@ -188,40 +214,36 @@ def _ancestor_call(ancestor: Sequence[int], offsets: Sequence[int], valid: Seque
     call = VarlenCall(cu_q=cu_q, cu_k=cu_k, causal=False)
     if bucketed:
         call.max_k = offsets[a_hi] - k_base
-    return AncestorCall(call=call, keys=(k_base, offsets[a_hi]))
+    if call.total_q != offsets[d_hi] - q_base:
+        raise AssertionError("an ancestor call's queries do not cover its level's block")
+    return AncestorCall(call=call, queries=(q_base, offsets[d_hi]), keys=(k_base, offsets[a_hi]))
 
 
 def cascade_forward(q, k, v, plan: CascadePlan, scale: float, kernel: VarlenKernel):
     """-> (out, merged lse, aux of each call)."""
     out, lse, aux_seg = kernel.forward(q, k, v, plan.segments, scale)
-    aux_levels = []
-    for level in plan.levels:
-        qs, qe = level.queries
-        outs, lses, auxes = [], [], []
-        for x in level.ancestors:
-            ks, ke = x.keys
-            o, l, aux = kernel.forward(q[qs:qe], k[ks:ke], v[ks:ke], x.call, scale)
-            outs.append(o), lses.append(l), auxes.append(aux)
+    outs, lses, auxes = [], [], []
+    for x in plan.ancestors:
+        (qs, qe), (ks, ke) = x.queries, x.keys
+        o, l, aux = kernel.forward(q[qs:qe], k[ks:ke], v[ks:ke], x.call, scale)
+        outs.append(o), lses.append(l), auxes.append(aux)
+    for d, (qs, qe) in enumerate(plan.levels, start=1):
         # into the segments call's fresh output buffers, in place
-        merge_into(out[qs:qe], lse[:, qs:qe], outs, lses)
-        aux_levels.append(auxes)
-    return out, lse, (aux_seg, aux_levels)
+        merge_into(out[qs:qe], lse[:, qs:qe], *plan.partials(d, outs, lses))
+    return out, lse, (aux_seg, auxes)
 
 
 def cascade_backward(dout, q, k, v, out, lse, plan: CascadePlan, scale: float, kernel: VarlenKernel, aux):
-    aux_seg, aux_levels = aux
+    aux_seg, auxes = aux
     dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, plan.segments, scale, aux_seg)
-    for level, auxes in zip(plan.levels, aux_levels):
-        qs, qe = level.queries
-        level_lse = lse[:, qs:qe].contiguous()
-        for x, aux_x in zip(level.ancestors, auxes):
-            ks, ke = x.keys
-            dq_x, dk_x, dv_x = kernel.backward(
-                dout[qs:qe], q[qs:qe], k[ks:ke], v[ks:ke], out[qs:qe], level_lse, x.call, scale, aux_x
-            )
-            dq[qs:qe] += dq_x
-            dk[ks:ke] += dk_x
-            dv[ks:ke] += dv_x
+    for x, aux_x in zip(plan.ancestors, auxes):
+        (qs, qe), (ks, ke) = x.queries, x.keys
+        dq_x, dk_x, dv_x = kernel.backward(
+            dout[qs:qe], q[qs:qe], k[ks:ke], v[ks:ke], out[qs:qe], lse[:, qs:qe].contiguous(), x.call, scale, aux_x
+        )
+        dq[qs:qe] += dq_x
+        dk[ks:ke] += dk_x
+        dv[ks:ke] += dv_x
     return dq, dk, dv
 
 
