@@ -29,12 +29,18 @@ def verl_row_labels(labels) -> torch.Tensor:
 
 
 @pytest.mark.core
+@pytest.mark.parametrize("offsets_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 @pytest.mark.parametrize("seed", range(6))
-def test_row_labels_equal_verls_roll(monkeypatch, tp, seed):
+def test_row_labels_equal_verls_roll(monkeypatch, tp, seed, offsets_dtype):
+    """verl's batches reach the engine with int64 or int32 nested offsets (its index selections keep
+    either): both give verl's labels."""
     g = torch.Generator().manual_seed(seed)
     rows = [torch.randint(1, 1000, (int(n),), generator=g) for n in torch.randint(1, 40, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g)]
-    labels = torch.nested.nested_tensor(rows, layout=torch.jagged)
+    lengths = torch.tensor([len(r) for r in rows])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(offsets_dtype)
+    labels = torch.nested.nested_tensor_from_jagged(torch.cat(rows), offsets)
+    assert labels.offsets().dtype == offsets_dtype
     monkeypatch.setattr(mpu, "get_tensor_model_parallel_world_size", lambda *a, **k: tp)
     monkeypatch.setattr(mpu, "get_context_parallel_world_size", lambda *a, **k: 1)
     monkeypatch.setattr(mpu, "get_context_parallel_rank", lambda *a, **k: 0)
