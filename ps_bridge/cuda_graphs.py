@@ -16,9 +16,10 @@ the same buffer).
 `ModelGraphs` keeps one model's graphs: a structure is run eagerly the first time it is seen (that run
 also does what must not happen under capture: Triton's autotuning, fla's and torch's lazy
 initialisations), captured the second time (after one more eager run on a side stream, as
-`torch.cuda.graphs` requires), and replayed from then on; the least recently used graphs beyond
-`MAX_GRAPHS` are dropped. A graph's memory pool keeps its pass's activations and output for as long as
-the graph lives, so `GraphMemory` holds the process's graphs to a share of the device's memory
+`torch.cuda.graphs` requires), and replayed from then on; the least recently run graphs beyond
+`MAX_GRAPHS` are dropped, and structures not captured yet are counted apart (`MAX_SEEN`), so that packs
+seen once do not push graphs out. A graph's memory pool keeps its pass's activations and output for as
+long as the graph lives, so `GraphMemory` holds the process's graphs to a share of the device's memory
 (`PrefixSharingConfig.cuda_graph_memory`): a new graph that does not fit, once graphs not run for a
 while are dropped, is not kept, and its structure runs eagerly from then on. A forward-only pass
 (`torch.no_grad`: verl's old and reference log-probs) is one graph. A pass with gradients is two,
@@ -81,7 +82,12 @@ from ps_bridge.transfer import to_device
 logger = logging.getLogger("ps_bridge")
 
 CAPTURE_AT = 2  # a structure is captured the second time it is run: a one-off pack is never captured
-MAX_GRAPHS = 4  # graphs kept per model (each holds its own memory pool: the forward's peak activations, its output)
+# captured graphs kept per model, the least recently run dropped beyond (each holds a memory pool: the pass's
+# activations and its output, the final hidden states; `GraphMemory` bounds their bytes)
+MAX_GRAPHS = 16
+# structures a model counts before their capture, the oldest forgotten beyond: a pack seen once never pushes
+# a captured graph out
+MAX_SEEN = 64
 STALE_PASSES = 64  # a graph not run in the process's last this many graphed passes may make room for a new one
 
 
@@ -409,9 +415,10 @@ class ModelGraphs:
 
     stopped: Optional[str] = None  # why captures stopped in this process (the first failed one)
 
-    def __init__(self, capture=CudaGraphCapture, max_graphs: int = MAX_GRAPHS, memory: Optional[GraphMemory] = None):
+    def __init__(self, capture=CudaGraphCapture, max_graphs: int = MAX_GRAPHS, memory: Optional[GraphMemory] = None,
+                 max_seen: int = MAX_SEEN):
         self.capture = capture
-        self.max_graphs = max_graphs
+        self.max_graphs, self.max_seen = max_graphs, max_seen
         self.memory = memory or MEMORY
         self.graphs: "OrderedDict[tuple, _Graph]" = OrderedDict()
         # structures whose graph was dropped for memory: they run eagerly
@@ -441,8 +448,7 @@ class ModelGraphs:
         entry = self.graphs.get(key)
         if entry is None:
             entry = self.graphs[key] = _Graph()
-            while len(self.graphs) > self.max_graphs:
-                self.memory.forget(self, self.graphs.popitem(last=False)[0])
+            self._drop_oldest(captured=False, keep=self.max_seen)
         self.graphs.move_to_end(key)
         self.memory.touch(self, key)
         entry.seen += 1
@@ -463,6 +469,14 @@ class ModelGraphs:
             entry.graph.replay()
             return entry.output.clone()
         return _Replayed.apply(entry, *(ref() for ref in entry.params))
+
+    def _drop_oldest(self, captured: bool, keep: int) -> None:
+        """The least recently run entries beyond `keep` dropped, of the captured graphs or of the structures
+        not captured (a dropped structure that comes back is seen anew)."""
+        kind = [k for k, entry in self.graphs.items() if (entry.graph is not None) == captured]
+        for k in kind[:max(len(kind) - keep, 0)]:
+            del self.graphs[k]
+            self.memory.forget(self, k)
 
     def drop_for_memory(self, key: tuple, memory: GraphMemory, tokens: int) -> None:
         """`key`'s graph dropped or never captured (a dropped pool is freed once no replayed pass holds it),
@@ -496,6 +510,7 @@ class ModelGraphs:
             return
         self.captures += 1
         COUNTS["captures"] += 1
+        self._drop_oldest(captured=True, keep=self.max_graphs)  # `key`, run last, is the newest
         self.memory.add(self, key, self.memory.pool_bytes(entry.graph), layout.num_tokens)
         self.memory.make_room(self, key)
         if key not in self.no_room:

@@ -200,7 +200,32 @@ def test_other_structures_get_their_own_graph_and_old_ones_are_dropped(loaded):
         for layout in (shared, shared, unshared, unshared, shared):
             graphs.run(model, layout, ("torch_ref",), forward)
     # shared captured, then dropped for unshared (one graph kept): its third run is a first sighting
-    assert graphs.captures == 2 and graphs.replays == 2 and len(graphs.graphs) == 1
+    assert graphs.captures == 2 and graphs.replays == 2
+    assert [(entry.graph is not None, entry.seen) for entry in graphs.graphs.values()] == [(True, 2), (False, 1)]
+
+
+def test_packs_seen_once_do_not_push_a_graph_out(loaded):
+    """Structures not captured yet are counted apart from the graphs: a run of one-off packs (more than
+    the graphs kept) leaves the captured graph replaying; beyond `max_seen` the oldest counts are
+    forgotten, and such a structure is seen anew."""
+    model = loaded.model
+    graphs = ModelGraphs(capture=record, max_graphs=1, max_seen=3)
+    kept = _layout(loaded, _samples(loaded), True)
+    others = [_layout(loaded, _samples(loaded, seed), True) for seed in range(1, 6)]
+    assert len({layout.structure_key() for layout in [kept, *others]}) == 6
+
+    def forward(layout, weights=None):
+        return run_packed(model, layout, loaded.config)
+
+    with torch.no_grad():
+        for layout in (kept, kept, *others, kept):
+            graphs.run(model, layout, ("torch_ref",), forward)
+        assert graphs.captures == 1 and graphs.replays == 2  # captured, replayed at its capture and at the end
+        graphs.run(model, others[0], ("torch_ref",), forward)  # forgotten (beyond max_seen): a first sighting
+        assert graphs.captures == 1
+        graphs.run(model, others[-1], ("torch_ref",), forward)  # still counted: its second run, captured
+    assert graphs.captures == 2 and graphs.replays == 3
+    assert [entry.graph is not None for entry in graphs.graphs.values()].count(True) == 1
 
 
 class Budget(GraphMemory):
