@@ -82,9 +82,8 @@ class CascadePlan:
         """Level d's rows of the ancestor calls' partials `outs` / `lses` (one per distance), the farthest
         ancestor level's (the roots') first."""
         qs, qe = self.levels[d - 1]
-        picked = [(o[qs - x.queries[0]:qe - x.queries[0]], l[:, qs - x.queries[0]:qe - x.queries[0]])
-                  for x, o, l in zip(self.ancestors[:d], outs, lses)][::-1]
-        return [o for o, _ in picked], [l for _, l in picked]
+        rows = [slice(qs - x.queries[0], qe - x.queries[0]) for x in self.ancestors[:d]][::-1]
+        return [o[r] for o, r in zip(outs[:d][::-1], rows)], [l[:, r] for l, r in zip(lses[:d][::-1], rows)]
 
     def forward(self, q, k, v, scale, kernel):
         return cascade_forward(q, k, v, self, scale, kernel)
