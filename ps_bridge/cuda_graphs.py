@@ -13,14 +13,10 @@ and labels, and of its other fields). Such a micro-batch's tokens are copied int
 layout's token buffer, the graph is replayed, and its output is copied out (the next replay writes
 the same buffer).
 
-`ModelGraphs` keeps one model's graphs: a structure is run eagerly the first time it is seen, captured
-the second time and replayed from then on. The first run is made on the layout the graph will read (its own
-copy, `static_copy`), so it also does what must not happen under capture: Triton's autotuning, fla's and
-torch's lazy initialisations, and the layout's device tensors (the kernel plans, the `varying` values) built
-from the host. The capture then needs no warm-up pass of its own, which would cost one more eager pass per
-captured structure; where that first pass's backward has not run by the capture (its saved tensors would
-see the layout refilled), the capture takes a fresh copy and warms it up on a side stream first, as
-`torch.cuda.graphs` describes; the least recently run graphs beyond
+`ModelGraphs` keeps one model's graphs: a structure is run eagerly the first time it is seen (that run
+also does what must not happen under capture: Triton's autotuning, fla's and torch's lazy
+initialisations), captured the second time (after one more eager run on a side stream, as
+`torch.cuda.graphs` requires), and replayed from then on; the least recently run graphs beyond
 `MAX_GRAPHS` are dropped, and structures not captured yet are counted apart (`MAX_SEEN`), so that packs
 seen once do not push graphs out. A graph's memory pool keeps its pass's activations and output for as
 long as the graph lives, so `GraphMemory` holds the process's graphs to a share of the device's memory
@@ -201,8 +197,7 @@ def static_copy(layout: PackedPrefixLayout) -> PackedPrefixLayout:
     """A graph's own layout: `layout` with buffers of its own for `BUCKET_INPUTS` (later micro-batches'
     are copied into them) and a `host` of its own without the derived values: the device tensors
     derived from it (the attention and GDN plans, the `varying` values) are built by the capture's
-    eager passes before the capture (or the capture's warm-up), read by the graph and refilled by replays,
-    none of them the caller's."""
+    warm-up, read by the graph and refilled by replays, none of them the caller's."""
     host = {k: v for k, v in layout.host.items() if k not in ("derived", "varying")}
     own = {name: getattr(layout, name) for name in BUCKET_INPUTS}
     return replace(layout, host=host, **{name: t.clone() for name, t in own.items() if t is not None})
@@ -255,9 +250,6 @@ class _Graph:
     # a replayed forward whose backward has not run yet: its saved activations live in the graph's
     # memory, which another replay of the same graph would overwrite
     pending: bool = False
-    # an eager pass with gradients on `layout` before the capture whose backward has not started yet: its
-    # saved tensors include `layout`'s, which neither a refill nor the capture may write
-    eager_pending: bool = False
 
 
 def _warm_up(run: Callable[[], None]) -> None:
@@ -279,9 +271,7 @@ class CudaGraphCapture:
     """Captures with `torch.cuda.graph`. `forward(run) -> (graph, output)`; `training(run, named) ->
     (forward graph, output, backward graph, output gradient, parameter gradients)`: the backward graph
     is `torch.autograd.grad` of the captured forward's output, in the forward graph's memory pool
-    (the forward's saved activations are what it reads). `warm_up`: the pass is run once on a side stream
-    first (`ModelGraphs` leaves it out where an eager pass already ran on the captured layout). The pass
-    with gradients runs the model on
+    (the forward's saved activations are what it reads). The pass with gradients runs the model on
     aliases of its parameters (`run(aliases)`, `torch.func.functional_call`): gradients taken at the
     parameters themselves would go through their gradient-accumulator nodes, which megatron's DDP
     keeps from its construction on the default stream, and autograd's wait on that stream is not
@@ -289,24 +279,21 @@ class CudaGraphCapture:
     does not match")."""
 
     @staticmethod
-    def forward(run: Callable[[], torch.Tensor], warm_up: bool = True):
-        if warm_up:
-            _warm_up(run)
+    def forward(run: Callable[[], torch.Tensor]):
+        _warm_up(run)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             output = run()
         return graph, output
 
     @staticmethod
-    def training(run: Callable[[dict], torch.Tensor], named: Tuple[Tuple[str, torch.Tensor], ...],
-                 warm_up: bool = True):
+    def training(run: Callable[[dict], torch.Tensor], named: Tuple[Tuple[str, torch.Tensor], ...]):
         def step():
             aliases = parameter_aliases(named)
             out = run(aliases)
             torch.autograd.grad(out, tuple(aliases.values()), torch.ones_like(out), allow_unused=True)
 
-        if warm_up:
-            _warm_up(step)
+        _warm_up(step)
         aliases = parameter_aliases(named)  # made on this stream, their accumulators under the capture
         forward = torch.cuda.CUDAGraph()
         with torch.cuda.graph(forward):
@@ -465,10 +452,7 @@ class ModelGraphs:
         self.graphs.move_to_end(key)
         self.memory.touch(self, key)
         entry.seen += 1
-        capturable = entry.graph is None and not entry.failed and not ModelGraphs.stopped
-        if capturable and entry.seen < CAPTURE_AT:
-            return self._before_capture(entry, layout, forward, training)
-        if capturable:
+        if entry.graph is None and not entry.failed and entry.seen >= CAPTURE_AT and not ModelGraphs.stopped:
             if self.memory.room_for(key, layout.num_tokens):
                 self._capture(entry, key, model, layout, forward, training)
             else:
@@ -485,27 +469,6 @@ class ModelGraphs:
             entry.graph.replay()
             return entry.output.clone()
         return _Replayed.apply(entry, *(ref() for ref in entry.params))
-
-    def _before_capture(self, entry: _Graph, layout: PackedPrefixLayout, forward, training: bool) -> torch.Tensor:
-        """An eager pass of a structure not captured yet, on the layout its graph will read (`entry.layout`,
-        a `static_copy` of the first micro-batch's, refilled for later ones): it builds that layout's device
-        tensors, so the capture needs no warm-up pass. A pass with gradients marks the layout busy until its
-        backward starts (`eager_pending`)."""
-        if entry.layout is None:
-            entry.layout = static_copy(layout)
-        elif entry.eager_pending:
-            return forward(layout, None)
-        else:
-            refill(entry.layout, layout)
-        output = forward(entry.layout, None)
-        if training and output.requires_grad:
-            entry.eager_pending = True
-
-            def started(grad):
-                entry.eager_pending = False
-
-            output.register_hook(started)
-        return output
 
     def _drop_oldest(self, captured: bool, keep: int) -> None:
         """The least recently run entries beyond `keep` dropped, of the captured graphs or of the structures
@@ -530,15 +493,13 @@ class ModelGraphs:
                    memory.fraction)
 
     def _capture(self, entry: _Graph, key: tuple, model, layout: PackedPrefixLayout, forward, training: bool) -> None:
-        # the layout the eager passes ran on has its device tensors built: no warm-up; a fresh copy needs one
-        warm_up = entry.layout is None or entry.eager_pending
-        own = static_copy(layout) if warm_up else entry.layout
+        own = static_copy(layout)
         # under level buckets fla's varlen offsets are refilled at each replay: what fla derives from
         # them must be computed inside the graph, not taken from its identity cache
         caching = compat_fla.identity_cache_off() if own.level_buckets and _has_gated_deltanet(model) else nullcontext()
         try:
             with caching:
-                self._capture_into(entry, model, own, forward, training, warm_up)
+                self._capture_into(entry, model, own, forward, training)
         except RuntimeError as e:
             entry.failed = True
             # a capture that failed inside torch.cuda.graph can leave CUDA's RNG in its capture state
@@ -556,16 +517,15 @@ class ModelGraphs:
             logger.info("[PS][graphs] captured the %s of a %d-token micro-batch (depth %d); it replays from now on",
                         "forward and backward" if training else "forward", layout.num_tokens, layout.tree_depth)
 
-    def _capture_into(self, entry: _Graph, model, own: PackedPrefixLayout, forward, training: bool,
-                      warm_up: bool) -> None:
+    def _capture_into(self, entry: _Graph, model, own: PackedPrefixLayout, forward, training: bool) -> None:
         if training:
             named = tuple((n, p) for n, p in without_data_parallel(model).named_parameters() if p.requires_grad)
             graph, output, backward, grad_output, grads = self.capture.training(
-                lambda aliases: forward(own, aliases), named, warm_up=warm_up)
+                lambda aliases: forward(own, aliases), named)
             entry.backward, entry.grad_output, entry.grads = backward, grad_output, grads
             entry.params = tuple(weakref.ref(p) for _, p in named)
         else:
-            graph, output = self.capture.forward(lambda: forward(own, None), warm_up=warm_up)
+            graph, output = self.capture.forward(lambda: forward(own, None))
         entry.layout, entry.graph, entry.output = own, graph, output
 
 

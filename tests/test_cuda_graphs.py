@@ -35,21 +35,15 @@ class Recorded:
     """Stands in for `cuda_graphs.CudaGraphCapture`: each "graph" reruns the recorded pass on the
     captured layout (whose token buffer a replay refills) into the static tensors. The backward's
     rerun recomputes the forward on the tokens of the last forward replay, as a captured backward
-    reads the activations that replay saved. A warm-up runs the pass once more, and is counted."""
-
-    warm_ups = []
+    reads the activations that replay saved."""
 
     @staticmethod
-    def forward(run, warm_up=True):
-        if warm_up:
-            Recorded.warm_ups.append(run())
+    def forward(run):
         output = run()
         return Rerun(lambda: output.copy_(run())), output
 
     @staticmethod
-    def training(run, named, warm_up=True):
-        if warm_up:
-            Recorded.warm_ups.append(run(parameter_aliases(named)))
+    def training(run, named):
         aliases = parameter_aliases(named)
         params = tuple(aliases.values())
         output = run(aliases)
@@ -168,20 +162,6 @@ def test_replayed_training_pass_equals_eager(loaded, share):
     model.zero_grad(set_to_none=True)
 
 
-def _assert_gradients_of_two_passes(loaded, first, second, a, b):
-    """The gradients of `first + 2 second` (graphed passes on layouts `a` and `b`, not backward yet)
-    equal the eager passes'."""
-    model = loaded.model
-    (first.sum() + 2 * second.sum()).backward()
-    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    (run_packed(model, a, loaded.config).sum() + 2 * run_packed(model, b, loaded.config).sum()).backward()
-    for n, p in model.named_parameters():
-        if p.grad is not None:
-            torch.testing.assert_close(got[n], p.grad, rtol=1e-6, atol=1e-6)
-    model.zero_grad(set_to_none=True)
-
-
 def test_a_forward_before_the_last_ones_backward_runs_eagerly(loaded):
     """Two forwards of one structure before their backwards: the second runs eagerly (a replay
     would overwrite the activations the first one's backward reads), and both gradients are right."""
@@ -197,58 +177,13 @@ def test_a_forward_before_the_last_ones_backward_runs_eagerly(loaded):
     first = graphs.run(model, b, (), lambda own, weights: _run(model, own, config, weights))
     second = graphs.run(model, c, (), lambda own, weights: _run(model, own, config, weights))
     assert graphs.replays == 2  # the capture's own replay, then b; c ran eagerly
-    _assert_gradients_of_two_passes(loaded, first, second, b, c)
-
-
-def test_the_capture_reads_the_layout_the_first_pass_built_and_makes_no_warm_up(loaded):
-    """The eager pass before the capture runs on the layout the graph reads (its device tensors are
-    then built), so the capture makes no warm-up pass; replays still equal eager passes."""
-    model, config = loaded.model, replace(loaded.config, cuda_graphs=True)
-    vocab = min(loaded.vocab_size, 248)
-    layouts = [_layout(loaded, relabelled(_samples(loaded), vocab, shift), "tree") for shift in (0, 5, 11)]
-    ran_on = []
-
-    def forward(own, weights=None):
-        ran_on.append(own)
-        return _run(model, own, config, weights)
-
-    Recorded.warm_ups.clear()
-    graphs = ModelGraphs(capture=record)
-    for training in (False, True):
-        ran_on.clear()
-        with torch.set_grad_enabled(training):
-            for layout in layouts:
-                out = graphs.run(model, layout, (), forward)
-                if training:
-                    out.sum().backward()
-                eager = run_packed(model, layout, loaded.config)
-                assert torch.equal(out, eager)
-        model.zero_grad(set_to_none=True)
-        (entry,) = [e for k, e in graphs.graphs.items() if k[1] == training]
-        # the first pass, the capture's recorded pass and every replay ran on one layout, the caller's
-        # none of them
-        assert all(own is entry.layout for own in ran_on)
-        assert not any(own is layout for own in ran_on for layout in layouts)
-        assert entry.layout.host.get("derived")
-    assert graphs.captures == 2 and Recorded.warm_ups == []
-
-
-def test_a_capture_while_the_first_pass_awaits_its_backward_warms_a_fresh_layout_up(loaded):
-    """Two forwards with gradients of one structure before their backwards: the second is the capture,
-    and the first pass's saved tensors hold the layout it ran on, so the capture takes a fresh copy and
-    warms it up; both gradients are right."""
-    model, config = loaded.model, replace(loaded.config, cuda_graphs=True)
-    vocab = min(loaded.vocab_size, 248)
-    a, b, c = (_layout(loaded, relabelled(_samples(loaded), vocab, shift), True) for shift in (0, 3, 9))
-    Recorded.warm_ups.clear()
-    graphs = ModelGraphs(capture=record)
-    first = graphs.run(model, a, (), lambda own, weights: _run(model, own, config, weights))
-    second = graphs.run(model, b, (), lambda own, weights: _run(model, own, config, weights))
-    assert graphs.captures == 1 and len(Recorded.warm_ups) == 1
-    _assert_gradients_of_two_passes(loaded, first, second, a, b)
-    # the graph replays on from there
-    out = graphs.run(model, c, (), lambda own, weights: _run(model, own, config, weights))
-    assert graphs.replays == 2 and torch.equal(out.detach(), run_packed(model, c, loaded.config).detach())
+    (first.sum() + 2 * second.sum()).backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    (run_packed(model, b, loaded.config).sum() + 2 * run_packed(model, c, loaded.config).sum()).backward()
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(got[n], p.grad, rtol=1e-6, atol=1e-6)
     model.zero_grad(set_to_none=True)
 
 
@@ -451,7 +386,7 @@ def test_a_failed_capture_stays_eager(loaded, caplog, monkeypatch):
 
     class Failing:
         @staticmethod
-        def forward(run, warm_up=True):
+        def forward(run):
             calls.append(1)
             raise RuntimeError("operation not permitted when stream is capturing\nmore")
 
