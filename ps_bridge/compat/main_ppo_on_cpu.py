@@ -39,16 +39,6 @@ Each patch names the upstream line it works around:
   those positions' zero weights with their values, and 0 * NaN is NaN: from the second `generate`,
   the first token of a request whose last KV block is partly stale gets a NaN log-prob. Here the CPU
   runner zeroes the listed blocks of every full-attention layer, as the GPU runner does.
-- `_vllm_cpu_without_amx` (in the processes that import vLLM, on a processor with AMX tiles only): vLLM's
-  CPU build takes other paths where `torch.cpu._is_amx_tile_supported()` is true, and two of them stop
-  verl's run of a hybrid model (Qwen3.5). Its platform turns prefix caching off for linear attention
-  (vllm/platforms/cpu.py:160-172, vLLM 0.24.0) after the model's config hook sized the recurrent state's
-  blocks for prefix caching (vllm/model_executor/models/config.py:453), and VllmConfig then refuses that
-  size ("--mamba-block-size can only be set with --enable-prefix-caching", vllm/config/vllm.py:2180).
-  And it packs the Gated DeltaNet conv weight `[D, 1, W]` in place into a 2-D layout for its AMX kernel
-  (vllm/model_executor/layers/utils.py:240), into which verl's weight update cannot load the trained
-  `[D, 1, W]` weight (vllm/model_executor/layers/mamba/mamba_mixer2.py:216, "expand(... [64, 1, 4],
-  size=[64, 4])"). vLLM answered "no AMX tiles" takes the paths it takes on every other x86 CPU.
 - `_megatron_engine_config_takes_float32`: verl's Megatron engine config accepts bf16/fp16 only
   (verl/workers/config/engine.py:218); the CPU run trains in float32.
 - `_model_load_skips_unsharded_buffers`: verl's `load_megatron_model_to_gpu` reads DDP buffers'
@@ -108,7 +98,6 @@ def install() -> bool:
     _use_cpu_platform()
     _process_group_backend_for_cpu()
     _megatron_engine_config_takes_float32()
-    _after_import("vllm", _vllm_cpu_without_amx)
     _after_import("vllm.model_executor.layers.utils", _vllm_cpu_linear_keeps_weights)
     _after_import("vllm.v1.worker.cpu_model_runner", _vllm_cpu_zeroes_new_attention_blocks)
     _after_import("megatron.core", _megatron_on_cpu)
@@ -305,24 +294,6 @@ def _megatron_engine_config_takes_float32() -> None:
     __post_init__.__ps_bridge_cpu__ = True
     McoreEngineConfig.__post_init__ = __post_init__
     _INSTALLED.append("float32 megatron engine config")
-
-
-# ---- vLLM's CPU build as on a processor without AMX tiles ----------------------------------------
-
-
-def _vllm_cpu_without_amx(_vllm_module=None) -> None:
-    import torch
-
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    if probe is None or getattr(probe, "__ps_bridge_cpu__", False) or not probe():
-        return
-
-    def no_amx_tiles() -> bool:
-        return False
-
-    no_amx_tiles.__ps_bridge_cpu__ = True
-    torch.cpu._is_amx_tile_supported = no_amx_tiles
-    _INSTALLED.append("vllm cpu without amx tiles")
 
 
 # ---- vLLM's CPU linear layers keep their weights --------------------------------------------------
