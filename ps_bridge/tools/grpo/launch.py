@@ -124,7 +124,9 @@ def cpu_hybrid_rollout_refusal() -> Optional[str]:
     vllm/model_executor/models/config.py:453, vllm/config/vllm.py:2180); and it packs the Gated DeltaNet conv
     weight into a 2-D layout for its AMX kernel (vllm/model_executor/layers/utils.py:240), which verl's weight
     update cannot load into (vllm/model_executor/layers/mamba/mamba_mixer2.py:216). Answering vLLM "no AMX"
-    in Python does not help: its C++ kernels still take their AMX paths."""
+    in Python (`torch.cpu._is_amx_tile_supported`) did not help: the run then stopped in the delta rule's
+    decode kernel ("tensor must be contiguous at last dimension"), likely because vLLM's C++ kernels detect
+    the processor themselves."""
     import torch
 
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
