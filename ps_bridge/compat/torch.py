@@ -6,6 +6,8 @@
 - cuDNN's fused attention, `aten._scaled_dot_product_cudnn_attention` and its `_backward` (the dense
   form `kernels/attention/cudnn.py` calls): in both 2.11.0 (the GPU stack, run) and 2.14.1 (read), same
   schema; a torch without them gets flash only (`has_cudnn_attention`).
+- Whether the CPU has AMX tiles: the private `torch.cpu._is_amx_tile_supported` (2.9.1 - 2.14.1, which vLLM's
+  CPU build also asks); a torch without it is answered False (`cpu_has_amx_tiles`).
 """
 
 from __future__ import annotations
@@ -26,3 +28,10 @@ def has_cudnn_attention() -> bool:
     """Whether this torch has cuDNN's fused attention ops, forward and backward."""
     return hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention") and hasattr(
         torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward")
+
+
+def cpu_has_amx_tiles() -> bool:
+    """Whether this machine's CPU has AMX tiles, as torch (and vLLM's CPU build, which asks the same
+    function) sees it; False where this torch cannot tell."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe is not None and probe())

