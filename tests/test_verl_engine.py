@@ -371,14 +371,11 @@ def test_group_run_length():
 
 
 def smooth_adam():
-    """The tests' Adam (lr 1e-3) with eps 1e-6. Its first step moves a weight by lr·g/(|g| + eps): at
+    """The tests' Adam (`plain_adam`) with eps 1e-6. Its first step moves a weight by lr·g/(|g| + eps): at
     megatron's eps of 1e-8 a gradient element of about 1e-9 turns float32 summation noise, which
     differs between CPUs, into weight differences of 1e-6; at 1e-6 the step is a smooth function of
     the gradient, which is what a comparison of updated weights checks."""
-    from verl.workers.config import McoreOptimizerConfig
-
-    return McoreOptimizerConfig(lr=1e-3, clip_grad=0.0, weight_decay=0.0, total_training_steps=10,
-                                lr_warmup_steps=0, override_optimizer_config={"adam_eps": 1e-6})
+    return vt.plain_adam(adam_eps=1e-6)
 
 
 @pytest.mark.core

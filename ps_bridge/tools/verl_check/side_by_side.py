@@ -57,6 +57,17 @@ def stock_overrides() -> dict:
     return dict(FUSIONS_OFF, attention_dropout=0.0, hidden_dropout=0.0, attention_backend="auto")
 
 
+def plain_adam(**overrides):
+    """The tests' optimizer config: Adam at lr 1e-3, no gradient clipping, no weight decay; `overrides`:
+    fields of megatron's OptimizerConfig (verl's `override_optimizer_config`)."""
+    # imported here: verl is optional (requirements-verl.txt)
+    from verl.workers.config import McoreOptimizerConfig
+
+    extra = {"override_optimizer_config": dict(overrides)} if overrides else {}
+    return McoreOptimizerConfig(lr=1e-3, clip_grad=0.0, weight_decay=0.0, total_training_steps=10,
+                                lr_warmup_steps=0, **extra)
+
+
 def build_engine(engine_cls, ckpt: str, *, use_remove_padding: bool = True, forward_only: bool = True,
                  overrides: Optional[dict] = None, use_fused_kernels: bool = False,
                  external_lib: Optional[str] = None, vanilla_mbridge: bool = False, tp: int = 1,
@@ -69,7 +80,7 @@ def build_engine(engine_cls, ckpt: str, *, use_remove_padding: bool = True, forw
     (`stock_overrides`): both engines of a comparison compute the same thing."""
     # imported here: verl is optional (requirements-verl.txt)
     from verl.trainer.config import CheckpointConfig
-    from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
+    from verl.workers.config import HFModelConfig, McoreEngineConfig
 
     model_config = HFModelConfig(path=ckpt, use_remove_padding=use_remove_padding, external_lib=external_lib)
     if engine_config is None:
@@ -98,8 +109,7 @@ def build_engine(engine_cls, ckpt: str, *, use_remove_padding: bool = True, forw
     object.__setattr__(engine_config, "use_remove_padding", use_remove_padding)
     object.__setattr__(engine_config, "use_fused_kernels", use_fused_kernels)
     if optimizer_config is None:
-        optimizer_config = McoreOptimizerConfig(lr=1e-3, clip_grad=0.0, weight_decay=0.0, total_training_steps=10,
-                                                lr_warmup_steps=0)
+        optimizer_config = plain_adam()
     fp32 = verl_compat.fp32_optimizer_overrides(dtype)
     if fp32 and hasattr(optimizer_config, "override_optimizer_config"):  # (a ref's config has none: no optimizer)
         object.__setattr__(optimizer_config, "override_optimizer_config",
