@@ -18,17 +18,19 @@ also does what must not happen under capture: Triton's autotuning, fla's and tor
 initialisations), captured the second time (after one more eager run on a side stream, as
 `torch.cuda.graphs` requires), and replayed from then on; the least recently run graphs beyond
 `MAX_GRAPHS` are dropped, and structures not captured yet are counted apart (`MAX_SEEN`), so that packs
-seen once do not push graphs out. A graph's memory pool keeps its pass's activations and output for as
-long as the graph lives, so `GraphMemory` holds the process's graphs to a share of the device's memory
-(`PrefixSharingConfig.cuda_graph_memory`): a new graph that does not fit, once graphs not run for a
+seen once do not push graphs out. A graph keeps the memory its pass used at capture (activations,
+temporaries) for its replays. A model's graphs of one pass kind share one memory pool (`_Pool`), each
+capture reusing the blocks the ones before it freed, so a pool holds about its largest pass rather than
+the sum of its passes; `GraphMemory` holds the process's pools to a share of the device's memory
+(`PrefixSharingConfig.cuda_graph_memory`): a new graph that does not fit, once pools not run for a
 while are dropped, is not kept, and its structure runs eagerly from then on. A forward-only pass
 (`torch.no_grad`: verl's old and reference log-probs) is one graph. A pass with gradients is two,
-captured together: the forward, and the backward of its output (`torch.autograd.grad` into static
-parameter gradients, in the forward's memory pool); the replayed forward is one autograd node whose
-backward replays the second graph and hands autograd the parameters' gradients, so they accumulate and
-megatron's gradient hooks run as after an eager backward. The output layer and the loss run outside the
-graphs (their gradients flow into the replayed node). Until that
-backward has run, the structure's next forward runs eagerly (a replay would overwrite the saved
+captured together: the forward, and the backward of its output (`torch.autograd.grad`, copied into the
+pool's parameter-gradient buffers, which all its backward graphs share); the replayed forward is one
+autograd node whose backward replays the second graph and hands autograd the parameters' gradients, so
+they accumulate and megatron's gradient hooks run as after an eager backward. The output layer and the
+loss run outside the graphs (their gradients flow into the replayed node). Until that backward has run,
+no graph of the pool replays: the passes of the pool run eagerly (a replay would overwrite the saved
 activations). A capture that fails (a host read of a device tensor, an RNG state set inside the pass)
 stops captures in the process (the graphs already captured still replay), and says why once. A graph
 reads the parameters' storage as it was at capture: when any parameter or buffer of the model moves
@@ -63,8 +65,8 @@ import logging
 import weakref
 from contextlib import nullcontext
 from collections import OrderedDict
-from dataclasses import dataclass, replace
-from typing import Callable, Optional, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from megatron.core import parallel_state
@@ -82,8 +84,8 @@ from ps_bridge.transfer import to_device
 logger = logging.getLogger("ps_bridge")
 
 CAPTURE_AT = 2  # a structure is captured the second time it is run: a one-off pack is never captured
-# captured graphs kept per model, the least recently run dropped beyond (each holds a memory pool: the pass's
-# activations and its output, the final hidden states; `GraphMemory` bounds their bytes)
+# captured graphs kept per model, the least recently run dropped beyond (each holds its output, the final hidden
+# states, in its pool, whose bytes `GraphMemory` bounds)
 MAX_GRAPHS = 16
 # structures a model counts before their capture, the oldest forgotten beyond: a pack seen once never pushes
 # a captured graph out
@@ -234,7 +236,8 @@ def without_data_parallel(model: torch.nn.Module) -> torch.nn.Module:
 class _Graph:
     """One structure's state: how often it was run, and once captured the layout its graphs read (its
     tokens are the static input), the forward graph and its static output; for a pass with gradients
-    also the backward graph, its static output gradient and the parameters' static gradients."""
+    also the backward graph, its static output gradient and the parameters' gradients (its pool's
+    gradient buffers)."""
 
     seen: int = 0
     failed: bool = False
@@ -247,9 +250,47 @@ class _Graph:
     # weakly; a strong reference here would keep the model, and every graph's memory, alive for good
     params: Tuple["weakref.ref[torch.Tensor]", ...] = ()
     grads: Tuple[Optional[torch.Tensor], ...] = ()
-    # a replayed forward whose backward has not run yet: its saved activations live in the graph's
-    # memory, which another replay of the same graph would overwrite
-    pending: bool = False
+
+
+class _Waiting:
+    """What a replayed forward's autograd node holds until its backward has run (`_Pool.waiting`)."""
+
+
+@dataclass
+class _Pool:
+    """The memory pool that one model's graphs of one pass kind (forward-only, or with gradients) are
+    captured into. A graph's pool keeps the memory its pass used at capture (activations, temporaries)
+    for its replays; graphs captured into one pool reuse the blocks the ones before them freed at the
+    end of their capture, so the pool holds about its largest pass, not the sum of them. That is safe
+    because the passes of a pool never overlap: a forward-only replay is over (its output copied out)
+    before the next pass starts, and while a replayed forward awaits its backward (`waiting`), no graph
+    of the pool replays.
+
+    handle:  torch's id of the pool; None before its first capture, and again once its graphs are
+             dropped (torch frees a pool's memory when the last graph captured into it is gone).
+    tokens:  the packed tokens of each structure captured into it.
+    nbytes:  its bytes (`GraphMemory.pool_bytes`), measured after each capture.
+    grads:   with gradients, the parameters' gradient buffers that every backward graph of the pool
+             writes (copied out of the pool by autograd's accumulation before the next pass), so that
+             no graph holds a model-sized gradient of its own.
+    waiting: a weak reference to the `_Waiting` of the replayed forward whose backward has not run:
+             its saved activations are in the pool, where any replay of the pool would overwrite them.
+             A pass dropped before its backward frees it with its autograd node."""
+
+    handle: Optional[object] = None
+    tokens: Dict[tuple, int] = field(default_factory=dict)
+    nbytes: int = 0
+    grads: Optional[Tuple[torch.Tensor, ...]] = None
+    waiting: Optional["weakref.ref[_Waiting]"] = None
+
+    def awaiting_backward(self) -> bool:
+        return self.waiting is not None and self.waiting() is not None
+
+    def reset(self) -> None:
+        """Its graphs are gone: the next capture starts a new pool (a replayed pass still awaiting its
+        backward keeps the old pool's memory, and its gradient buffers, until then)."""
+        self.handle, self.nbytes, self.grads, self.waiting = None, 0, None, None
+        self.tokens.clear()
 
 
 def _warm_up(run: Callable[[], None]) -> None:
@@ -268,26 +309,28 @@ def parameter_aliases(named: Tuple[Tuple[str, torch.Tensor], ...]) -> dict:
 
 
 class CudaGraphCapture:
-    """Captures with `torch.cuda.graph`. `forward(run) -> (graph, output)`; `training(run, named) ->
-    (forward graph, output, backward graph, output gradient, parameter gradients)`: the backward graph
-    is `torch.autograd.grad` of the captured forward's output, in the forward graph's memory pool
-    (the forward's saved activations are what it reads). The pass with gradients runs the model on
-    aliases of its parameters (`run(aliases)`, `torch.func.functional_call`): gradients taken at the
-    parameters themselves would go through their gradient-accumulator nodes, which megatron's DDP
-    keeps from its construction on the default stream, and autograd's wait on that stream is not
-    allowed inside a capture (torch/csrc/autograd/input_buffer.cpp, "AccumulateGrad node's stream
-    does not match")."""
+    """Captures with `torch.cuda.graph` into the memory pool `pool` (None: a new one). `forward(run,
+    pool) -> (graph, output)`; `training(run, named, pool, grads) -> (forward graph, output, backward
+    graph, output gradient, parameter gradients)`: the backward graph is `torch.autograd.grad` of the
+    captured forward's output, in the forward graph's pool (the forward's saved activations are what
+    it reads), copied into the buffers `grads` (one per parameter of `named`; None where the pass does
+    not reach a parameter). The pass with gradients runs the model on aliases of its parameters
+    (`run(aliases)`, `torch.func.functional_call`): gradients taken at the parameters themselves would
+    go through their gradient-accumulator nodes, which megatron's DDP keeps from its construction on
+    the default stream, and autograd's wait on that stream is not allowed inside a capture
+    (torch/csrc/autograd/input_buffer.cpp, "AccumulateGrad node's stream does not match")."""
 
     @staticmethod
-    def forward(run: Callable[[], torch.Tensor]):
+    def forward(run: Callable[[], torch.Tensor], pool=None):
         _warm_up(run)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=pool):
             output = run()
         return graph, output
 
     @staticmethod
-    def training(run: Callable[[dict], torch.Tensor], named: Tuple[Tuple[str, torch.Tensor], ...]):
+    def training(run: Callable[[dict], torch.Tensor], named: Tuple[Tuple[str, torch.Tensor], ...], pool,
+                 grads: Tuple[torch.Tensor, ...]):
         def step():
             aliases = parameter_aliases(named)
             out = run(aliases)
@@ -296,42 +339,51 @@ class CudaGraphCapture:
         _warm_up(step)
         aliases = parameter_aliases(named)  # made on this stream, their accumulators under the capture
         forward = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(forward):
+        with torch.cuda.graph(forward, pool=pool):
             output = run(aliases)
         grad_output = torch.empty_like(output)
         backward = torch.cuda.CUDAGraph()
         with torch.cuda.graph(backward, pool=forward.pool()):
-            grads = torch.autograd.grad(output, tuple(aliases.values()), grad_output, allow_unused=True)
-        return forward, output.detach(), backward, grad_output, grads
+            got = torch.autograd.grad(output, tuple(aliases.values()), grad_output, allow_unused=True)
+            for into, g in zip(grads, got):
+                if g is not None:
+                    into.copy_(g)
+        return forward, output.detach(), backward, grad_output, tuple(None if g is None else b for b, g in zip(grads, got))
 
 
 class _Replayed(torch.autograd.Function):
     """A captured forward as one autograd node: its backward replays the backward graph and hands
-    the parameters their gradients (autograd accumulates them, and megatron's gradient hooks run)."""
+    the parameters their gradients (autograd accumulates them, and megatron's gradient hooks run).
+    Until then the pool's graphs do not replay (`_Pool.waiting`)."""
 
     @staticmethod
-    def forward(ctx, entry: _Graph, *params):
+    def forward(ctx, entry: _Graph, pool: _Pool, *params):
         entry.graph.replay()
-        entry.pending = True
-        ctx.entry = entry
+        ctx.entry, ctx.waiting = entry, _Waiting()
+        pool.waiting = weakref.ref(ctx.waiting)
         return entry.output.clone()
 
     @staticmethod
     def backward(ctx, grad_output):
+        if ctx.waiting is None:
+            # other passes of the pool may have overwritten the saved activations since the first backward
+            raise RuntimeError("a pass replayed from a CUDA graph takes one backward (retain_graph is not supported "
+                               "with PS_BRIDGE_CUDA_GRAPHS=1)")
         entry = ctx.entry
         entry.grad_output.copy_(grad_output)
         entry.backward.replay()
-        entry.pending = False
-        return (None,) + tuple(entry.grads)
+        ctx.waiting = None  # the pool's graphs replay again
+        return (None, None) + tuple(entry.grads)
 
 
-def _pool_bytes(graph) -> int:
-    """The device memory of `graph`'s memory pool (a backward graph captured into the forward's pool is
-    counted with it): the caching allocator's segments owned by the pool (none for a test's stand-in)."""
-    if not isinstance(graph, torch.cuda.CUDAGraph):
+def _pool_bytes(pool: _Pool) -> int:
+    """The device memory of `pool`: the caching allocator's segments owned by it, and its gradient
+    buffers (outside it)."""
+    if pool.handle is None or not torch.cuda.is_available():
         return 0
-    pool = tuple(graph.pool())
-    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot() if tuple(seg["segment_pool_id"]) == pool)
+    handle = tuple(pool.handle)
+    held = sum(seg["total_size"] for seg in torch.cuda.memory_snapshot() if tuple(seg["segment_pool_id"]) == handle)
+    return held + sum(g.numel() * g.element_size() for g in pool.grads or ())
 
 
 def _cuda_total() -> int:
@@ -341,67 +393,82 @@ def _cuda_total() -> int:
 
 
 class GraphMemory:
-    """The device memory the process's graphs hold, and the share of the device's memory they may hold
-    (`fraction`, `PrefixSharingConfig.cuda_graph_memory`). A graph makes room for a new one only once it is
-    stale: not run in the process's last `stale_passes` graphed passes (it is then dropped; its structure,
-    should it come back, is captured anew). verl's phases take turns (log-probs, then the update), so the
-    graphs of the phases before the running one are the least recently run: dropping those for the running
-    phase's would recapture every phase's graphs each step. A capture that would not fit is not made where
-    the graphs held predict its size (their bytes per token, passes with or without gradients apart), else
-    it is made and dropped. Tests pass `pool_bytes` (a captured forward graph -> the bytes of its pool) and
-    `total` (the device's bytes)."""
+    """The device memory the process's graphs hold (their pools', `_Pool`), and the share of the device's
+    memory they may hold (`fraction`, `PrefixSharingConfig.cuda_graph_memory`). A pool makes room for
+    another only once it is stale: none of its graphs run in the process's last `stale_passes` graphed
+    passes, and none awaiting its backward (its graphs are then dropped, and its memory freed; their
+    structures, should they come back, are captured anew). verl's phases take turns (log-probs with the
+    actor, with the reference model, then the actor's update), each in pools of its own, so the pools of
+    the phases before the running one are the stale ones: dropping those for the running phase's would
+    recapture every phase's graphs each step. A capture that would grow its pool past the share is not
+    made where the pools held predict that (their bytes per token of their largest pass, by pass kind:
+    a pool holds its largest pass), else it is made, and its graph dropped (its blocks stay in the pool,
+    for the pool's later captures). Tests pass `pool_bytes` (a `_Pool` -> its bytes) and `total` (the
+    device's bytes)."""
 
-    def __init__(self, pool_bytes: Callable[[object], int] = _pool_bytes, total: Callable[[], int] = _cuda_total,
+    def __init__(self, pool_bytes: Callable[[_Pool], int] = _pool_bytes, total: Callable[[], int] = _cuda_total,
                  fraction: float = PrefixSharingConfig.cuda_graph_memory, stale_passes: int = STALE_PASSES):
         self.pool_bytes, self.total, self.fraction, self.stale_passes = pool_bytes, total, fraction, stale_passes
         self.clock = 0  # graphed passes run in this process
-        # (id(graphs), key) -> [weak reference to the ModelGraphs, bytes, tokens, clock of its last run]
-        self.held: "OrderedDict[tuple, list]" = OrderedDict()
+        self.models: "weakref.WeakSet[ModelGraphs]" = weakref.WeakSet()  # a model's graphs die with it
+        # (id(graphs), key) -> clock of the captured structure's last run
+        self.last_run: Dict[tuple, int] = {}
 
     def budget(self) -> int:
         return int(self.fraction * self.total())
 
-    def used(self) -> int:
-        for ident in [i for i, (ref, *_) in self.held.items() if ref() is None]:
-            del self.held[ident]  # a model's graphs die with it
-        return sum(nbytes for _, nbytes, *_ in self.held.values())
+    def pools(self):
+        """(model's graphs, pass kind, pool) of every pool that holds graphs."""
+        return [(graphs, training, pool) for graphs in list(self.models)
+                for training, pool in graphs.pools.items() if pool.tokens]
 
-    def add(self, graphs: "ModelGraphs", key: tuple, nbytes: int, tokens: int) -> None:
-        self.held[(id(graphs), key)] = [weakref.ref(graphs), nbytes, tokens, self.clock]
+    def used(self) -> int:
+        return sum(pool.nbytes for _, _, pool in self.pools())
+
+    def add(self, graphs: "ModelGraphs", key: tuple) -> None:
+        """`key` was captured into its pool (`graphs.pools[key[1]]`), whose bytes are measured anew."""
+        self.models.add(graphs)
+        self.last_run[(id(graphs), key)] = self.clock
+        pool = graphs.pools[key[1]]
+        pool.nbytes = self.pool_bytes(pool)
 
     def touch(self, graphs: "ModelGraphs", key: tuple) -> None:
         """A graphed pass of `key` runs (replayed or not)."""
         self.clock += 1
-        held = self.held.get((id(graphs), key))
-        if held is not None:
-            held[3] = self.clock
-            self.held.move_to_end((id(graphs), key))
+        if (id(graphs), key) in self.last_run:
+            self.last_run[(id(graphs), key)] = self.clock
 
     def forget(self, graphs: "ModelGraphs", key: tuple) -> None:
-        self.held.pop((id(graphs), key), None)
+        self.last_run.pop((id(graphs), key), None)
 
-    def room_for(self, key: tuple, tokens: int) -> bool:
-        """Before `key`'s capture: whether its predicted size fits, once stale graphs are dropped (True
-        where no graph of its kind is held to predict from)."""
-        same_kind = [nbytes / max(held_tokens, 1) for (_, k), (_, nbytes, held_tokens, _) in self.held.items()
-                     if k[1] == key[1]]
-        return not same_kind or self._fit(int(max(same_kind) * tokens), None)
+    def room_for(self, graphs: "ModelGraphs", key: tuple, tokens: int) -> bool:
+        """Before `key`'s capture: whether its pool, grown to hold a pass of `tokens`, fits once stale
+        pools are dropped (True where no pool of its kind is held to predict from)."""
+        rates = [pool.nbytes / max(pool.tokens.values()) for _, training, pool in self.pools() if training == key[1]]
+        if not rates:
+            return True
+        pool = graphs.pools[key[1]]
+        return self._fit(max(int(max(rates) * tokens) - pool.nbytes, 0), pool)
 
     def make_room(self, graphs: "ModelGraphs", key: tuple) -> None:
-        """After `key`'s capture: stale graphs dropped until the graphs fit the share, else `key`'s own."""
-        if not self._fit(0, (graphs, key)):
-            graphs.drop_for_memory(key, self, self.held[(id(graphs), key)][2])
+        """After `key`'s capture: stale pools dropped until the graphs fit the share, else `key`'s graph."""
+        if not self._fit(0, graphs.pools[key[1]]):
+            graphs.drop_for_memory(key, self, graphs.pools[key[1]].tokens.get(key, 0))
 
-    def _fit(self, extra: int, keep) -> bool:
+    def _stale(self, graphs: "ModelGraphs", pool: _Pool) -> Optional[int]:
+        """The clock of `pool`'s last run where it may be dropped (every graph in it stale, none awaiting
+        its backward), else None."""
+        last = max(self.last_run.get((id(graphs), k), self.clock) for k in pool.tokens)
+        return last if self.clock - last > self.stale_passes and not pool.awaiting_backward() else None
+
+    def _fit(self, extra: int, keep: _Pool) -> bool:
         while self.used() + extra > self.budget():
-            victim = next(((ref(), k) for (_, k), (ref, _, _, last) in self.held.items()
-                           if (ref(), k) != keep and self.clock - last > self.stale_passes
-                           and not getattr(ref().graphs.get(k), "pending", False)), None)
-            if victim is None:
+            stale = [(last, graphs, training) for graphs, training, pool in self.pools()
+                     if pool is not keep and (last := self._stale(graphs, pool)) is not None]
+            if not stale:
                 return False
-            # a stale structure that comes back is seen and captured anew
-            victim[0].graphs.pop(victim[1], None)
-            self.forget(*victim)
+            _, graphs, training = min(stale, key=lambda s: s[0])  # the least recently run first
+            graphs.drop_pool(training)
         return True
 
 
@@ -410,8 +477,9 @@ MEMORY = GraphMemory()  # the process's
 
 class ModelGraphs:
     """The CUDA graphs of one model, keyed by layout structure and by whether the pass has
-    gradients (see the module docstring). `capture` makes them (`CudaGraphCapture`; tests pass one
-    that reruns the forward eagerly)."""
+    gradients (see the module docstring), in two memory pools (`_Pool`): the forward-only passes' and
+    those with gradients. `capture` makes them (`CudaGraphCapture`; tests pass one that reruns the
+    forward eagerly)."""
 
     stopped: Optional[str] = None  # why captures stopped in this process (the first failed one)
 
@@ -421,6 +489,7 @@ class ModelGraphs:
         self.max_graphs, self.max_seen = max_graphs, max_seen
         self.memory = memory or MEMORY
         self.graphs: "OrderedDict[tuple, _Graph]" = OrderedDict()
+        self.pools = {False: _Pool(), True: _Pool()}
         # structures whose graph was dropped for memory: they run eagerly
         self.no_room: set = set()
         self.fingerprint: Optional[Tuple[int, ...]] = None
@@ -439,9 +508,12 @@ class ModelGraphs:
             for old in self.graphs:
                 self.memory.forget(self, old)
             self.graphs.clear()
+            for pool in self.pools.values():
+                pool.reset()
             self.no_room.clear()
             self.fingerprint = fingerprint
         training = torch.is_grad_enabled()
+        pool = self.pools[training]
         key = (layout.structure_key(), training) + tuple(key)
         if key in self.no_room:
             return forward(layout, None)
@@ -453,11 +525,11 @@ class ModelGraphs:
         self.memory.touch(self, key)
         entry.seen += 1
         if entry.graph is None and not entry.failed and entry.seen >= CAPTURE_AT and not ModelGraphs.stopped:
-            if self.memory.room_for(key, layout.num_tokens):
+            if self.memory.room_for(self, key, layout.num_tokens):
                 self._capture(entry, key, model, layout, forward, training)
             else:
                 self.drop_for_memory(key, self.memory, layout.num_tokens)
-        if entry.graph is None or entry.pending or key in self.no_room:
+        if entry.graph is None or pool.awaiting_backward() or key in self.no_room:
             return forward(layout, None)
         if layout.bucketed:
             refill(entry.layout, layout)
@@ -468,21 +540,32 @@ class ModelGraphs:
         if not training:
             entry.graph.replay()
             return entry.output.clone()
-        return _Replayed.apply(entry, *(ref() for ref in entry.params))
+        return _Replayed.apply(entry, pool, *(ref() for ref in entry.params))
+
+    def _forget(self, key: tuple) -> None:
+        """`key`'s entry gone: out of its pool (whose memory torch frees with its last graph)."""
+        self.graphs.pop(key, None)
+        self.memory.forget(self, key)
+        pool = self.pools[key[1]]
+        pool.tokens.pop(key, None)
+        if not pool.tokens:
+            pool.reset()
 
     def _drop_oldest(self, captured: bool, keep: int) -> None:
         """The least recently run entries beyond `keep` dropped, of the captured graphs or of the structures
         not captured (a dropped structure that comes back is seen anew)."""
         kind = [k for k, entry in self.graphs.items() if (entry.graph is not None) == captured]
         for k in kind[:max(len(kind) - keep, 0)]:
-            del self.graphs[k]
-            self.memory.forget(self, k)
+            self._forget(k)
+
+    def drop_pool(self, training: bool) -> None:
+        """Every graph of the pool of pass kind `training` dropped: the pool's memory is freed."""
+        for k in list(self.pools[training].tokens):
+            self._forget(k)
 
     def drop_for_memory(self, key: tuple, memory: GraphMemory, tokens: int) -> None:
-        """`key`'s graph dropped or never captured (a dropped pool is freed once no replayed pass holds it),
-        and its structure eager from now on."""
-        self.graphs.pop(key, None)
-        memory.forget(self, key)
+        """`key`'s graph dropped or never captured, and its structure eager from now on."""
+        self._forget(key)
         self.no_room.add(key)
         COUNTS["no_room"] += 1
         # said once at INFO (with the setting to raise); each later structure at DEBUG
@@ -494,14 +577,17 @@ class ModelGraphs:
 
     def _capture(self, entry: _Graph, key: tuple, model, layout: PackedPrefixLayout, forward, training: bool) -> None:
         own = static_copy(layout)
+        pool = self.pools[training]
         # under level buckets fla's varlen offsets are refilled at each replay: what fla derives from
         # them must be computed inside the graph, not taken from its identity cache
         caching = compat_fla.identity_cache_off() if own.level_buckets and _has_gated_deltanet(model) else nullcontext()
         try:
             with caching:
-                self._capture_into(entry, model, own, forward, training)
+                self._capture_into(entry, model, own, forward, training, pool)
         except RuntimeError as e:
             entry.failed = True
+            if not pool.tokens:
+                pool.reset()
             # a capture that failed inside torch.cuda.graph can leave CUDA's RNG in its capture state
             # (a later random draw then fails), so none is tried again in this process
             ModelGraphs.stopped = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -510,22 +596,27 @@ class ModelGraphs:
             return
         self.captures += 1
         COUNTS["captures"] += 1
+        pool.tokens[key] = layout.num_tokens
         self._drop_oldest(captured=True, keep=self.max_graphs)  # `key`, run last, is the newest
-        self.memory.add(self, key, self.memory.pool_bytes(entry.graph), layout.num_tokens)
+        self.memory.add(self, key)
         self.memory.make_room(self, key)
         if key not in self.no_room:
             logger.info("[PS][graphs] captured the %s of a %d-token micro-batch (depth %d); it replays from now on",
                         "forward and backward" if training else "forward", layout.num_tokens, layout.tree_depth)
 
-    def _capture_into(self, entry: _Graph, model, own: PackedPrefixLayout, forward, training: bool) -> None:
+    def _capture_into(self, entry: _Graph, model, own: PackedPrefixLayout, forward, training: bool, pool: _Pool) -> None:
         if training:
             named = tuple((n, p) for n, p in without_data_parallel(model).named_parameters() if p.requires_grad)
+            if pool.grads is None:
+                pool.grads = tuple(torch.zeros_like(p) for _, p in named)
             graph, output, backward, grad_output, grads = self.capture.training(
-                lambda aliases: forward(own, aliases), named)
+                lambda aliases: forward(own, aliases), named, pool.handle, pool.grads)
             entry.backward, entry.grad_output, entry.grads = backward, grad_output, grads
             entry.params = tuple(weakref.ref(p) for _, p in named)
         else:
-            graph, output = self.capture.forward(lambda: forward(own, None))
+            graph, output = self.capture.forward(lambda: forward(own, None), pool.handle)
+        if pool.handle is None:
+            pool.handle = graph.pool()
         entry.layout, entry.graph, entry.output = own, graph, output
 
 

@@ -25,30 +25,33 @@ from qwen35_helpers import load_tiny
 
 
 class Rerun:
-    """Stands in for a CUDA graph: `replay()` reruns what was recorded."""
+    """Stands in for a CUDA graph: `replay()` reruns what was recorded; `pool()` is the memory pool it
+    was captured into."""
 
-    def __init__(self, run):
+    def __init__(self, run, pool):
         self.replay = run
+        self.pool = lambda: pool
 
 
 class Recorded:
     """Stands in for `cuda_graphs.CudaGraphCapture`: each "graph" reruns the recorded pass on the
     captured layout (whose token buffer a replay refills) into the static tensors. The backward's
     rerun recomputes the forward on the tokens of the last forward replay, as a captured backward
-    reads the activations that replay saved."""
+    reads the activations that replay saved. A capture without a pool makes one (a fresh object)."""
 
     @staticmethod
-    def forward(run):
+    def forward(run, pool=None):
         output = run()
-        return Rerun(lambda: output.copy_(run())), output
+        return Rerun(lambda: output.copy_(run()), pool or object()), output
 
     @staticmethod
-    def training(run, named):
+    def training(run, named, pool, grads):
+        pool = pool or object()
         aliases = parameter_aliases(named)
         params = tuple(aliases.values())
         output = run(aliases)
-        grads = torch.autograd.grad(output, params, torch.ones_like(output), allow_unused=True)
-        grads = tuple(None if g is None else torch.empty_like(g) for g in grads)
+        reached = torch.autograd.grad(output, params, torch.ones_like(output), allow_unused=True)
+        grads = tuple(None if g is None else b for b, g in zip(grads, reached))
         grad_output = torch.empty_like(output)
         output = output.detach()
 
@@ -59,7 +62,7 @@ class Recorded:
                 if static is not None:
                     static.copy_(g)
 
-        return Rerun(lambda: output.copy_(run(aliases).detach())), output, Rerun(backward), grad_output, grads
+        return Rerun(lambda: output.copy_(run(aliases).detach()), pool), output, Rerun(backward, pool), grad_output, grads
 
 
 record = Recorded
@@ -174,16 +177,101 @@ def test_a_forward_before_the_last_ones_backward_runs_eagerly(loaded):
         out = graphs.run(model, layout, (), lambda own, weights: _run(model, own, config, weights))
         out.sum().backward()
     model.zero_grad(set_to_none=True)
-    first = graphs.run(model, b, (), lambda own, weights: _run(model, own, config, weights))
-    second = graphs.run(model, c, (), lambda own, weights: _run(model, own, config, weights))
-    assert graphs.replays == 2  # the capture's own replay, then b; c ran eagerly
-    (first.sum() + 2 * second.sum()).backward()
+    # the capture's own replay, then b; c runs eagerly
+    _two_passes_before_their_backward(loaded, graphs, lambda own, weights: _run(model, own, config, weights), b, c, 1)
+
+
+def _two_passes_before_their_backward(loaded, graphs, run, first, second, replayed):
+    """`first`'s pass, then `second`'s, then one backward of both: `replayed` of the passes replay, and the
+    gradients equal eager ones."""
+    model = loaded.model
+    replays = graphs.replays
+    outs = [graphs.run(model, layout, (), run) for layout in (first, second)]
+    assert graphs.replays == replays + replayed
+    (outs[0].sum() + 2 * outs[1].sum()).backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    (run_packed(model, b, loaded.config).sum() + 2 * run_packed(model, c, loaded.config).sum()).backward()
+    (run_packed(model, first, loaded.config).sum() + 2 * run_packed(model, second, loaded.config).sum()).backward()
     for n, p in model.named_parameters():
         if p.grad is not None:
             torch.testing.assert_close(got[n], p.grad, rtol=1e-6, atol=1e-6)
+    model.zero_grad(set_to_none=True)
+
+
+class PoolActivations(Recorded):
+    """`Recorded`, with what the graphs of one pool share on a GPU: a backward graph reads the activations
+    that the last forward replayed in its pool left there, whichever graph that was (graphs captured into
+    one pool reuse each other's blocks)."""
+
+    last: dict = {}
+
+    @staticmethod
+    def training(run, named, pool, grads):
+        pool = pool or object()
+        forward, output, _, grad_output, grads = Recorded.training(run, named, pool, grads)
+        aliases = parameter_aliases(named)
+        params = tuple(aliases.values())
+        replay_forward = forward.replay
+
+        def forward_replay():
+            PoolActivations.last[pool] = run
+            replay_forward()
+
+        def backward():
+            with torch.enable_grad():
+                new = torch.autograd.grad(PoolActivations.last[pool](aliases), params, grad_output, allow_unused=True)
+            for static, g in zip(grads, new):
+                if static is not None:
+                    static.copy_(g)
+
+        return Rerun(forward_replay, pool), output, Rerun(backward, pool), grad_output, grads
+
+
+def _captured_for_training(loaded, layouts, capture):
+    model, config = loaded.model, replace(loaded.config, cuda_graphs=True)
+    graphs = ModelGraphs(capture=capture)
+    run = lambda own, weights: _run(model, own, config, weights)  # noqa: E731
+    for layout in layouts:
+        for _ in range(2):
+            graphs.run(model, layout, (), run).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return graphs, run
+
+
+def test_no_graph_of_the_pool_replays_while_a_backward_awaits(loaded):
+    """Another structure's pass between a replayed forward and its backward runs eagerly: replayed, it
+    would overwrite the activations the backward reads (the stand-in's backward reads whatever the
+    pool's last forward left), and both gradients are right."""
+    model = loaded.model
+    a, _, c = _three_structures(loaded)
+    graphs, run = _captured_for_training(loaded, (a, c), PoolActivations)
+    replays = graphs.replays
+    _two_passes_before_their_backward(loaded, graphs, run, a, c, 1)
+    graphs.run(model, c, (), run).sum().backward()  # once the backward ran, the pool replays again
+    assert graphs.replays == replays + 2
+    model.zero_grad(set_to_none=True)
+
+
+def test_a_replayed_pass_dropped_before_its_backward_frees_the_pool(loaded):
+    model = loaded.model
+    a, _, c = _three_structures(loaded)
+    graphs, run = _captured_for_training(loaded, (a, c), record)
+    replays = graphs.replays
+    graphs.run(model, a, (), run).sum()  # no backward: the autograd graph is freed with its output
+    assert not graphs.pools[True].awaiting_backward()
+    graphs.run(model, c, (), run).sum().backward()
+    assert graphs.replays == replays + 2
+    model.zero_grad(set_to_none=True)
+
+
+def test_a_replayed_pass_takes_one_backward(loaded):
+    model = loaded.model
+    a = _three_structures(loaded)[0]
+    graphs, run = _captured_for_training(loaded, (a,), record)
+    loss = graphs.run(model, a, (), run).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward"):
+        loss.backward()
     model.zero_grad(set_to_none=True)
 
 
@@ -229,14 +317,12 @@ def test_packs_seen_once_do_not_push_a_graph_out(loaded):
 
 
 class Budget(GraphMemory):
-    """The process's graph memory on a device of `total` bytes (the share left at 1), each captured graph
-    holding a byte per token of its pass."""
+    """The process's graph memory on a device of `total` bytes (the share left at 1), each pool holding a
+    byte per token of the largest pass captured into it (its graphs share its memory)."""
 
     def __init__(self, total: int, stale_passes: int = 64):
-        super().__init__(pool_bytes=lambda graph: 0, total=lambda: total, fraction=1.0, stale_passes=stale_passes)
-
-    def add(self, graphs, key, nbytes, tokens):
-        super().add(graphs, key, tokens, tokens)
+        super().__init__(pool_bytes=lambda pool: max(pool.tokens.values(), default=0), total=lambda: total,
+                         fraction=1.0, stale_passes=stale_passes)
 
 
 def _three_structures(loaded):
@@ -248,42 +334,79 @@ def _eager(loaded):
     return lambda own, weights=None: run_packed(loaded.model, own, loaded.config)
 
 
-def test_a_graph_beyond_the_memory_share_is_not_kept_while_the_others_run(loaded, caplog):
-    """Room for two graphs, three structures in turns (as verl's phases take turns): the third is not
-    kept and runs eagerly from then on; the two held replay; outputs equal eager."""
-    model, forward = loaded.model, _eager(loaded)
+def test_a_models_passes_share_a_pool_per_kind_and_its_graphs_take_its_largest(loaded):
+    """The forward-only graphs of a model are captured into one pool, its passes with gradients into
+    another; the pool holds its largest pass, and every backward graph of it writes the pool's
+    gradient buffers."""
+    model, config = loaded.model, replace(loaded.config, cuda_graphs=True)
     a, b, c = _three_structures(loaded)
-    memory = Budget(total=a.num_tokens + b.num_tokens + c.num_tokens - 1)
+    memory = Budget(total=10**9)
+    graphs = ModelGraphs(capture=record, memory=memory)
+    run = lambda own, weights: _run(model, own, config, weights)  # noqa: E731
+    with torch.no_grad():
+        for layout in (a, a, b, b, c, c):
+            graphs.run(model, layout, (), run)
+    for layout in (a, a, c, c):
+        graphs.run(model, layout, (), run).sum().backward()
+    model.zero_grad(set_to_none=True)
+    forward_only = [e.graph.pool() for k, e in graphs.graphs.items() if not k[1]]
+    training = [e for k, e in graphs.graphs.items() if k[1]]
+    assert len(forward_only) == 3 and len(set(forward_only)) == 1 and forward_only[0] is graphs.pools[False].handle
+    assert len(training) == 2 and {e.graph.pool() for e in training} == {graphs.pools[True].handle}
+    assert graphs.pools[True].handle is not graphs.pools[False].handle
+    assert all(g is None or any(g is buf for buf in graphs.pools[True].grads) for e in training for g in e.grads)
+    assert [g is None for g in training[0].grads] == [g is None for g in training[1].grads]
+    biggest = max(x.num_tokens for x in (a, b, c))
+    assert memory.used() == biggest + max(a.num_tokens, c.num_tokens) == graphs.pools[False].nbytes + graphs.pools[True].nbytes
+
+
+def test_a_graph_beyond_the_memory_share_is_not_kept_while_the_others_run(loaded, caplog):
+    """Room for the pool of the two smaller structures: the largest, whose capture would grow the pool
+    past the share (predicted from the pool's bytes per token), is not captured and runs eagerly from
+    then on; the two held replay; outputs equal eager."""
+    model, forward = loaded.model, _eager(loaded)
+    small, other, big = sorted(_three_structures(loaded), key=lambda x: x.num_tokens)
+    assert small.num_tokens <= other.num_tokens < big.num_tokens
+    memory = Budget(total=other.num_tokens)
     graphs = ModelGraphs(capture=record, memory=memory)
     left_eager = COUNTS["no_room"]
     caplog.set_level("DEBUG", logger="ps_bridge")
     with torch.no_grad():
-        for layout in (a, a, b, b, c, c):
+        for layout in (small, small, other, other, big, big):
             graphs.run(model, layout, (), forward)
-        assert memory.used() == a.num_tokens + b.num_tokens and {k[0] for k in graphs.graphs} == {a.structure_key(), b.structure_key()}
+        assert memory.used() == other.num_tokens
+        assert {k[0] for k in graphs.graphs} == {small.structure_key(), other.structure_key()}
         replays = graphs.replays
-        for layout in (c, c, a, b):
+        for layout in (big, big, small, other):
             assert torch.equal(graphs.run(model, layout, (), forward), forward(layout))
-    assert graphs.replays == replays + 2 and graphs.captures == 2  # c: eager, its size predicted
-    assert [k[0] for k in graphs.no_room] == [c.structure_key()] and COUNTS["no_room"] == left_eager + 1
+    assert graphs.replays == replays + 2 and graphs.captures == 2  # big: eager, its size predicted
+    assert [k[0] for k in graphs.no_room] == [big.structure_key()] and COUNTS["no_room"] == left_eager + 1
     said = [r.getMessage() for r in caplog.records if "runs eagerly from now on" in r.getMessage()]
-    assert len(said) == 1 and f"a {c.num_tokens}-token pass" in said[0] and "PS_BRIDGE_CUDA_GRAPH_MEMORY" in said[0]
+    assert len(said) == 1 and f"a {big.num_tokens}-token pass" in said[0] and "PS_BRIDGE_CUDA_GRAPH_MEMORY" in said[0]
 
 
-def test_stale_graphs_make_room(loaded):
-    """A graph not run in the last `stale_passes` graphed passes is dropped for a new one; its structure,
-    back again, is seen and captured anew."""
-    model, forward = loaded.model, _eager(loaded)
-    a, b, c = _three_structures(loaded)
-    memory = Budget(total=a.num_tokens + b.num_tokens + c.num_tokens - 1, stale_passes=3)
+def test_stale_pools_make_room(loaded):
+    """A pool none of whose graphs ran in the last `stale_passes` graphed passes is dropped whole for a
+    new capture (verl's phases: the log-prob passes' pool for the update's); its structures, back
+    again, are seen and captured anew."""
+    model, config = loaded.model, replace(loaded.config, cuda_graphs=True)
+    a, b, _ = _three_structures(loaded)
+    memory = Budget(total=a.num_tokens + b.num_tokens - 1, stale_passes=1)
     graphs = ModelGraphs(capture=record, memory=memory)
+    run = lambda own, weights: _run(model, own, config, weights)  # noqa: E731
     with torch.no_grad():
-        for layout in (a, a, b, b, b, b, c, c):  # a last ran 6 passes before c's capture
-            graphs.run(model, layout, (), forward)
-        assert {k[0] for k in graphs.graphs} == {b.structure_key(), c.structure_key()} and not graphs.no_room
-        for layout in (c, c, c, c, a, a):  # a seen anew; at its capture b is stale: dropped for it
-            assert torch.equal(graphs.run(model, layout, (), forward), forward(layout))
-    assert {k[0] for k in graphs.graphs} == {c.structure_key(), a.structure_key()} and graphs.captures == 4
+        for _ in range(2):
+            graphs.run(model, a, (), run)
+    for _ in range(2):  # a's pool last ran 2 passes before b's capture: dropped for it
+        graphs.run(model, b, (), run).sum().backward()
+    assert [k for k, e in graphs.graphs.items() if e.graph is not None] == [(b.structure_key(), True)]
+    assert memory.used() == b.num_tokens and graphs.pools[False].handle is None and not graphs.no_room
+    with torch.no_grad():  # a seen anew; at its capture b's pool is stale
+        outs = [graphs.run(model, a, (), run) for _ in range(3)]
+        assert all(torch.equal(o, run_packed(model, a, loaded.config)) for o in outs)
+    assert [k for k, e in graphs.graphs.items() if e.graph is not None] == [(a.structure_key(), False)]
+    assert graphs.captures == 3 and memory.used() == a.num_tokens
+    model.zero_grad(set_to_none=True)
 
 
 def test_a_graph_larger_than_the_share_is_not_kept(loaded):
@@ -386,7 +509,7 @@ def test_a_failed_capture_stays_eager(loaded, caplog, monkeypatch):
 
     class Failing:
         @staticmethod
-        def forward(run):
+        def forward(run, pool=None):
             calls.append(1)
             raise RuntimeError("operation not permitted when stream is capturing\nmore")
 

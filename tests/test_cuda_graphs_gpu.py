@@ -91,6 +91,17 @@ def _relative(a: dict, b: dict) -> float:
     return num / max(sum(float(b[n].norm() ** 2) for n in b) ** 0.5, 1e-30)
 
 
+def _gradient_within_eager_spread(model, layout, eager_config, out, eager, seed, label):
+    """The gradients of a loss over `out` (the graphed pass's logits, weighted at random) within four times
+    the eager backward's own run-to-run spread (flash's backward accumulates with atomics) of `eager`'s."""
+    w = torch.randn(out.shape[:-1], generator=torch.Generator().manual_seed(seed)).to(out.device)[..., None]
+    got, want = _grads(model, out, w), _grads(model, eager, w)
+    again = _grads(model, run_packed(model, layout, eager_config), w)
+    spread, err = _relative(again, want), _relative(got, want)
+    print(f"{label}: gradient {err:.2e} (eager spread {spread:.2e})")
+    assert err <= max(4 * spread, 1e-3)
+
+
 @pytest.mark.parametrize("name", ["qwen2.5", "qwen3.5"])
 def test_replayed_training_pass_equals_eager(tmp_path, name):
     """Forward and backward graphs: the logits bit for bit, every gradient within the eager backward's
@@ -168,12 +179,8 @@ def test_bucketed_replays_on_other_lengths(tmp_path, name, buckets):
                     eager = run_packed(loaded.model, layout, eager_config)
                 assert torch.equal(out[0][valid], eager[0][valid]), f"{name} {share} {training} micro-batch {i}"
                 if training:
-                    w = torch.randn(out.shape[:-1], generator=torch.Generator().manual_seed(i)).to(out.device)[..., None]
-                    got, want = _grads(loaded.model, out, w), _grads(loaded.model, eager, w)
-                    again = _grads(loaded.model, run_packed(loaded.model, layout, eager_config), w)
-                    spread, err = _relative(again, want), _relative(got, want)
-                    print(f"{name} share={share} training micro-batch {i}: gradient {err:.2e} (eager spread {spread:.2e})")
-                    assert err <= max(4 * spread, 1e-3)
+                    _gradient_within_eager_spread(loaded.model, layout, eager_config, out, eager, i,
+                                                  f"{name} share={share} training micro-batch {i}")
             assert graphs.captures == captures + 1, f"{name} {share}: not captured (see the log)"
             assert graphs.replays == replays + 3
         with torch.no_grad():
@@ -190,8 +197,54 @@ def test_bucketed_replays_on_other_lengths(tmp_path, name, buckets):
 
 
 def mine(memory, graphs) -> int:
-    """The bytes `memory` counts for the graphs of one model."""
-    return sum(nbytes for ref, nbytes, *_ in memory.held.values() if ref() is graphs)
+    """The bytes `memory` counts for the graphs of one model (its pools')."""
+    return sum(pool.nbytes for g, _, pool in memory.pools() if g is graphs)
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "qwen3.5"])
+def test_graphs_of_one_pool_replay_in_any_order(tmp_path, name):
+    """Three structures' passes with gradients captured into one memory pool (each reusing the blocks
+    the ones before it freed), then replayed in another order, each forward followed by its backward:
+    logits bit for bit, gradients within the eager backward's spread; likewise the forward-only graphs.
+    The pool holds less than the passes would apart (printed)."""
+    from test_bf16_vs_fp32_gpu import gpu_tree_samples
+    from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
+
+    loaded = _loaded(name, tmp_path)
+    vocab = loaded.vocab_size
+    eager_config = replace(loaded.config, cuda_graphs=False)
+    graphs = model_graphs(loaded.model)
+    cases = {
+        "unshared": (grpo_like_samples(vocab, num_prompts=3, n=4, prompt_len=(20, 90), response_len=(1, 40), seed=4), False),
+        "groups": (grpo_like_samples(vocab, num_prompts=3, n=4, prompt_len=(20, 90), response_len=(1, 40), seed=5), True),
+        "tree": (gpu_tree_samples(vocab), "tree"),
+    }
+    layouts = {label: [build_layout(relabelled(samples, vocab, shift), share=share, pad_multiple=8, vocab_size=vocab)
+                       .to(loaded.device) for shift in (0, 7)] for label, (samples, share) in cases.items()}
+    order = ["unshared", "groups", "tree"]
+    for training in (False, True):
+        captures = graphs.captures
+        for label in order:  # seen, then captured
+            for _ in range(2):
+                with torch.set_grad_enabled(training):
+                    out = run_packed(loaded.model, layouts[label][0], loaded.config)
+                if training:
+                    out.float().sum().backward()
+        loaded.model.zero_grad(set_to_none=True)
+        assert graphs.captures == captures + 3, f"{name} training={training}: not captured (see the log)"
+        replays = graphs.replays
+        for i, label in enumerate(["tree", "unshared", "tree", "groups", "unshared"]):
+            layout = layouts[label][1]
+            with torch.set_grad_enabled(training):
+                out = run_packed(loaded.model, layout, loaded.config)
+                eager = run_packed(loaded.model, layout, eager_config)
+            assert torch.equal(out.detach(), eager.detach()), f"{name} {label} training={training}: logits differ"
+            if training:
+                _gradient_within_eager_spread(loaded.model, layout, eager_config, out, eager, i, f"{name} {label}, replay {i}")
+        assert graphs.replays == replays + 5
+        pool = graphs.pools[training]
+        print(f"{name} training={training}: one pool of {pool.nbytes / 2**20:.1f} MiB holds {len(pool.tokens)} graphs "
+              f"of {sorted(pool.tokens.values())} tokens")
 
 
 def test_a_graphs_memory_is_its_pools_segments_and_the_share_holds(tmp_path):
@@ -210,7 +263,7 @@ def test_a_graphs_memory_is_its_pools_segments_and_the_share_holds(tmp_path):
         first = run_packed(loaded.model, layout, loaded.config)
         run_packed(loaded.model, layout, loaded.config)
         (key, entry), = graphs.graphs.items()
-        held = MEMORY.pool_bytes(entry.graph)
+        held = MEMORY.pool_bytes(graphs.pools[False])
         assert entry.output.numel() * entry.output.element_size() <= held <= torch.cuda.memory_reserved()
         assert mine(MEMORY, graphs) == held
         small = replace(loaded.config, cuda_graph_memory=held / 2 / MEMORY.total())

@@ -364,9 +364,9 @@ def test_a_capture_of_level_buckets_turns_fla_s_identity_cache_off(tiny):
 
     class Watching:
         @staticmethod
-        def forward(run):
+        def forward(run, pool=None):
             seen.append(getattr(fla.utils, "FLA_DISABLE_TENSOR_CACHE", False))
-            return record.forward(run)
+            return record.forward(run, pool)
 
     config = replace(_config(loaded, "flash_atten_gpu"), cuda_graphs=True, cuda_graph_buckets="level")
     graphs = ModelGraphs(capture=Watching)
