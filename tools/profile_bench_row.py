@@ -1,8 +1,10 @@
-"""Profile one `ps-bridge bench` grid row on the GPU: where does the time of each packing go, host or GPU?
+"""Profile one `ps-bridge bench` row on the GPU: where does the time of each packing go, host or GPU?
 
     python3 tools/profile_bench_row.py --models qwen3.5-0.8b,qwen2.5-0.5b --layers 24 --row 128,32,8 --groups 4 --out DIR
+    python3 tools/profile_bench_row.py --models qwen3.5-9b --layers 4 --tree chain --unshared-splits 8 --out DIR
 
-(`--cuda-graphs`: each pass captured in the warm-up and replayed when measured.)
+(`--cuda-graphs`: each pass captured in the warm-up and replayed when measured; `--tree NAME`: a prefix-tree
+row of `ps-bridge bench --trees` (`catalog.TREE_SHAPES`) instead of a grid row, shared as a token trie.)
 
 Builds each model shape as the bench does (random weights, bf16), packs the row's micro-batch
 unshared and shared, warms up, and for the actor step (forward, log-probs, loss, backward) and the
@@ -26,6 +28,7 @@ import argparse
 import os
 import statistics
 import time
+from typing import Optional
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -117,8 +120,8 @@ def _profiled(fn, shapes: bool = False):
 
 def profile_model(name: str, layers_arg, row, groups: int, backend: str, out: str, lines: list,
                   kind_tables: list, cuda_graphs: bool = False, unshared_splits: int = 1,
-                  shapes: bool = False) -> None:
-    from ps_bridge.tools.bench.catalog import FAMILIES, MODEL_SHAPES, make_samples, response_row_mask
+                  shapes: bool = False, tree: Optional[str] = None) -> None:
+    from ps_bridge.tools.bench.catalog import FAMILIES, MODEL_SHAPES, TREE_SHAPES, make_samples, response_row_mask
     from ps_bridge.tools.bench.timing import run_actor_step, split_in_order
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.layout import build_layout
@@ -129,10 +132,13 @@ def profile_model(name: str, layers_arg, row, groups: int, backend: str, out: st
     layers = layers_arg or shape.bench_layers
     config = PrefixSharingConfig(enabled=True, backend=backend, pad_multiple=1, cuda_graphs=cuda_graphs)
     loaded = load_model_from_hf_config(FAMILIES[shape.family](shape.dims, layers), config, dtype=torch.bfloat16)
-    samples = make_samples(P, R, n, groups, loaded.vocab_size, 1234)
+    if tree is None:
+        samples, label, shared = make_samples(P, R, n, groups, loaded.vocab_size, 1234), f"({P}, {R}, {n}) x {groups}", True
+    else:
+        samples, label, shared = TREE_SHAPES[tree].samples(loaded.vocab_size, 1234), f"`{tree}`", "tree"
     loaded.model.train()
     kernels_of, tokens_of = {}, {}
-    for share in (False, True):
+    for share in (False, shared):
         # the unshared samples as `unshared_splits` micro-batches, cut as the bench cuts the rows whose
         # unshared micro-batch does not fit at once
         parts = split_in_order(samples, 1 if share else unshared_splits)
@@ -140,7 +146,7 @@ def profile_model(name: str, layers_arg, row, groups: int, backend: str, out: st
                                 prompt_values=config.layout_prompt_values).to(loaded.device) for part in parts]
         masks = [response_row_mask(layout).to(loaded.device) for layout in layouts]
         count = float(sum(mask.sum() for mask in masks))
-        tokens = tokens_of[share] = sum(layout.num_tokens for layout in layouts)
+        tokens = tokens_of[bool(share)] = sum(layout.num_tokens for layout in layouts)
 
         def actor():
             loaded.model.zero_grad(set_to_none=True)
@@ -158,12 +164,12 @@ def profile_model(name: str, layers_arg, row, groups: int, backend: str, out: st
                 fn()
             wall, host = _time(fn)
             gpu, launches, syncs, copies, averages, kernels, by_shape = _profiled(fn, shapes)
-            line = (f"| {name} | {layers} | ({P}, {R}, {n}) x {groups} | {packing} | {what} | {tokens} | "
+            line = (f"| {name} | {layers} | {label} | {packing} | {what} | {tokens} | "
                     f"{wall:.1f} | {host:.1f} | {gpu:.1f} | {wall / layers:.2f} | {host / layers:.2f} | "
                     f"{gpu / layers:.2f} | {launches} | {launches / layers:.0f} | {syncs} | {copies} |")
             print(line, flush=True)
             lines.append(line)
-            kernels_of[(share, what)] = kernels
+            kernels_of[(bool(share), what)] = kernels
             stem = f"{name}_{packing.replace(', ', '-').replace(' x ', '-x')}_{what}"
             with open(os.path.join(out, f"profile_{stem}.txt"), "w") as f:
                 f.write(f"{line}\n\nhost: top ops by self CPU time\n")
@@ -195,12 +201,15 @@ HEADER = ("| model | layers | row | packing | pass | packed tokens | wall ms | h
 
 def main() -> None:
     from ps_bridge.compat.quiet import quiet_third_party
+    from ps_bridge.tools.bench.catalog import TREE_SHAPES
 
     quiet_third_party(verbose=False)
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="qwen3.5-0.8b,qwen2.5-0.5b")
     parser.add_argument("--row", default="128,32,8")
     parser.add_argument("--groups", type=int, default=4, help="prompts (groups of n responses) per micro-batch")
+    parser.add_argument("--tree", choices=sorted(TREE_SHAPES), default=None,
+                        help="a prefix-tree row of `ps-bridge bench --trees` instead of --row/--groups")
     parser.add_argument("--backend", default="flash_atten_gpu")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--cuda-graphs", action="store_true",
@@ -218,7 +227,7 @@ def main() -> None:
     lines, kind_tables = [], []
     for name in [m for m in args.models.split(",") if m]:
         profile_model(name, args.layers, row, args.groups, args.backend, args.out, lines, kind_tables,
-                      args.cuda_graphs, args.unshared_splits, args.shapes)
+                      args.cuda_graphs, args.unshared_splits, args.shapes, args.tree)
         with open(os.path.join(args.out, "profile-summary.md"), "w") as f:
             f.write(f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n\n{HEADER}\n" + "\n".join(lines) + "\n")
             f.write("".join(f"\n{table}\n" for table in kind_tables))
