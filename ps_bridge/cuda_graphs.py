@@ -269,6 +269,7 @@ class _Pool:
     handle:  torch's id of the pool; None before its first capture, and again once its graphs are
              dropped (torch frees a pool's memory when the last graph captured into it is gone).
     tokens:  the packed tokens of each structure captured into it.
+    last_run: the clock (`GraphMemory.clock`) of each such structure's last run.
     nbytes:  its bytes (`GraphMemory.pool_bytes`), measured after each capture.
     grads:   with gradients, the parameters' gradient buffers that every backward graph of the pool
              writes (copied out of the pool by autograd's accumulation before the next pass), so that
@@ -279,6 +280,7 @@ class _Pool:
 
     handle: Optional[object] = None
     tokens: Dict[tuple, int] = field(default_factory=dict)
+    last_run: Dict[tuple, int] = field(default_factory=dict)
     nbytes: int = 0
     grads: Optional[Tuple[torch.Tensor, ...]] = None
     waiting: Optional["weakref.ref[_Waiting]"] = None
@@ -291,6 +293,7 @@ class _Pool:
         backward keeps the old pool's memory, and its gradient buffers, until then)."""
         self.handle, self.nbytes, self.grads, self.waiting = None, 0, None, None
         self.tokens.clear()
+        self.last_run.clear()
 
 
 def _warm_up(run: Callable[[], None]) -> None:
@@ -411,8 +414,6 @@ class GraphMemory:
         self.pool_bytes, self.total, self.fraction, self.stale_passes = pool_bytes, total, fraction, stale_passes
         self.clock = 0  # graphed passes run in this process
         self.models: "weakref.WeakSet[ModelGraphs]" = weakref.WeakSet()  # a model's graphs die with it
-        # (id(graphs), key) -> clock of the captured structure's last run
-        self.last_run: Dict[tuple, int] = {}
 
     def budget(self) -> int:
         return int(self.fraction * self.total())
@@ -428,18 +429,16 @@ class GraphMemory:
     def add(self, graphs: "ModelGraphs", key: tuple) -> None:
         """`key` was captured into its pool (`graphs.pools[key[1]]`), whose bytes are measured anew."""
         self.models.add(graphs)
-        self.last_run[(id(graphs), key)] = self.clock
         pool = graphs.pools[key[1]]
+        pool.last_run[key] = self.clock
         pool.nbytes = self.pool_bytes(pool)
 
     def touch(self, graphs: "ModelGraphs", key: tuple) -> None:
         """A graphed pass of `key` runs (replayed or not)."""
         self.clock += 1
-        if (id(graphs), key) in self.last_run:
-            self.last_run[(id(graphs), key)] = self.clock
-
-    def forget(self, graphs: "ModelGraphs", key: tuple) -> None:
-        self.last_run.pop((id(graphs), key), None)
+        pool = graphs.pools[key[1]]
+        if key in pool.last_run:
+            pool.last_run[key] = self.clock
 
     def room_for(self, graphs: "ModelGraphs", key: tuple, tokens: int) -> bool:
         """Before `key`'s capture: whether its pool, grown to hold a pass of `tokens`, fits once stale
@@ -455,16 +454,16 @@ class GraphMemory:
         if not self._fit(0, graphs.pools[key[1]]):
             graphs.drop_for_memory(key, self, graphs.pools[key[1]].tokens.get(key, 0))
 
-    def _stale(self, graphs: "ModelGraphs", pool: _Pool) -> Optional[int]:
+    def _stale(self, pool: _Pool) -> Optional[int]:
         """The clock of `pool`'s last run where it may be dropped (every graph in it stale, none awaiting
         its backward), else None."""
-        last = max(self.last_run.get((id(graphs), k), self.clock) for k in pool.tokens)
+        last = max(pool.last_run.values())
         return last if self.clock - last > self.stale_passes and not pool.awaiting_backward() else None
 
     def _fit(self, extra: int, keep: _Pool) -> bool:
         while self.used() + extra > self.budget():
             stale = [(last, graphs, training) for graphs, training, pool in self.pools()
-                     if pool is not keep and (last := self._stale(graphs, pool)) is not None]
+                     if pool is not keep and (last := self._stale(pool)) is not None]
             if not stale:
                 return False
             _, graphs, training = min(stale, key=lambda s: s[0])  # the least recently run first
@@ -505,11 +504,8 @@ class ModelGraphs:
         if fingerprint != self.fingerprint:
             if self.graphs:
                 logger.info("[PS][graphs] the model's parameters moved: its %d CUDA graphs are dropped", len(self.graphs))
-            for old in self.graphs:
-                self.memory.forget(self, old)
-            self.graphs.clear()
-            for pool in self.pools.values():
-                pool.reset()
+            for old in list(self.graphs):
+                self._forget(old)
             self.no_room.clear()
             self.fingerprint = fingerprint
         training = torch.is_grad_enabled()
@@ -545,9 +541,9 @@ class ModelGraphs:
     def _forget(self, key: tuple) -> None:
         """`key`'s entry gone: out of its pool (whose memory torch frees with its last graph)."""
         self.graphs.pop(key, None)
-        self.memory.forget(self, key)
         pool = self.pools[key[1]]
         pool.tokens.pop(key, None)
+        pool.last_run.pop(key, None)
         if not pool.tokens:
             pool.reset()
 
