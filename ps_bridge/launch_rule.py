@@ -294,16 +294,20 @@ def sharing_pays(counts: MicroBatchCounts, model: Optional[ModelCost], *, mode: 
         # runs eagerly: decided as without graphs
         padded = (f"the bucketed shared pack would hold {bucketed} tokens, the samples {counts.tokens_unshared}; "
                   "without graphs: ")
-    decision = _eager_decision(counts, model, attention_backend, gdn_backend, device_type, dtype_name, backward,
+    decision = eager_decision(counts, model, attention_backend, gdn_backend, device_type, dtype_name, backward,
                                host_permille)
     return replace(decision, reason=padded + decision.reason) if padded else decision
 
 
-def _eager_decision(counts: MicroBatchCounts, model: Optional[ModelCost], attention_backend: str,
-                    gdn_backend: str, device_type: str, dtype_name: str, backward: bool,
-                    host_permille: int = 1000) -> SharingDecision:
+def eager_decision(counts: MicroBatchCounts, model: Optional[ModelCost], attention_backend: str,
+                   gdn_backend: str, device_type: str, dtype_name: str, backward: bool,
+                   host_permille: int = 1000, tflops: Optional[Mapping] = None,
+                   host_ns: Optional[Mapping] = None) -> SharingDecision:
     """The rule where each launch costs host time: the unshared GPU work against the shared host time
-    (`HOST_NS` scaled by `host_permille` thousandths: the host calibration of mode `measured`)."""
+    (`HOST_NS` scaled by `host_permille` thousandths: the host calibration of mode `measured`).
+    `tflops` / `host_ns` replace `TFLOPS` / `HOST_NS` (tools/fit_sharing_rule.py tries a fit's)."""
+    tflops = TFLOPS if tflops is None else tflops
+    host_ns = HOST_NS if host_ns is None else host_ns
     if model is None:
         return SharingDecision(True, "no model cost known (rule not applied)", priced=False)
     attention, gdn = concrete_backends(attention_backend, gdn_backend, device_type, dtype_name, model.head_dim)
@@ -311,14 +315,14 @@ def _eager_decision(counts: MicroBatchCounts, model: Optional[ModelCost], attent
     for kind, backend, layers in (("attention", attention, model.attention_layers), ("gdn", gdn, model.gdn_layers)):
         if layers == 0:
             continue
-        cost = HOST_NS.get((kind, backend, device_type, backward))
+        cost = host_ns.get((kind, backend, device_type, backward))
         if cost is None:
             return SharingDecision(True, f"no launch cost measured for {kind} backend {backend} on {device_type} "
                                          "(rule not applied)", priced=False)
         host += layers * cost
     host = host * host_permille // 1000
     factor = 6 if backward else 2
-    per_ns = 1000 * TFLOPS[("gdn" if model.gdn_layers else "attention", backward)]
+    per_ns = 1000 * tflops[("gdn" if model.gdn_layers else "attention", backward)]
     gpu = factor * counts.tokens_unshared * (model.layer_weights + model.hidden * model.vocab) // per_ns
     gpu_shared = factor * (counts.tokens_shared * model.layer_weights
                            + counts.outputs_shared * model.hidden * model.vocab) // per_ns
