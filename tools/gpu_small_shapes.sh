@@ -13,7 +13,7 @@
 #          in one process, the first engine being ours with sharing disabled (sharing on vs off alone).
 # Usage (repository root): STEPS="base small prof verl" VERL_RUNS="qwen3.5-0.8b:128:32:auto" tools/gpu_small_shapes.sh
 # Everything runs within BUDGET_S seconds (default 560): each step gets what is left. SMALL_MODELS,
-# SMALL_GRID and VERL_LIMIT (seconds per verl-check run, default 200) narrow the steps.
+# SMALL_GRID, SMALL_LIMIT (seconds, default 180) and VERL_LIMIT (seconds per verl-check run, default 200) narrow the steps.
 # Results in $OUT: small-$TAG.log (every step's output), results.tar.gz (bench / verl-check JSON,
 # profile tables, under $TAG/), triton-autotune.tar.gz (kernel caches for the next run: copy to .whl/).
 set -uo pipefail
@@ -47,7 +47,7 @@ for s in ${STEPS:-base small prof verl}; do
       step base-qwen2.5-7b 120 "${BENCH[@]}" --models qwen2.5-7b --layers 4 --grid 2048,512,8 --json "$RES/bench-base-qwen2.5-7b.json"
       step base-qwen3.5-0.8b 180 "${BENCH[@]}" --models qwen3.5-0.8b --grid 2048,512,8 --groups 4 --json "$RES/bench-base-qwen3.5-0.8b.json" ;;
     small)
-      step small-bench 180 "${BENCH[@]}" --models "${SMALL_MODELS:-qwen3.5-0.8b,qwen2.5-0.5b}" --layers 24 --groups 4 \
+      step small-bench "${SMALL_LIMIT:-180}" "${BENCH[@]}" --models "${SMALL_MODELS:-qwen3.5-0.8b,qwen2.5-0.5b}" --layers 24 --groups 4 \
         --grid "${SMALL_GRID:-128,32,8;512,32,8;128,256,8;512,256,8}" --json "$RES/bench-small.json" ;;
     prof)
       mkdir -p "$RES/prof"
