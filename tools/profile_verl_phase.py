@@ -8,16 +8,17 @@
 
 Builds verl-check's checkpoint, trainer config and synthetic batches (`ps_bridge.tools.verl_check`; with
 `--images`, verl's multi_modal_inputs per sample, as `verl-check --images`), then per engine kind
-(`--kinds`, default stock and shared) runs verl-check's trainer steps: the first warms up, the second runs
-each `--phase` under torch's profiler, the third under CUDA's sync-debug mode (and with `--python-profile`
-under cProfile). Reports per kind and phase:
+(`--kinds`, default stock and shared) runs verl-check's trainer steps: the first `--warmup-steps` (default 1)
+warm up, the next runs each `--phase` under torch's profiler, the one after under CUDA's sync-debug mode (and
+with `--python-profile` under cProfile). With `PS_BRIDGE_CUDA_GRAPHS=1` give two warm-up steps: a structure
+is captured the second time it runs, so the profiled step replays. Reports per kind and phase:
 - wall: the phase's time (profiled step), GPU busy: the union of its kernels' and copies' intervals, idle =
   wall - busy (time the GPU waited for the host);
 - host seconds inside our forward step's parts and verl's loss (timers around them, profiled step);
 - idle by host range: the GPU's idle gaps inside the profiled phase, each moment attributed to the
   innermost timed range the host was in (what the GPU waited for), and the longest gaps;
 - syncs: the calls that made the host wait for the GPU (`torch.cuda.set_sync_debug_mode`), counted by
-  their innermost project / verl / megatron frames (third step);
+  their innermost project / verl / megatron frames (the sync-debug step);
 - the top host ops by self CPU time and GPU kernels by time (DIR/profile_verl_<kind>_<phase>.txt), and
   with `--python-profile` the top Python functions by own and inner time (there too).
 A diagnostic, not a measurement of speed-up (that is `ps-bridge verl-check`'s job).
@@ -207,8 +208,9 @@ def run(args) -> None:
     size = tuple(int(x) for x in args.image_size.lower().split("x"))
     settings = CheckSettings(model=args.model, layers=args.layers, prompts=args.prompts, n=args.n,
                              prompt_len=args.prompt_len, system_prompt_len=args.system_prompt_len,
-                             response_len=args.response_len, steps=3, overrides=list(args.overrides),
-                             dtype=args.dtype, workdir=args.workdir, images=args.images, image_size=size)
+                             response_len=args.response_len, steps=args.warmup_steps + 2, overrides=list(args.overrides),
+                             dtype=args.dtype, workdir=args.workdir, images=args.images, image_size=size,
+                             baseline_graphs=None if args.baseline_graphs is None else args.baseline_graphs == "on")
     cfg = trainer_config(settings)
     ckpt = checkpoint_for(settings, args.workdir)
     OmegaConf.to_container(cfg.algorithm, resolve=True)  # the trainer config resolves (as verl-check's)
@@ -222,7 +224,7 @@ def run(args) -> None:
     originals = {method: getattr(roles.Role, method) for method in ("infer", "train")}
 
     def profiled(phase, original, self, td):
-        if mode["step"] == 1:
+        if mode["step"] == args.warmup_steps:
             TIMED.clear()
             _sync()
             t0 = time.perf_counter()
@@ -278,7 +280,7 @@ def run(args) -> None:
         def wrapped(self, td):
             mine = mode["seen"].setdefault((method, id(self)), len({k for k in mode["seen"] if k[0] == method}))
             phase = next((p for p in phases if calls[p] == (method, mine)), None)
-            if mode["step"] == 0 or phase is None:
+            if mode["step"] < args.warmup_steps or phase is None:
                 return original(self, td)
             return profiled(phase, original, self, td)
 
@@ -292,11 +294,12 @@ def run(args) -> None:
         mode.update(step=0, seen={}, result={}, averages={}, python={})
         gen = kind_steps(kind, settings, ckpt, cfg, batches, lambda m: None)
         try:
-            for step in range(3):
+            for step in range(args.warmup_steps + 2):
                 mode["step"] = step
                 rec = next(gen)
                 seconds = {k: round(v, 3) for k, v in rec["phase_seconds"].items()}
-                how = ["", "  (profiled)", "  (sync debug, cProfile)" if args.python_profile else "  (sync debug)"][step]
+                how = ("" if step < args.warmup_steps else "  (profiled)" if step == args.warmup_steps
+                       else "  (sync debug, cProfile)" if args.python_profile else "  (sync debug)")
                 print(f"[{kind}] step {step + 1}: phase seconds {seconds}  micro-batches {rec['micro_batches']}{how}",
                       flush=True)
         finally:
@@ -311,7 +314,7 @@ def run(args) -> None:
                 f.write("\n\nGPU: top kernels by GPU time\n")
                 f.write(averages.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
                 if phase in mode["python"]:
-                    f.write("\n\nPython functions (cProfile of the third step's phase)\n" + mode["python"][phase])
+                    f.write("\n\nPython functions (cProfile of the sync-debug step's phase)\n" + mode["python"][phase])
         with open(os.path.join(args.out, f"profile_verl_{'-'.join(phases)}.json"), "w") as f:
             json.dump(report, f, indent=1)
 
@@ -334,8 +337,12 @@ def main() -> None:
     p.add_argument("--images", type=int, default=0, help="images per prompt (a vision-language --model)")
     p.add_argument("--image-size", default="1024x1024", help="HxW pixels of each image")
     p.add_argument("--python-profile", action="store_true",
-                   help="also run the third step's phases under cProfile: the top Python functions by own and "
+                   help="also run the sync-debug step's phases under cProfile: the top Python functions by own and "
                         "inner time in the report (its overhead inflates that step's times)")
+    p.add_argument("--warmup-steps", type=int, default=1,
+                   help="trainer steps before the profiled one (2 with PS_BRIDGE_CUDA_GRAPHS=1: captured, then replayed)")
+    p.add_argument("--baseline-graphs", choices=("on", "off"), default=None,
+                   help="CUDA graphs of the stock kind (our engine with sharing off); default PS_BRIDGE_CUDA_GRAPHS")
     p.add_argument("--kinds", default="shared,stock")
     p.add_argument("--workdir", default="/tmp/verl-check")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
