@@ -32,4 +32,6 @@ def test_the_tool_prints_the_fit_and_each_rows_decision(capsys):
     out = capsys.readouterr().out
     assert "('gdn', 'fla', 'cuda', True): 13_100_000" in out
     # Qwen3.5-0.8B (128, 32) with the backward: sharing measured 0.71x, the rule runs it unshared
-    assert "qwen3.5-0.8b (128, 32, 8) x 4 | actor | 0.71x | unshared | yes" in out
+    assert "qwen3.5-0.8b (128, 32, 8) x 4 | actor | 0.71x | unshared | yes | unshared | yes" in out
+    # the constants are this fit: both decide alike; (128, 256) is left unshared by the margin
+    assert "launch_rule's constants 2, this fit 2, of 12" in out

@@ -15,8 +15,9 @@ layer count, a few (P, R) each, as `tools/gpu_small_shapes.sh` (`STEPS=small`) r
   layer's cost (time / layers); a model with GDN layers gives the GDN layer's, its attention layers
   priced at that cost: (time - attention_layers * HOST_NS[attention]) / gdn_layers. Rounded to 50 us.
 
-Then each row: the rule's decision with the fitted constants (`MARGIN` as in launch_rule) beside the
-measured speed-up, so a row where the rule picks the slower path shows.
+Then each row's measured speed-up beside the rule's decision with launch_rule's constants and with the fit
+(`MARGIN` as in launch_rule), and how many passes each would run on the slower path: a fit replaces the
+constants only where it decides better.
 """
 
 from __future__ import annotations
@@ -109,16 +110,17 @@ def fit(rows: List[Row], min_gpu_tokens: int = 12288):
     return tflops, host, bound
 
 
-def decide(row: Row, backward: bool, tflops, host) -> str:
-    """The rule's decision for `row` as one micro-batch with these constants (`launch_rule.eager_decision`,
-    backends `auto` on a CUDA device in bf16)."""
+def decide(row: Row, backward: bool, tflops=None, host=None) -> str:
+    """The rule's decision for `row` as one micro-batch (`launch_rule.eager_decision`, backends `auto` on a
+    CUDA device in bf16) with a fit's constants, or launch_rule's where None."""
     # imported here: see read_rows
     from ps_bridge.launch_rule import MicroBatchCounts, concrete_backends, eager_decision
 
-    if (row.kind, backward) not in tflops:
+    if tflops is not None and (row.kind, backward) not in tflops:
         return "no fit"
     attention, gdn = concrete_backends("auto", "auto", "cuda", "bfloat16", row.cost.head_dim)
-    host_ns = {(kind, attention if kind == "attention" else gdn, "cuda", b): v for (kind, b), v in host.items()}
+    host_ns = None if host is None else {
+        (kind, attention if kind == "attention" else gdn, "cuda", b): v for (kind, b), v in host.items()}
     counts = MicroBatchCounts(samples=0, groups=0, tokens_unshared=row.tokens_unshared,
                               tokens_shared=row.tokens_shared, outputs_shared=row.outputs_shared)
     decision = eager_decision(counts, row.cost, attention, gdn, "cuda", "bfloat16", backward, tflops=tflops,
@@ -146,13 +148,21 @@ def main(argv=None) -> int:
     for (kind, backward), v in sorted(host.items()):
         print(f"    ({kind!r}, {'flash_atten_gpu' if kind == 'attention' else 'fla'!r}, 'cuda', {backward}): {v:_},"
               f"  # {'; '.join(bound[kind, backward])}")
-    print("}\n\nrow | pass | speed-up shared / unshared | rule with these constants | right")
+    print("}\n\nrow | pass | speed-up shared / unshared | rule with launch_rule's constants | right "
+          "| rule with this fit | right")
+    wrong = {"launch_rule": 0, "fit": 0}
     for r in rows:
         for what, backward, _ in PASSES:
             speedup = r.ms["unshared", backward] / r.ms["shared", backward]
-            choice = decide(r, backward, tflops, host)
-            right = "-" if choice == "no fit" else "yes" if (choice == "shared") == (speedup >= 1) else "no"
-            print(f"{r.name} | {what} | {speedup:.2f}x | {choice} | {right}")
+            cells = []
+            for name, tables in (("launch_rule", (None, None)), ("fit", (tflops, host))):
+                choice = decide(r, backward, *tables)
+                right = "-" if choice == "no fit" else "yes" if (choice == "shared") == (speedup >= 1) else "no"
+                wrong[name] += right == "no"
+                cells += [choice, right]
+            print(f"{r.name} | {what} | {speedup:.2f}x | " + " | ".join(cells))
+    print(f"\npasses where the rule runs the slower path: launch_rule's constants {wrong['launch_rule']}, "
+          f"this fit {wrong['fit']}, of {2 * len(rows)}")
     return 0
 
 
