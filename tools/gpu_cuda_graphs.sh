@@ -10,7 +10,7 @@
 #   profile tools/profile_verl_phase.py at PROFILE_SHAPE (model:P:R, default qwen3.5-0.8b:128:256; 24 layers,
 #           8 prompts x 8, mini-batch of 4 prompts) for PROFILE_PHASES, with PS_BRIDGE_SHARING=PROFILE_SHARING
 #           (default on: the shared passes the rule would run unshared) and graphs off (PROFILE_GRAPHS=1: on, in
-#           BUCKETS, two warm-up steps; PROFILE_PYTHON=1: cProfile too); its files in $OUT/profile.tgz.
+#           BUCKETS, two warm-up steps; PROFILE_PYTHON=1: cProfile too; PROFILE_KINDS: shared,stock); its files in $OUT/profile.tgz.
 # GRID_ORDER: interleave (default: both engines resident, steps in turns) or shared-first (one engine at a
 # time, the prefix-shared one first: where both engines and the graphs' memory do not fit on the GPU at once).
 # SIDES="before after": the verl step runs first with the revision archived in .wt/base installed, then with
@@ -50,7 +50,7 @@ for s in ${STEPS:-tests verl}; do
       PS_BRIDGE_CUDA_GRAPHS=${PROFILE_GRAPHS:-0} PS_BRIDGE_CUDA_GRAPH_BUCKETS=${BUCKETS:-segment} \
       PS_BRIDGE_SHARING=${PROFILE_SHARING:-on} timeout -k 5 "${PROFILE_LIMIT:-150}" python3 tools/profile_verl_phase.py \
         --model "$pmodel" --layers 24 --prompts 8 --n 8 --prompt-len "$pp" --system-prompt-len 0 --response-len "$pr" \
-        --phase "${PROFILE_PHASES:-update,old_log_prob}" --kinds shared,stock --out /tmp/profile "${graphed[@]}" \
+        --phase "${PROFILE_PHASES:-update,old_log_prob}" --kinds "${PROFILE_KINDS:-shared,stock}" --out /tmp/profile "${graphed[@]}" \
         actor_rollout_ref.actor.ppo_mini_batch_size=4 >/tmp/profile/profile.log 2>&1
       echo "=== [$SECONDS s] profile exit $?" | tee -a "$LOG"
       tar -C /tmp -czf "$OUT/profile.tgz" profile ;;
