@@ -27,13 +27,15 @@ pytestmark = [
 WORSE_THAN_UNSHARED = 1.5
 
 
-def run(loaded, samples, share, weights):
-    """Response log-probs (float64, concatenated) and every parameter's gradient (float32)."""
+def run(loaded, samples, share, weights, **bucketing):
+    """Response log-probs (float64, concatenated) and every parameter's gradient (float32). `bucketing`:
+    `build_layout`'s `bucket` / `level_buckets` (the packs CUDA graphs replay)."""
     from ps_bridge.rows import PackedRows
     from ps_bridge.tools.runtime import forward_logits
 
     loaded.model.zero_grad(set_to_none=True)
-    layout = build_layout(samples, share=share, pad_multiple=8, vocab_size=loaded.vocab_size).to(loaded.device)
+    layout = build_layout(samples, share=share, pad_multiple=8, vocab_size=loaded.vocab_size,
+                          **bucketing).to(loaded.device)
     rows = PackedRows.of(layout)
     lps = rows.responses(rows.logprobs(forward_logits(loaded, layout)))
     sum((lp.float() * w).sum() for lp, w in zip(lps, weights)).backward()
@@ -222,3 +224,44 @@ def test_qwen3_moe_bf16_shared_is_as_close_to_fp32_as_unshared(tmp_path):
     assert loaded.provider.moe_token_dispatcher_type == "alltoall"
     samples = grpo_like_samples(loaded.vocab_size, num_prompts=3, n=4, prompt_len=(20, 90), response_len=(1, 40))
     check_against_fp32(loaded, str(tmp_path), samples, ["flash_atten_gpu"], "qwen3-moe")
+
+
+@pytest.mark.parametrize("buckets", ["segment", "level"])
+@pytest.mark.parametrize("name", ["qwen2.5", "qwen3.5"])
+def test_replayed_graphs_are_as_close_to_fp32_as_unshared(tmp_path, name, buckets):
+    """Under CUDA graphs (`PS_BRIDGE_CUDA_GRAPHS=1`) as verl runs them: a prefix tree of depth >= 3 packed
+    in buckets, its forward and backward replayed from their graphs (the structure's third run: eager,
+    captured, replayed), is as close to the float32 twin as the unshared eager run, for log-probs and
+    gradients."""
+    from dataclasses import replace
+
+    from test_cuda_graphs_gpu import _loaded
+    from ps_bridge.cuda_graphs import model_graphs
+
+    if name == "qwen3.5":
+        from ps_bridge.kernels.gdn.fla import hopper_backward_problem
+
+        problem = hopper_backward_problem(torch.device("cuda"))
+        if problem:
+            pytest.skip(problem)
+    loaded = _loaded(name, tmp_path)  # cuda_graphs=True, flash kernels (and fla's)
+    graphed = replace(loaded.config, cuda_graph_buckets=buckets)
+    eager = replace(loaded.config, cuda_graphs=False)
+    samples = gpu_tree_samples(loaded.vocab_size)
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(len(s.response), generator=gen).to(loaded.device) for s in samples]
+    ref_lp, ref_grads = fp32_reference(loaded, str(tmp_path), samples, weights)
+    loaded.config = eager
+    unshared = relative_errors(*run(loaded, samples, False, weights), ref_lp, ref_grads)
+    loaded.config = graphed
+    graphs = model_graphs(loaded.model)
+    replays = graphs.replays
+    for _ in range(3):
+        got = run(loaded, samples, "tree", weights, bucket=True, level_buckets=buckets == "level")
+    assert graphs.replays == replays + 2, f"{name}: the tree's pass was not replayed (see the log)"
+    shared = relative_errors(*got, ref_lp, ref_grads)
+    print(f"\n[{name} tree, {buckets} buckets, replayed graphs, bf16 vs fp32] log-prob rel err shared {shared[0]:.3e} / "
+          f"unshared {unshared[0]:.3e}; gradient rel err shared {shared[1]:.3e} / unshared {unshared[1]:.3e}")
+    assert unshared[0] < 2e-2 and unshared[1] < 5e-2
+    assert shared[0] <= WORSE_THAN_UNSHARED * unshared[0] + 1e-6
+    assert shared[1] <= WORSE_THAN_UNSHARED * unshared[1] + 1e-6
