@@ -148,6 +148,11 @@ class ModelCost:
                    layer_weights=attention * attn_w + gdn * gdn_w + layers * mlp_w,
                    hidden=hidden, vocab=int(d["vocab_size"]), head_dim=head_dim)
 
+    def pass_flops(self, tokens: int, outputs: int, backward: bool) -> int:
+        """The matmul FLOPs the rule counts for a pass over `tokens` packed tokens whose output layer
+        runs on `outputs` positions: F = 6 with the backward, 2 without (module docstring)."""
+        return (6 if backward else 2) * (tokens * self.layer_weights + outputs * self.hidden * self.vocab)
+
 
 @dataclass(frozen=True)
 class MicroBatchCounts:
@@ -295,7 +300,7 @@ def sharing_pays(counts: MicroBatchCounts, model: Optional[ModelCost], *, mode: 
         padded = (f"the bucketed shared pack would hold {bucketed} tokens, the samples {counts.tokens_unshared}; "
                   "without graphs: ")
     decision = eager_decision(counts, model, attention_backend, gdn_backend, device_type, dtype_name, backward,
-                               host_permille)
+                              host_permille)
     return replace(decision, reason=padded + decision.reason) if padded else decision
 
 
@@ -321,11 +326,10 @@ def eager_decision(counts: MicroBatchCounts, model: Optional[ModelCost], attenti
                                          "(rule not applied)", priced=False)
         host += layers * cost
     host = host * host_permille // 1000
-    factor = 6 if backward else 2
     per_ns = 1000 * tflops[("gdn" if model.gdn_layers else "attention", backward)]
-    gpu = factor * counts.tokens_unshared * (model.layer_weights + model.hidden * model.vocab) // per_ns
-    gpu_shared = factor * (counts.tokens_shared * model.layer_weights
-                           + counts.outputs_shared * model.hidden * model.vocab) // per_ns
+    # the unshared pass runs the output layer at every position
+    gpu = model.pass_flops(counts.tokens_unshared, counts.tokens_unshared, backward) // per_ns
+    gpu_shared = model.pass_flops(counts.tokens_shared, counts.outputs_shared, backward) // per_ns
     what = (f"{'forward+backward' if backward else 'forward'}, tokens {counts.tokens_unshared} -> "
             f"{counts.tokens_shared}: unshared GPU work ~{gpu / 1e6:.0f} ms")
     num, den = MARGIN

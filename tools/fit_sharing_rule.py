@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from statistics import mean
 from typing import Dict, List, Tuple
 
-PASSES = (("actor", True, 6), ("logprob", False, 2))  # bench field, backward, FLOPs per weight and token
+PASSES = (("actor", True), ("logprob", False))  # bench field, backward
 
 
 @dataclass(frozen=True)
@@ -48,10 +48,10 @@ class Row:
         return "gdn" if self.cost.gdn_layers else "attention"
 
     def flops(self, shared: bool, backward: bool) -> int:
-        c, per = self.cost, 6 if backward else 2
+        """The FLOPs the rule counts for one packing's pass (`ModelCost.pass_flops`)."""
         if shared:
-            return per * (self.tokens_shared * c.layer_weights + self.outputs_shared * c.hidden * c.vocab)
-        return per * self.tokens_unshared * (c.layer_weights + c.hidden * c.vocab)
+            return self.cost.pass_flops(self.tokens_shared, self.outputs_shared, backward)
+        return self.cost.pass_flops(self.tokens_unshared, self.tokens_unshared, backward)
 
 
 def read_rows(paths: List[str]) -> List[Row]:
@@ -69,7 +69,7 @@ def read_rows(paths: List[str]) -> List[Row]:
             shape = MODEL_SHAPES[r["model"]]
             cost = ModelCost.from_hf_config(FAMILIES[shape.family](shape.dims, r["layers"]))
             ms = {(side, backward): float(r[side][f"{what}_ms"]) for side in ("unshared", "shared")
-                  for what, backward, _ in PASSES}
+                  for what, backward in PASSES}
             rows.append(Row(f"{r['model']} ({r['P']}, {r['R']}, {r['n']}) x {r['groups']}", cost, int(r["tokens_unshared"]),
                             int(r["tokens_shared"]), r["groups"] + r["groups"] * r["n"] * r["R"], ms))
     return rows
@@ -79,7 +79,7 @@ def fit(rows: List[Row], min_gpu_tokens: int = 12288):
     """(TFLOPS, HOST_NS, host-bound rows by (kind, backward)) in launch_rule's keys and units."""
     tflops: Dict[Tuple[str, bool], int] = {}
     for kind in ("attention", "gdn"):
-        for _, backward, _ in PASSES:
+        for _, backward in PASSES:
             rates = [r.flops(False, backward) / (r.ms["unshared", backward] * 1e9) for r in rows
                      if r.kind == kind and r.tokens_unshared >= min_gpu_tokens]
             if rates:
@@ -87,7 +87,7 @@ def fit(rows: List[Row], min_gpu_tokens: int = 12288):
     host: Dict[Tuple[str, bool], int] = {}
     bound: Dict[Tuple[str, bool], List[str]] = {}
     for kind in ("attention", "gdn"):  # attention first: the GDN fit prices its attention layers
-        for _, backward, _ in PASSES:
+        for _, backward in PASSES:
             if (kind, backward) not in tflops:
                 continue
             per_layer, names = [], []
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
           "| rule with this fit | right")
     wrong = {"launch_rule": 0, "fit": 0}
     for r in rows:
-        for what, backward, _ in PASSES:
+        for what, backward in PASSES:
             speedup = r.ms["unshared", backward] / r.ms["shared", backward]
             cells = []
             for name, tables in (("launch_rule", (None, None)), ("fit", (tflops, host))):

@@ -45,12 +45,12 @@ for s in ${STEPS:-tests verl}; do
       IFS=: read -r pmodel pp pr <<<"${PROFILE_SHAPE:-qwen3.5-0.8b:128:256}"
       echo "=== [$SECONDS s] profile $pmodel ($pp, $pr)" | tee -a "$LOG"
       mkdir -p /tmp/profile
-      graphed=(--baseline-graphs off); [ "${PROFILE_GRAPHS:-0}" = 1 ] && graphed+=(--warmup-steps 2)
-      [ "${PROFILE_PYTHON:-0}" = 1 ] && graphed+=(--python-profile)
+      profile_args=(--baseline-graphs off); [ "${PROFILE_GRAPHS:-0}" = 1 ] && profile_args+=(--warmup-steps 2)
+      [ "${PROFILE_PYTHON:-0}" = 1 ] && profile_args+=(--python-profile)
       PS_BRIDGE_CUDA_GRAPHS=${PROFILE_GRAPHS:-0} PS_BRIDGE_CUDA_GRAPH_BUCKETS=${BUCKETS:-segment} \
       PS_BRIDGE_SHARING=${PROFILE_SHARING:-on} timeout -k 5 "${PROFILE_LIMIT:-150}" python3 tools/profile_verl_phase.py \
         --model "$pmodel" --layers 24 --prompts 8 --n 8 --prompt-len "$pp" --system-prompt-len 0 --response-len "$pr" \
-        --phase "${PROFILE_PHASES:-update,old_log_prob}" --kinds "${PROFILE_KINDS:-shared,stock}" --out /tmp/profile "${graphed[@]}" \
+        --phase "${PROFILE_PHASES:-update,old_log_prob}" --kinds "${PROFILE_KINDS:-shared,stock}" --out /tmp/profile "${profile_args[@]}" \
         actor_rollout_ref.actor.ppo_mini_batch_size=4 >/tmp/profile/profile.log 2>&1
       echo "=== [$SECONDS s] profile exit $?" | tee -a "$LOG"
       tar -C /tmp -czf "$OUT/profile.tgz" profile ;;
