@@ -85,6 +85,30 @@ def test_system_prompt_tree_matches_the_formula():
     assert build_layout(samples, share="tree", min_shared=0).tree_depth == 2
 
 
+def test_flops_by_kind_split_the_count():
+    """`flops_by_kind`: the routed experts apart from the dense matmuls (the output layer among them, on
+    the read positions), attention's quadratic term in attention layers only, the delta rule in Gated
+    DeltaNet layers only; `model_flops` is their sum."""
+    from ps_bridge.tools.bench.flops import flops_by_kind, output_positions
+
+    samples = make_samples(64, 16, 4, 2, 1000, 0)
+    for name in ("qwen2.5-7b", "qwen3.5-9b", "qwen3.5-35b-a3b"):
+        shape = flop_shape(MODEL_SHAPES[name], 4)
+        for layout in (build_layout(samples, share=False), build_layout(samples, share="tree", prompt_values=False)):
+            kinds = flops_by_kind(shape, layout)
+            assert sum(kinds.values()) == model_flops(shape, layout)
+            T, gdn_layers = layout.num_tokens, shape.layer_kinds.count("gdn")
+            assert kinds["experts"] == pytest.approx(4 * T * 3 * 2 * 3 * shape.hidden * shape.expert_intermediate
+                                                     * shape.experts_per_token)
+            assert (kinds["experts"] > 0) == (name == "qwen3.5-35b-a3b")
+            assert (kinds["gdn"] > 0) == (gdn_layers > 0) and kinds["vision"] == 0
+            assert (kinds["attention"] > 0) == ("attention" in shape.layer_kinds)
+            output = 3 * 2 * shape.hidden * shape.vocab * output_positions(layout)
+            mixers = sum(3 * T * shape.linear_flops_per_token(k) for k in shape.layer_kinds)
+            assert kinds["dense"] == pytest.approx(mixers - kinds["experts"] + output)
+        assert output_positions(layout) == layout.output_positions.numel() < layout.num_tokens
+
+
 @pytest.mark.parametrize("name", ["qwen2.5-7b", "qwen3.5-9b", "qwen3.5-35b-a3b", "qwen3-8b", "qwen3-30b-a3b"])
 def test_flop_shape_of_a_config_reads_the_family_off_it(name):
     """`flop_shape_of_config` (verl-check's F, from a checkpoint's config) equals the bench's shape of

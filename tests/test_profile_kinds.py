@@ -1,6 +1,6 @@
 """tools/profile_bench_row.py's GPU time by kind of work: kernel names land in their kind (flash's names
-contain "cutlass", CUTLASS's grouped GEMM contains "Gemm"), and the table's sums, ratios and excess over
-the token ratio follow from the kernels' times."""
+contain "cutlass", CUTLASS's grouped GEMM contains "Gemm"), and the table's sums, ratios, the ratio each kind can
+at most reach and the ceiling of the step follow from the kernels' times and the FLOP count."""
 
 import importlib.util
 import pathlib
@@ -29,12 +29,41 @@ def test_kernel_names_land_in_their_kind():
     assert kind_of("void at::native::reduce_kernel<128, 4>") == "other elementwise and reductions"
 
 
+def _rows(table):
+    lines = table.split("\n\n")[0].splitlines()[2:]
+    return {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in lines}
+
+
 def test_kinds_table_sums_ratios_and_excess():
     shared = {FLASH: (1, 3000.0), "nvjet_a": (2, 10000.0), "causal_conv1d_fwd_kernel": (1, 1000.0)}
     unshared = {FLASH: (2, 6000.0), "nvjet_b": (4, 40000.0), "causal_conv1d_fwd_kernel": (2, 4000.0)}
-    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:]
-            for line in profile_bench_row.kinds_table(shared, unshared, 4.0).splitlines()[2:]}
-    assert rows["attention (flash, cuDNN, merge)"] == ["3.0", "6.0", "2.00", "1.5 |"]
-    assert rows["dense GEMM (projections, output layer)"] == ["10.0", "40.0", "4.00", "0.0 |"]
-    assert rows["Gated DeltaNet and its conv (fla)"] == ["1.0", "4.0", "4.00", "0.0 |"]
-    assert rows["all"] == ["14.0", "50.0", "3.57", "1.5 |"]
+    table = profile_bench_row.kinds_table(shared, unshared, 4.0)
+    rows = _rows(table)  # without ratios every kind is held to S
+    assert rows["attention (flash, cuDNN, merge)"] == ["3.0", "6.0", "2.00", "4.00", "1.5 |"]
+    assert rows["dense GEMM (projections, output layer)"] == ["10.0", "40.0", "4.00", "4.00", "0.0 |"]
+    assert rows["Gated DeltaNet and its conv (fla)"] == ["1.0", "4.0", "4.00", "4.00", "0.0 |"]
+    assert rows["all"] == ["14.0", "50.0", "3.57", "4.00", "1.5 |"]
+    assert table.endswith("every kind at its ratio: 12.5 ms shared, 4.00x")
+    assert profile_bench_row.kinds_table({}, unshared, 4.0) == "no GPU kernels recorded"  # a profile without CUDA
+
+
+def test_kinds_table_holds_each_kind_to_its_own_ratio_and_gives_the_ceiling():
+    shared = {FLASH: (1, 3000.0), "nvjet_a": (2, 10000.0), "void at::native::reduce_kernel<128, 4>": (1, 2000.0)}
+    unshared = {FLASH: (2, 6000.0), "nvjet_b": (4, 80000.0), "void at::native::reduce_kernel<128, 4>": (2, 8000.0)}
+    ratios = {"attention (flash, cuDNN, merge)": 3.0, "dense GEMM (projections, output layer)": 10.0}
+    table = profile_bench_row.kinds_table(shared, unshared, 4.0, ratios, flop_ratio=8.0)
+    rows = _rows(table)
+    assert rows["attention (flash, cuDNN, merge)"] == ["3.0", "6.0", "2.00", "3.00", "1.0 |"]
+    assert rows["dense GEMM (projections, output layer)"] == ["10.0", "80.0", "8.00", "10.00", "2.0 |"]
+    assert rows["other elementwise and reductions"] == ["2.0", "8.0", "4.00", "4.00", "0.0 |"]
+    # at their ratios: 2 + 8 + 2 = 12 ms for 94 ms unshared: 7.83x, against 94 / 15 = 6.27x measured
+    assert rows["all"] == ["15.0", "94.0", "6.27", "7.83", "3.0 |"]
+    assert table.endswith("every kind at its ratio: 12.0 ms shared, 7.83x = 0.98 F (measured 0.78 F, F = 8.00)")
+
+
+def test_expected_ratios_come_from_the_flop_count_and_the_output_positions():
+    flops = {"shared": {"dense": 10.0, "experts": 0.0, "attention": 2.0, "gdn": 1.0, "vision": 0.0},
+             "unshared": {"dense": 80.0, "experts": 0.0, "attention": 12.0, "gdn": 4.0, "vision": 0.0}}
+    ratios = profile_bench_row.expected_ratios(flops, {"shared": 100, "unshared": 500}, 4.0)
+    assert ratios == {"dense GEMM (projections, output layer)": 8.0, "attention (flash, cuDNN, merge)": 6.0,
+                      "Gated DeltaNet and its conv (fla)": 4.0, "vocabulary softmax": 5.0}

@@ -20,6 +20,12 @@ Per layer = the figure over the decoder layers. One line per (model, packing, pa
 DIR/profile-summary.md; per packing the top host ops (by self CPU time) and GPU kernels to
 DIR/profile_<model>_<packing>_<pass>.txt, and every GPU kernel's and copy's time to
 DIR/kernels_<model>_<packing>_<pass>.tsv.
+
+The table of GPU time by kind of work gives each kind the ratio it can at most reach (its FLOP ratio
+where the FLOP count has the kind, the token ratio S for memory-bound work) and the shared step with
+every kind at that ratio: the ceiling of the speed-up with these kernels, next to F. A kind whose
+shared time exceeds its unshared time over its ratio does work that sharing could remove; the gap
+between the ceiling and F is the kernel mix (memory-bound work gains S, not F).
 """
 
 from __future__ import annotations
@@ -62,23 +68,58 @@ def kind_of(kernel: str) -> str:
     return "other elementwise and reductions"
 
 
-def kinds_table(shared: dict, unshared: dict, token_ratio: float) -> str:
+# the profiler's kinds of work whose FLOPs the count (`ps_bridge/tools/bench/flops.py`) has, by its kind
+FLOP_KIND_OF = {
+    "dense GEMM (projections, output layer)": "dense",
+    "grouped GEMM (MoE experts)": "experts",
+    "attention (flash, cuDNN, merge)": "attention",
+    "Gated DeltaNet and its conv (fla)": "gdn",
+}
+SOFTMAX = "vocabulary softmax"
+
+
+def expected_ratios(flops: dict, outputs: dict, tokens: dict) -> dict:
+    """What each kind of work can at most gain, unshared over shared: its FLOP ratio where the count
+    has it (`FLOP_KIND_OF`; `flops[side][kind]`), the ratio of output-layer positions for the
+    vocabulary softmax, the ratio of packed tokens (S) for the rest (memory-bound work: element-wise
+    ops, norms, copies, the permutation's gathers). `outputs` and `tokens` per side ("shared",
+    "unshared")."""
+    ratios = {kind: flops["unshared"][k] / flops["shared"][k]
+              for kind, k in FLOP_KIND_OF.items() if flops["shared"].get(k)}
+    ratios[SOFTMAX] = outputs["unshared"] / outputs["shared"]
+    return ratios
+
+
+def kinds_table(shared: dict, unshared: dict, token_ratio: float, ratios: Optional[dict] = None,
+                flop_ratio: Optional[float] = None) -> str:
     """Markdown: GPU ms per kind of work of the shared and the unshared packing ({kernel: (calls, us)}),
-    their ratio, and the shared time above the unshared time / S (work that scales with tokens)."""
+    their ratio, the ratio the kind can at most reach (`ratios`, from `expected_ratios`; S where it has
+    none), and the shared time above the unshared time over that ratio: the work each kind does beyond
+    what sharing leaves of it. Then the step with every kind at its ratio: the ceiling of the speed-up
+    with these kernels, also over F (`flop_ratio`) where given."""
+    ratios = ratios or {}
     totals = {}
     for side, kernels in (("shared", shared), ("unshared", unshared)):
         for kernel, (_, us) in kernels.items():
             totals.setdefault(kind_of(kernel), {"shared": 0.0, "unshared": 0.0})[side] += us / 1e3
-    lines = ["| kind of work | shared ms | unshared ms | unshared / shared | shared ms above unshared / S |",
-             "|---|---|---|---|---|"]
+    if not all(sum(t[side] for t in totals.values()) for side in ("shared", "unshared")):
+        return "no GPU kernels recorded"
+    lines = ["| kind of work | shared ms | unshared ms | unshared / shared | at most | shared ms above unshared / at most |",
+             "|---|---|---|---|---|---|"]
+    ideal = 0.0
     for kind, t in sorted(totals.items(), key=lambda item: -item[1]["shared"]):
+        bound = ratios.get(kind, token_ratio)
+        ideal += t["unshared"] / bound
         ratio = f"{t['unshared'] / t['shared']:.2f}" if t["shared"] else "-"
-        lines.append(f"| {kind} | {t['shared']:.1f} | {t['unshared']:.1f} | {ratio} | "
-                     f"{t['shared'] - t['unshared'] / token_ratio:.1f} |")
+        lines.append(f"| {kind} | {t['shared']:.1f} | {t['unshared']:.1f} | {ratio} | {bound:.2f} | "
+                     f"{t['shared'] - t['unshared'] / bound:.1f} |")
     all_s = sum(t["shared"] for t in totals.values())
     all_u = sum(t["unshared"] for t in totals.values())
-    lines.append(f"| all | {all_s:.1f} | {all_u:.1f} | {all_u / all_s:.2f} | {all_s - all_u / token_ratio:.1f} |")
-    return "\n".join(lines)
+    lines.append(f"| all | {all_s:.1f} | {all_u:.1f} | {all_u / all_s:.2f} | {all_u / ideal:.2f} | {all_s - ideal:.1f} |")
+    ceiling = f"every kind at its ratio: {ideal:.1f} ms shared, {all_u / ideal:.2f}x"
+    if flop_ratio:
+        ceiling += f" = {all_u / ideal / flop_ratio:.2f} F (measured {all_u / all_s / flop_ratio:.2f} F, F = {flop_ratio:.2f})"
+    return "\n".join(lines) + f"\n\n{ceiling}"
 
 
 def _time(fn, repeats: int = 5):
@@ -122,6 +163,7 @@ def profile_model(name: str, layers_arg, row, groups: int, backend: str, out: st
                   kind_tables: list, cuda_graphs: bool = False, unshared_splits: int = 1,
                   shapes: bool = False, tree: Optional[str] = None) -> None:
     from ps_bridge.tools.bench.catalog import FAMILIES, MODEL_SHAPES, TREE_SHAPES, make_samples, response_row_mask
+    from ps_bridge.tools.bench.flops import FLOP_KINDS, flop_shape, flops_by_kind, output_positions
     from ps_bridge.tools.bench.timing import run_actor_step, split_in_order
     from ps_bridge.config import PrefixSharingConfig
     from ps_bridge.layout import build_layout
@@ -132,12 +174,13 @@ def profile_model(name: str, layers_arg, row, groups: int, backend: str, out: st
     layers = layers_arg or shape.bench_layers
     config = PrefixSharingConfig(enabled=True, backend=backend, pad_multiple=1, cuda_graphs=cuda_graphs)
     loaded = load_model_from_hf_config(FAMILIES[shape.family](shape.dims, layers), config, dtype=torch.bfloat16)
+    counted = flop_shape(shape, layers)  # the FLOP count's view of the model
     if tree is None:
         samples, label, shared = make_samples(P, R, n, groups, loaded.vocab_size, 1234), f"({P}, {R}, {n}) x {groups}", True
     else:
         samples, label, shared = TREE_SHAPES[tree].samples(loaded.vocab_size, 1234), f"`{tree}`", "tree"
     loaded.model.train()
-    kernels_of, tokens_of = {}, {}
+    kernels_of, tokens_of, flops_of, outputs_of = {}, {}, {}, {}
     for share in (False, shared):
         # the unshared samples as `unshared_splits` micro-batches, cut as the bench cuts the rows whose
         # unshared micro-batch does not fit at once
@@ -147,6 +190,8 @@ def profile_model(name: str, layers_arg, row, groups: int, backend: str, out: st
         masks = [response_row_mask(layout).to(loaded.device) for layout in layouts]
         count = float(sum(mask.sum() for mask in masks))
         tokens = tokens_of[bool(share)] = sum(layout.num_tokens for layout in layouts)
+        flops_of[bool(share)] = {k: sum(flops_by_kind(counted, layout)[k] for layout in layouts) for k in FLOP_KINDS}
+        outputs_of[bool(share)] = sum(output_positions(layout) for layout in layouts)
 
         def actor():
             loaded.model.zero_grad(set_to_none=True)
@@ -186,8 +231,12 @@ def profile_model(name: str, layers_arg, row, groups: int, backend: str, out: st
                 for key, (calls, us) in sorted(kernels.items(), key=lambda item: -item[1][1]):
                     f.write(f"{key}\t{calls}\t{us:.1f}\n")
     token_ratio = tokens_of[False] / tokens_of[True]
+    sides = {"shared": True, "unshared": False}
+    ratios = expected_ratios({side: flops_of[s] for side, s in sides.items()},
+                             {side: outputs_of[s] for side, s in sides.items()}, token_ratio)
+    flop_ratio = sum(flops_of[False].values()) / sum(flops_of[True].values())
     for what in ("actor", "logprob"):
-        table = kinds_table(kernels_of[(True, what)], kernels_of[(False, what)], token_ratio)
+        table = kinds_table(kernels_of[(True, what)], kernels_of[(False, what)], token_ratio, ratios, flop_ratio)
         print(f"\n{name}, {what}: GPU time by kind of work (S = {token_ratio:.2f})\n{table}\n", flush=True)
         kind_tables.append(f"{name}, {what} pass: GPU time by kind of work (S = {token_ratio:.2f})\n\n{table}")
     del loaded

@@ -32,7 +32,7 @@ Conventions (`model_flops`):
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ps_bridge.layout import PackedPrefixLayout, Sample, build_layout
 from ps_bridge.tools.bench.catalog import shape_hf_config
@@ -91,6 +91,10 @@ class FlopShape:
     gdn_value_dim: int = 0
     gdn_conv_width: int = 0
     vision: Optional[VisionFlopShape] = None  # a vision-language model's tower
+
+    def routed_expert_flops_per_token(self) -> float:
+        """Forward FLOPs per token of one layer's top-k routed experts (0 for a dense model)."""
+        return 2.0 * 3 * self.hidden * self.expert_intermediate * self.experts_per_token if self.experts else 0.0
 
     def linear_flops_per_token(self, kind: str) -> float:
         """Forward FLOPs of one layer's linear layers (and MoE experts) per token."""
@@ -177,21 +181,40 @@ def attention_pairs(layout: PackedPrefixLayout) -> float:
     return pairs
 
 
-def model_flops(shape: FlopShape, layout: PackedPrefixLayout) -> float:
-    """Forward + backward FLOPs of the model on `layout` (see the module's conventions)."""
+# the kinds of work `flops_by_kind` counts apart, as profilers group the kernels that do them
+FLOP_KINDS: Tuple[str, ...] = ("dense", "experts", "attention", "gdn", "vision")
+
+
+def output_positions(layout: PackedPrefixLayout) -> int:
+    """The positions the output layer runs on: the read positions, or every position."""
+    return layout.num_tokens if layout.output_positions is None else int(layout.output_positions.numel())
+
+
+def flops_by_kind(shape: FlopShape, layout: PackedPrefixLayout) -> Dict[str, float]:
+    """Forward + backward FLOPs of the model on `layout` (see the module's conventions) by kind of work
+    (`FLOP_KINDS`): "dense" the dense matmuls (projections, dense MLPs, the router and the shared
+    expert, the output layer), "experts" the routed experts, "attention" the quadratic term, "gdn" the
+    delta rule's state update and the conv, "vision" the vision tower."""
     T = layout.num_tokens
     valid_tokens = sum(layout.host["valid_lengths"])
     pairs = attention_pairs(layout)
-    total = 0.0
+    flops = dict.fromkeys(FLOP_KINDS, 0.0)
     for kind in shape.layer_kinds:
-        total += MATMUL_FWD_BWD * T * shape.linear_flops_per_token(kind)
+        experts = MATMUL_FWD_BWD * T * shape.routed_expert_flops_per_token()
+        flops["experts"] += experts
+        flops["dense"] += MATMUL_FWD_BWD * T * shape.linear_flops_per_token(kind) - experts
         if kind == "attention":
-            total += ATTENTION_FWD_BWD * 4.0 * shape.heads * shape.head_dim * pairs
+            flops["attention"] += ATTENTION_FWD_BWD * 4.0 * shape.heads * shape.head_dim * pairs
         else:
-            total += MATMUL_FWD_BWD * valid_tokens * shape.gdn_flops_per_token()
-    outputs = T if layout.output_positions is None else int(layout.output_positions.numel())
-    total += MATMUL_FWD_BWD * 2.0 * shape.hidden * shape.vocab * outputs
-    return total + vision_flops(shape, layout)
+            flops["gdn"] += MATMUL_FWD_BWD * valid_tokens * shape.gdn_flops_per_token()
+    flops["dense"] += MATMUL_FWD_BWD * 2.0 * shape.hidden * shape.vocab * output_positions(layout)
+    flops["vision"] = vision_flops(shape, layout)
+    return flops
+
+
+def model_flops(shape: FlopShape, layout: PackedPrefixLayout) -> float:
+    """Forward + backward FLOPs of the model on `layout`: the sum of `flops_by_kind`."""
+    return sum(flops_by_kind(shape, layout).values())
 
 
 def vision_flops(shape: FlopShape, layout: PackedPrefixLayout) -> float:
