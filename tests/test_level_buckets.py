@@ -29,7 +29,7 @@ from ps_bridge.layout import build_layout
 from ps_bridge.tools.tiny_checkpoints import grpo_like_samples
 from ps_bridge.tree.level_buckets import (
     CHUNK, PADDING_PIECES, RECENT_SHAPES, LevelShape, RecentShapes, chunk_index, chunks, filler_count, filler_lengths,
-    level_block_length, level_bucket, level_sequences, own_shape, segment_bound,
+    largest_block, level_block_length, level_bucket, level_sequences, own_shape, segment_bound,
 )
 from qwen35_helpers import load_tiny
 from test_cuda_graphs import record
@@ -53,6 +53,14 @@ def test_level_buckets_pad_at_most_an_eighth_above_1024():
     for n in range(1, 20000, 7):
         b = level_bucket(n)
         assert n <= b and b % CHUNK == 0 and (b - n < CHUNK or 8 * (b - n) < b)
+
+
+def test_largest_block_bounds_every_block_of_the_level():
+    for segments in (1, 4, 63, 64, 200):
+        for tokens in range(segments, 40000, 7):
+            block = level_block_length(tokens, segments)
+            assert block <= largest_block(tokens, segments)
+            assert block - tokens - filler_count(segments) <= max(63, (tokens + filler_count(segments)) // 8)
 
 
 def test_filler_lengths_hold_the_tokens_and_chunks():
@@ -144,15 +152,16 @@ def test_segments_keep_their_lengths_and_each_level_fills_its_block(case):
     for layout in layouts:
         host = layout.host
         assert layout.bucketed and layout.level_buckets and layout.output_positions is None
+        offsets = host["level_offsets"]
+        levels = [(sum(host["valid_lengths"][a:b]), b - a) for a, b in zip(offsets, offsets[1:])]
+        # a recent pack's blocks hold it with no more padding than its own blocks could have
+        most = max(sum(level_block_length(*level) for level in levels), sum(largest_block(*level) for level in levels))
         for d, block in enumerate(host["level_blocks"]):
             lo, hi = host["level_offsets"][d], host["level_offsets"][d + 1]
             assert host["padded_lengths"][lo:hi - 1] == host["valid_lengths"][lo:hi - 1]
             assert sum(host["padded_lengths"][lo:hi]) == block
-            # its own block, or a recent pack's that holds it with at most 1/8 more tokens
-            own = level_block_length(sum(host["valid_lengths"][lo:hi]), hi - lo)
-            assert own <= block and (block == own or 8 * sum(host["level_blocks"]) <= 9 * sum(
-                level_block_length(sum(host["valid_lengths"][a:b]), b - a)
-                for a, b in zip(host["level_offsets"], host["level_offsets"][1:])))
+            own = level_block_length(*levels[d])
+            assert own <= block and (block == own or sum(host["level_blocks"]) <= most)
     assert layouts[0].host["valid_lengths"] != layouts[1].host["valid_lengths"]
     # another block, another structure; segment buckets are another structure too
     longer = _samples(0, system=system)
@@ -193,17 +202,22 @@ def test_the_causal_call_is_bounded_by_its_longest_element_not_the_block():
 
 def test_a_pack_takes_a_recent_shape_that_holds_it_with_little_more_padding():
     recent = RecentShapes(recent=2, tree_shapes=2)
-    big = [[100] * 4, [300] * 30]
+    big = [[100] * 4, [260] * 30]
     mine = recent.choose("groups", big)
     assert mine == own_shape(big) and recent.choose("groups", big) == mine  # asked twice: one answer
-    smaller = [[100] * 4, [270] * 30]
+    smaller = [[100] * 4, [250] * 30]
     assert own_shape(smaller).blocks < mine.blocks
-    assert 8 * sum(mine.blocks) <= 9 * sum(own_shape(smaller).blocks)
-    assert recent.choose("groups", smaller) == mine  # held, and 1/8 more tokens at most
+    assert sum(mine.blocks) <= largest_block(400, 4) + largest_block(30 * 250, 30)
+    assert recent.choose("groups", smaller) == mine  # held, with no more padding than its own blocks could have
+    # within 1/8 of its own blocks but with more padding than they could have (7540 tokens in 8640): its own
+    rounded = [[100] * 4, [238] * 30]
+    assert 8 * sum(mine.blocks) <= 9 * sum(own_shape(rounded).blocks)
+    assert sum(mine.blocks) > largest_block(400, 4) + largest_block(30 * 238, 30)
+    assert recent.choose("groups", rounded) == own_shape(rounded)
     much_smaller = [[100] * 4, [200] * 30]
     assert recent.choose("groups", much_smaller) == own_shape(much_smaller)  # more than 1/8: its own
     assert recent.choose("other tree", smaller) == own_shape(smaller)  # another tree shape: its own
-    longer = [[100] * 4, [270] * 29 + [600]]  # a longer segment than the recent bound holds
+    longer = [[100] * 4, [250] * 29 + [600]]  # a longer segment than the recent bound holds
     assert segment_bound(longer, mine.blocks) > mine.bound
     assert recent.choose("groups", longer) != mine
     # bounded memory: the least recent tree shape, and a tree shape's oldest shapes, are forgotten
@@ -211,6 +225,12 @@ def test_a_pack_takes_a_recent_shape_that_holds_it_with_little_more_padding():
     recent.choose("third tree", big)
     assert list(recent._shapes) == ["groups", "third tree"]
     assert LevelShape(mine.blocks, mine.bound) == mine
+    # levels of few tokens: their own blocks (at least 64 tokens each) pad them by more than 1/8, and
+    # a pack still takes its own shape, remembered once
+    few = [[10] * 2, [20] * 4]
+    assert 8 * sum(own_shape(few).blocks) > 9 * 100
+    assert recent.choose("few", few) == recent.choose("few", few) == own_shape(few)
+    assert list(recent._shapes["few"]) == [own_shape(few)]
 
 
 def test_layouts_of_nearby_totals_share_a_structure():

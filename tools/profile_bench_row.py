@@ -104,7 +104,8 @@ def kinds_table(shared: dict, unshared: dict, token_ratio: float, ratios: Option
             totals.setdefault(kind_of(kernel), {"shared": 0.0, "unshared": 0.0})[side] += us / 1e3
     if not all(sum(t[side] for t in totals.values()) for side in ("shared", "unshared")):
         return "no GPU kernels recorded"
-    lines = ["| kind of work | shared ms | unshared ms | unshared / shared | at most | shared ms above unshared / at most |",
+    lines = ["| kind of work | shared ms | unshared ms | unshared / shared | at most "
+             "| shared ms above unshared / at most |",
              "|---|---|---|---|---|---|"]
     ideal = 0.0
     for kind, t in sorted(totals.items(), key=lambda item: -item[1]["shared"]):
@@ -115,10 +116,12 @@ def kinds_table(shared: dict, unshared: dict, token_ratio: float, ratios: Option
                      f"{t['shared'] - t['unshared'] / bound:.1f} |")
     all_s = sum(t["shared"] for t in totals.values())
     all_u = sum(t["unshared"] for t in totals.values())
-    lines.append(f"| all | {all_s:.1f} | {all_u:.1f} | {all_u / all_s:.2f} | {all_u / ideal:.2f} | {all_s - ideal:.1f} |")
+    lines.append(f"| all | {all_s:.1f} | {all_u:.1f} | {all_u / all_s:.2f} | {all_u / ideal:.2f} | "
+                 f"{all_s - ideal:.1f} |")
     ceiling = f"every kind at its ratio: {ideal:.1f} ms shared, {all_u / ideal:.2f}x"
     if flop_ratio:
-        ceiling += f" = {all_u / ideal / flop_ratio:.2f} F (measured {all_u / all_s / flop_ratio:.2f} F, F = {flop_ratio:.2f})"
+        ceiling += (f" = {all_u / ideal / flop_ratio:.2f} F (measured {all_u / all_s / flop_ratio:.2f} F, "
+                    f"F = {flop_ratio:.2f})")
     return "\n".join(lines) + f"\n\n{ceiling}"
 
 

@@ -31,9 +31,6 @@ CHUNK = 64  # fla's chunk size for the delta rule and the varlen conv
 # the attention's causal call over every segment takes a level's padding as this many elements of their
 # own, so that its longest element, which sizes the kernel's grid, stays near the longest segment
 PADDING_PIECES = 8
-# a pack takes the blocks of a recent pack of its tree shape that hold it with at most 1/8 more tokens
-# than its own blocks would (`RecentShapes`): fewer structures, so fewer CUDA graphs to capture and keep
-REUSE: Tuple[int, int] = (9, 8)
 RECENT = 8  # block choices remembered per tree shape
 TREE_SHAPES = 16  # tree shapes remembered
 
@@ -53,6 +50,13 @@ def level_bucket(n: int) -> int:
     level's block is padding, and blocks of nearby totals recur."""
     step = max(CHUNK, 1 << max(int(n).bit_length() - 4, 0))
     return -(-int(n) // step) * step
+
+
+def largest_block(real_tokens: int, segments: int) -> int:
+    """The largest block `level_bucket` gives a level of `real_tokens` tokens in `segments` segments
+    for any split of them: the tokens and the fillers' room, plus 63 tokens below 1024, an eighth above."""
+    n = int(real_tokens) + filler_count(segments)
+    return n + max(CHUNK - 1, n // 8)
 
 
 def level_block_length(real_tokens: int, segments: int, multiple: int = 1) -> int:
@@ -128,10 +132,14 @@ def own_shape(own_by_level: Sequence[Sequence[int]], multiple: int = 1, total_mu
 
 class RecentShapes:
     """The level shapes recently chosen per tree shape. `choose` gives a pack the smallest recent shape of
-    its tree shape whose blocks hold its segments with at most `REUSE` of its own shape's tokens and
-    whose bound holds its longest element, else its own shape (then remembered): packs of nearby totals
-    then share a structure and replay one CUDA graph (`ps_bridge.cuda_graphs`). A pack asked about twice
-    gets the same answer (its own shape, once remembered, fits it)."""
+    its tree shape whose blocks hold its segments in no more tokens than its own blocks could have
+    (`largest_block` per level, or its own shape's where that is larger) and whose bound holds its
+    longest element, else its own shape (then remembered): packs of nearby totals then share a
+    structure and replay one CUDA graph (`ps_bridge.cuda_graphs`), and no pack holds more padding
+    than bucketing alone may give it (at most an eighth of a level above 1024 tokens). A bound of 1/8
+    above the pack's own blocks instead let a recent shape hold every smaller pack rounded up twice,
+    with up to a quarter of padding, for as long as it stayed recent. A pack asked about twice gets
+    the same answer (its own shape, once remembered, fits it)."""
 
     def __init__(self, recent: int = RECENT, tree_shapes: int = TREE_SHAPES):
         self.recent, self.tree_shapes = recent, tree_shapes
@@ -146,10 +154,10 @@ class RecentShapes:
             while len(self._shapes) > self.tree_shapes:
                 self._shapes.popitem(last=False)
         self._shapes.move_to_end(tree_shape)
-        num, den = REUSE
+        most = max(sum(mine.blocks), sum(largest_block(sum(own), len(own)) for own in own_by_level))
         fits = [shape for shape in shapes
                 if all(b >= n for b, n in zip(shape.blocks, mine.blocks))
-                and sum(shape.blocks) * den <= sum(mine.blocks) * num
+                and sum(shape.blocks) <= most
                 and segment_bound(own_by_level, shape.blocks) <= shape.bound]
         if fits:
             return min(fits, key=lambda shape: sum(shape.blocks))

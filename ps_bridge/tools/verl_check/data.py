@@ -63,6 +63,27 @@ class VisionInputs:
         return torch.tensor(tokens), entries
 
 
+def synthetic_tokens(settings: CheckSettings, vocab: int, step: int, vision: Optional["VisionInputs"] = None):
+    """A step's tokens: prompts `[B, prompt tokens]` (each prompt's row repeated n times), responses
+    `[B, longest]` (random past each one's length), the response lengths `[B]` (drawn from [R/2, 3R/2]),
+    each prompt's images (`vision`; else None), and the step's generator, which draws the rest."""
+    g = torch.Generator().manual_seed(settings.seed * 1000 + step)
+    P, R, n = settings.prompt_len, settings.response_len, settings.n
+    B = settings.prompts * n
+    lo, hi = max(1, R // 2), max(1, R + R // 2)
+    lengths = torch.randint(lo, hi + 1, (B,), generator=g)
+    text_vocab = vocab if vision is None else vision.text_vocab
+    own = torch.randint(3, text_vocab, (settings.prompts, P), generator=g)
+    parts = [system_prompt(settings, text_vocab).expand(settings.prompts, -1)]
+    entries = None
+    if vision is not None:
+        tokens, entries = vision.prompt_images(settings.prompts, g)
+        parts.append(tokens)
+    prompts = torch.cat(parts + [own], dim=1).repeat_interleave(n, dim=0)
+    responses = torch.randint(3, text_vocab, (B, int(lengths.max())), generator=g)
+    return prompts, responses, lengths, entries, g
+
+
 def synthetic_batch(settings: CheckSettings, vocab: int, step: int, algo_cfg, vision: Optional["VisionInputs"] = None):
     """One trainer step's batch as the trainer holds it after the rollout: left-padded prompts,
     right-padded responses, uid, random outcome rewards and verl's GRPO advantages. Every prompt
@@ -72,22 +93,8 @@ def synthetic_batch(settings: CheckSettings, vocab: int, step: int, algo_cfg, vi
     from verl.protocol import DataProto
     from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 
-    g = torch.Generator().manual_seed(settings.seed * 1000 + step)
-    P, R, n = settings.prompt_len, settings.response_len, settings.n
-    B = settings.prompts * n
-    lo, hi = max(1, R // 2), max(1, R + R // 2)
-    lengths = torch.randint(lo, hi + 1, (B,), generator=g)
-    Rmax = int(lengths.max())
-    text_vocab = vocab if vision is None else vision.text_vocab
-    own = torch.randint(3, text_vocab, (settings.prompts, P), generator=g)
-    parts = [system_prompt(settings, text_vocab).expand(settings.prompts, -1)]
-    entries = None
-    if vision is not None:
-        tokens, entries = vision.prompt_images(settings.prompts, g)
-        parts.append(tokens)
-    prompts = torch.cat(parts + [own], dim=1)
-    prompts = prompts.repeat_interleave(n, dim=0)
-    responses = torch.randint(3, text_vocab, (B, Rmax), generator=g)
+    prompts, responses, lengths, entries, g = synthetic_tokens(settings, vocab, step, vision)
+    n, B, Rmax = settings.n, responses.shape[0], responses.shape[1]
     response_mask = (torch.arange(Rmax)[None, :] < lengths[:, None]).long()
     responses = responses * response_mask
     attention_mask = torch.cat([torch.ones(B, prompts.shape[1], dtype=torch.long), response_mask], dim=1)
