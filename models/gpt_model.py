@@ -89,12 +89,15 @@ class SelectedOutputsMixin:
             hidden_states = hidden_states.index_select(0, positions.to(hidden_states.device))
         if hidden_only:
             return hidden_states
-        return self.output_logits(hidden_states, **kwargs)
+        return self.output_logits(hidden_states, keep=getattr(params, "output_keep", None), **kwargs)
 
-    def output_logits(self, hidden_states, **kwargs):
+    def output_logits(self, hidden_states, keep=None, **kwargs):
         """megatron's `_postprocess` without multi-token prediction or labels (the output layer, its logit
         scaling, `[s, b, v] -> [b, s, v]`) on final hidden states that this rank holds whole: under sequence
-        parallelism they are gathered already, so the output layer runs without its own gather."""
+        parallelism they are gathered already, so the output layer runs without its own gather. `keep`:
+        the indices of the hidden states it runs on (a bucketed layout's `output_keep`), else all."""
+        if keep is not None:
+            hidden_states = hidden_states.index_select(0, keep.to(hidden_states.device))
         kwargs = {name: None for name in _POSTPROCESS_INPUTS} | kwargs
         layer = self.output_layer
         sequence_parallel = layer.sequence_parallel

@@ -40,6 +40,8 @@ class PrefixSharedPackedSeqParams(PackedSeqParams):
     # the positions of this rank's tokens whose output-layer values the rows read, sorted (the
     # layout's `local_output_positions`); None: the output layer runs on every position
     output_positions: Optional[torch.Tensor] = None
+    # of those, the ones the output layer runs on (a bucketed layout's `output_keep`); None: all
+    output_keep: Optional[torch.Tensor] = None
     # the model stops before its output layer and returns the final hidden states at the output
     # positions (`SelectedOutputsMixin`): CUDA graphs capture the pass up to there, and the output
     # layer runs eagerly (`cuda_graphs.graphed`)
@@ -86,6 +88,7 @@ class PrefixSharedPackedSeqParams(PackedSeqParams):
             attention_backend=attention_backend,
             cp_shard=cp_shard,
             output_positions=layout.local_output_positions(cp_shard),
+            output_keep=layout.output_keep,
             hidden_states_only=hidden_states_only,
         )
 

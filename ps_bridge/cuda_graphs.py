@@ -651,11 +651,19 @@ def graphed(model: torch.nn.Module, layout: PackedPrefixLayout, backend: Optiona
             _REFUSED.add(refusal)
             logger.info("[PS][graphs] the forward runs without CUDA graphs: %s", refusal)
         return forward(layout, None)
-    half = isinstance(without_data_parallel(model), Float16Module)
-    cast = {"fp32_output": False} if half else {}
     graphs = model_graphs(model)
     graphs.memory.fraction = memory_share
+    return run_graphed(graphs, model, layout, backend, forward)
+
+
+def run_graphed(graphs: ModelGraphs, model: torch.nn.Module, layout: PackedPrefixLayout, backend: Optional[str],
+                forward: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """`graphed`'s pass through `graphs`: the model up to its final hidden states at the layout's output
+    positions from a graph, then the output layer eagerly on those the rows read (`output_keep`, which
+    follows the lengths inside the buckets, so no graph holds it)."""
+    half = isinstance(without_data_parallel(model), Float16Module)
+    cast = {"fp32_output": False} if half else {}
     hidden = graphs.run(model, layout, (backend,),
                         lambda own, weights: forward(own, weights, hidden_states_only=True, **cast))
-    logits = unwrap_model(model).output_logits(hidden)
+    logits = unwrap_model(model).output_logits(hidden, keep=layout.output_keep)
     return float16_to_fp32(logits) if half else logits

@@ -41,7 +41,7 @@ _NOT_STRUCTURE = frozenset({"tokens", "row_label", "host", "images"})
 # the others (the rows, the counts) serve the rows, which are taken from the caller's layout
 _BUCKET_VARYING = frozenset({
     "positions", "valid", "valid_lengths", "cu_seqlens", "sample_prompt_length", "sample_response_length",
-    "row_offsets", "row_source", "tokens_unshared", "tokens_shared", "output_positions",
+    "row_offsets", "row_source", "tokens_unshared", "tokens_shared", "output_positions", "output_keep",
 })
 # and what it also leaves out under level buckets, where the segments keep their own lengths inside
 # their level's block (`ps_bridge.tree.level_buckets`): the segment offsets and the per-token segment
@@ -113,6 +113,11 @@ class PackedPrefixLayout:
     # it, and the row extractor keeps a padded vocabulary's extra ids out of the log-probs)
     vocab_size: Optional[int] = None
     output_positions: Optional[torch.Tensor] = None
+    # a bucketed layout's: the indices of `output_positions` that rows read (the others are a bucket's
+    # padding and prompt tokens before a fork, listed so that their count follows the structure): the
+    # model gathers the final hidden states at `output_positions` (a CUDA graph's fixed count), and the
+    # output layer runs on these of them only (`logit_positions`)
+    output_keep: Optional[torch.Tensor] = None
     # the tree, per segment (= node, in pack order): parent segment (-1 for a root), level (depth),
     # depth-first interval [tin, tout) (segment a is an ancestor of s or s itself iff
     # tin[a] <= tin[s] < tout[a])
@@ -278,15 +283,27 @@ class PackedPrefixLayout:
 
         return self.derived(key, build)
 
+    def logit_positions(self, cp_shard: Optional[slice] = None) -> Optional[torch.Tensor]:
+        """The positions the output layer runs on, whose values the logits hold in order: the
+        `local_output_positions`, of a bucketed layout those rows read (`output_keep`); None: every
+        position."""
+        positions = self.local_output_positions(cp_shard)
+        if positions is None or self.output_keep is None:
+            return positions
+        if cp_shard is not None:
+            raise ValueError("a bucketed layout (CUDA graphs) runs without context parallelism")
+        return self.derived(("logit_positions", str(self.device)),
+                            lambda: positions.index_select(0, to_device(self.output_keep, self.device)))
+
     def output_mask(self) -> Optional[torch.Tensor]:
         """`[T]` bool on the layout's device: True at the positions whose values rows read
-        (`output_positions`); None when every position is computed."""
+        (`logit_positions`); None when every position is computed."""
         if self.output_positions is None:
             return None
 
         def build():
             mask = torch.zeros(self.num_tokens, dtype=torch.bool, device=self.device)
-            mask.index_fill_(0, to_device(self.output_positions, self.device), True)
+            mask.index_fill_(0, self.logit_positions(), True)
             return mask
 
         return self.derived(("output_mask", str(self.device)), build)

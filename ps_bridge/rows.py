@@ -69,7 +69,7 @@ class PackedRows:
             local, start = cp_shard.stop - cp_shard.start, cp_shard.start
             in_shard = (source >= cp_shard.start) & (source < cp_shard.stop)
         local_source = torch.where(in_shard, source - start, 0)
-        selected = layout.local_output_positions(cp_shard)
+        selected = layout.logit_positions(cp_shard)
         if selected is None:  # the model computed every position of this rank's tokens
             self.num_positions = local
             self.computed = in_shard

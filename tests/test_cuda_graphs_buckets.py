@@ -96,6 +96,8 @@ def assert_read_positions_bucketed(layouts, differ: bool = True):
     for layout in layouts:
         listed = layout.output_positions.tolist()
         assert listed == sorted(set(listed)) and read_positions(layout) <= set(listed)
+        # the output layer runs on those the rows read only, in order
+        assert layout.logit_positions().tolist() == sorted(read_positions(layout))
         host = layout.host
         kinds, starts = host["read_kinds"], host["cu_seqlens_padded"]
         for k, kind in enumerate(kinds):
@@ -122,6 +124,7 @@ def test_a_bucketed_shared_layout_runs_the_output_layer_on_a_bucketed_count_of_r
     assert len(read_positions(fewer)) < len(read_positions(layouts[0]))
     assert_read_positions_bucketed([fewer, layouts[0]], differ=False)
     assert layouts[0].output_positions.numel() < layouts[0].num_tokens  # the prompts' own positions are left out
+    assert fewer.output_keep.numel() < fewer.output_positions.numel()  # padding is gathered, not computed
     every = _bucketed(_samples(0, system=system), share)  # prompt values: every position
     assert every.output_positions is None and every.structure_key() != layouts[0].structure_key()
     assert _bucketed(_samples(0), False, prompt_values=False).output_positions is None  # unshared: every position
@@ -178,12 +181,12 @@ def test_bucketed_read_positions_change_nothing(tiny, case):
 
 
 def _forward(model, config):
-    return lambda own, weights=None: _run(model, own, config, weights)
+    return lambda own, weights=None, **kwargs: _run(model, own, config, weights, **kwargs)
 
 
 def assert_replays_equal_eager(model, config, layouts, training: bool):
     """`layouts` (one structure, other lengths) run through one model's graphs (captured by the
-    recording stand-in) under `config`: each output, and with `training` each parameter gradient of a
+    recording stand-in) as `cuda_graphs.graphed` runs them under `config`: each output, and with `training` each parameter gradient of a
     random weighting of it, equal the eager run's exactly; one capture, a replay for each layout from
     the second on."""
     graphs = ModelGraphs(capture=record)
@@ -191,7 +194,7 @@ def assert_replays_equal_eager(model, config, layouts, training: bool):
     outs = []
     for i, layout in enumerate(layouts):
         with torch.set_grad_enabled(training):
-            out = graphs.run(model, layout, (config.backend,), _forward(model, config))
+            out = cuda_graphs.run_graphed(graphs, model, layout, config.backend, _forward(model, config))
             eager = run_packed(model, layout, eager_config)
         assert torch.equal(out.detach(), eager.detach())
         outs.append(eager.detach())

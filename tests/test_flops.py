@@ -107,6 +107,11 @@ def test_flops_by_kind_split_the_count():
             mixers = sum(3 * T * shape.linear_flops_per_token(k) for k in shape.layer_kinds)
             assert kinds["dense"] == pytest.approx(mixers - kinds["experts"] + output)
         assert output_positions(layout) == layout.output_positions.numel() < layout.num_tokens
+    # bucketed, the output layer runs on the positions the rows read, not on the bucket's padding
+    uneven = [Sample(s.prompt, s.response[: 5 + i % 11]) for i, s in enumerate(samples)]
+    tight = build_layout(uneven, share="tree", prompt_values=False)
+    bucketed = build_layout(uneven, share="tree", prompt_values=False, bucket=True)
+    assert output_positions(bucketed) == output_positions(tight) < bucketed.output_positions.numel()
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-7b", "qwen3.5-9b", "qwen3.5-35b-a3b", "qwen3-8b", "qwen3-30b-a3b"])

@@ -197,7 +197,7 @@ def materialize(
     row_label = np.empty_like(flat)
     row_label[:-1] = flat[1:]
     row_label[offsets[1:] - 1] = -1
-    output_positions = None
+    output_positions = output_keep = None
     read_kinds = None  # under buckets, each segment's kind of read positions (`bucketed_read_positions`)
     if shared and not prompt_values:
         # what verl's losses read: row positions P_i - 1 on (each response, with its fork position)
@@ -210,6 +210,7 @@ def materialize(
             answer[row_source[row_t >= prompt_lengths[row_sample]]] = True
             read_at, read_kinds = bucketed_read_positions(read, answer, segment, seg_start, padded, valid_lengths,
                                                           level_spans, whole_levels=level_buckets)
+            output_keep = torch.from_numpy(np.flatnonzero(read[read_at]))  # the listed positions rows read
         output_positions = torch.from_numpy(read_at)
 
     as_long = lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))  # noqa: E731
@@ -265,6 +266,7 @@ def materialize(
         host=host,
         vocab_size=vocab_size,
         output_positions=output_positions,
+        output_keep=output_keep,
         segment_parent=as_long(order.parent),
         segment_level=as_long(order.level),
         segment_tin=as_long(order.tin),
