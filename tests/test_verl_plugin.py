@@ -405,6 +405,10 @@ def engine_at_ep1_unshared(qwen35_moe_dir, tmp_path_factory):
 
 
 EP_TOL = 1e-5
+# float32 summation noise in a gradient whose per-token terms nearly cancel: the tiny Qwen3.5 MoE's
+# A_log gradient is 1.7e-6 at most, and the expert-parallel ranks' sums differ from the reference's by
+# 2e-11 (1.2e-5 of it) on a CPU with AMX tiles
+GRAD_FLOOR = 1e-10
 
 
 def _expert_parallel_matches(ref: dict, ranks: list, tree: bool = False) -> dict:
@@ -442,10 +446,11 @@ def _expert_parallel_matches(ref: dict, ranks: list, tree: bool = False) -> dict
                 name_ref = name
             r = ref["grads"][name_ref]
             assert r.shape == g.shape and r.abs().max() > 0, name
-            rel = ((g - r).abs().max() / r.abs().max()).item()
+            err, scale = (g - r).abs().max().item(), r.abs().max().item()
+            rel = err / scale
             if rel > worst["grads"]:
                 worst["grads"], worst["grad_name"] = rel, name
-            assert rel <= EP_TOL, (rank, name, name_ref, rel)
+            assert err <= EP_TOL * scale + GRAD_FLOOR, (rank, name, name_ref, rel)
         assert experts > 0 and len(got["grads"]) < len(ref["grads"])  # the experts really are split
     return worst
 
