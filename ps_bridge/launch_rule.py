@@ -293,8 +293,7 @@ def sharing_pays(counts: MicroBatchCounts, model: Optional[ModelCost], *, mode: 
     padded = ""
     if graphs:
         bucketed = counts.tokens_bucketed
-        num, den = BUCKET_PAYS
-        if bucketed is None or bucketed * den <= counts.tokens_unshared * num:
+        if bucketed is None or bucketed_pack_runs(bucketed, counts.tokens_unshared):
             return SharingDecision(True, "pays (the passes replay CUDA graphs: no host-bound cost)", bucketed=True)
         # runs eagerly: decided as without graphs
         padded = (f"the bucketed shared pack would hold {bucketed} tokens, the samples {counts.tokens_unshared}; "
@@ -302,6 +301,13 @@ def sharing_pays(counts: MicroBatchCounts, model: Optional[ModelCost], *, mode: 
     decision = eager_decision(counts, model, attention_backend, gdn_backend, device_type, dtype_name, backward,
                               host_permille)
     return replace(decision, reason=padded + decision.reason) if padded else decision
+
+
+def bucketed_pack_runs(tokens_bucketed: int, tokens_unshared: int) -> bool:
+    """Under CUDA graphs: whether a bucketed shared pack of `tokens_bucketed` tokens runs, holding at
+    most `BUCKET_PAYS` of its samples' own `tokens_unshared` (else the micro-batch runs eagerly)."""
+    num, den = BUCKET_PAYS
+    return tokens_bucketed * den <= tokens_unshared * num
 
 
 def eager_decision(counts: MicroBatchCounts, model: Optional[ModelCost], attention_backend: str,

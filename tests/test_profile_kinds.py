@@ -64,6 +64,6 @@ def test_kinds_table_holds_each_kind_to_its_own_ratio_and_gives_the_ceiling():
 def test_expected_ratios_come_from_the_flop_count_and_the_output_positions():
     flops = {"shared": {"dense": 10.0, "experts": 0.0, "attention": 2.0, "gdn": 1.0, "vision": 0.0},
              "unshared": {"dense": 80.0, "experts": 0.0, "attention": 12.0, "gdn": 4.0, "vision": 0.0}}
-    ratios = profile_bench_row.expected_ratios(flops, {"shared": 100, "unshared": 500}, 4.0)
+    ratios = profile_bench_row.expected_ratios(flops, {"shared": 100, "unshared": 500})
     assert ratios == {"dense GEMM (projections, output layer)": 8.0, "attention (flash, cuDNN, merge)": 6.0,
                       "Gated DeltaNet and its conv (fla)": 4.0, "vocabulary softmax": 5.0}

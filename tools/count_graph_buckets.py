@@ -15,7 +15,7 @@ BENCHMARKS' small shapes do). Per bucket kind and pass kind it prints:
 - structures and captures: the distinct layout structures, and the steps at which a structure runs
   for the `cuda_graphs.CAPTURE_AT`-th time (its capture);
 - eager: packs the sharing rule runs without graphs (the bucketed pack would hold more than
-  `launch_rule.BUCKET_PAYS` of the samples' tokens).
+  `launch_rule.BUCKET_PAYS` of the samples' tokens: `launch_rule.bucketed_pack_runs`).
 The level buckets' recent shapes (`tree.level_buckets.RecentShapes`) carry from step to step, as in
 one process. Timing these passes needs a GPU: `tools/gpu_cuda_graphs.sh`.
 """
@@ -52,7 +52,7 @@ def count(model: str, layers: int, prompts: int, n: int, prompt_len: int, respon
           steps: int, buckets: str, seed: int = 0) -> Dict[str, PassCount]:
     """{"log-probs": ..., "update": ...} for bucket kind `buckets` ("segment" or "level")."""
     from ps_bridge.cuda_graphs import CAPTURE_AT
-    from ps_bridge.launch_rule import BUCKET_PAYS
+    from ps_bridge.launch_rule import bucketed_pack_runs
     from ps_bridge.layout import Sample, build_layout
     from ps_bridge.tools.bench.catalog import MODEL_SHAPES
     from ps_bridge.tools.bench.flops import flop_shape, model_flops
@@ -78,15 +78,13 @@ def count(model: str, layers: int, prompts: int, n: int, prompt_len: int, respon
                                 ("update", [samples[a:a + per_mini] for a in range(0, len(samples), per_mini)])):
                 c = counts[kind]
                 for part in parts:
-                    shared = build_layout(part, share="tree", prompt_values=False)
                     packed = build_layout(part, share="tree", prompt_values=False, bucket=True, level_buckets=level)
-                    num, den = BUCKET_PAYS
-                    if packed.num_tokens * den > shared.tokens_unshared * num:
+                    if not bucketed_pack_runs(packed.num_tokens, packed.tokens_unshared):
                         c.eager += 1
                         continue
                     c.flops_unshared += model_flops(shape, build_layout(part, share=False))
                     c.flops_shared += model_flops(shape, packed)
-                    c.tokens += shared.num_tokens
+                    c.tokens += packed.tokens_shared  # the pack's valid tokens: the trie's, each once
                     c.tokens_bucketed += packed.num_tokens
                     key = packed.structure_key()
                     c.seen[key] += 1

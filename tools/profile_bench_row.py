@@ -78,12 +78,12 @@ FLOP_KIND_OF = {
 SOFTMAX = "vocabulary softmax"
 
 
-def expected_ratios(flops: dict, outputs: dict, tokens: dict) -> dict:
+def expected_ratios(flops: dict, outputs: dict) -> dict:
     """What each kind of work can at most gain, unshared over shared: its FLOP ratio where the count
     has it (`FLOP_KIND_OF`; `flops[side][kind]`), the ratio of output-layer positions for the
-    vocabulary softmax, the ratio of packed tokens (S) for the rest (memory-bound work: element-wise
-    ops, norms, copies, the permutation's gathers). `outputs` and `tokens` per side ("shared",
-    "unshared")."""
+    vocabulary softmax (`outputs[side]`), sides "shared" and "unshared". The rest (memory-bound work:
+    element-wise ops, norms, copies, the permutation's gathers) gains at most the ratio of packed tokens
+    S, which `kinds_table` gives every kind not listed here."""
     ratios = {kind: flops["unshared"][k] / flops["shared"][k]
               for kind, k in FLOP_KIND_OF.items() if flops["shared"].get(k)}
     ratios[SOFTMAX] = outputs["unshared"] / outputs["shared"]
@@ -193,8 +193,10 @@ def profile_model(name: str, layers_arg, row, groups: int, backend: str, out: st
         masks = [response_row_mask(layout).to(loaded.device) for layout in layouts]
         count = float(sum(mask.sum() for mask in masks))
         tokens = tokens_of[bool(share)] = sum(layout.num_tokens for layout in layouts)
-        flops_of[bool(share)] = {k: sum(flops_by_kind(counted, layout)[k] for layout in layouts) for k in FLOP_KINDS}
-        outputs_of[bool(share)] = sum(output_positions(layout) for layout in layouts)
+        side = "shared" if share else "unshared"
+        by_layout = [flops_by_kind(counted, layout) for layout in layouts]
+        flops_of[side] = {k: sum(f[k] for f in by_layout) for k in FLOP_KINDS}
+        outputs_of[side] = sum(output_positions(layout) for layout in layouts)
 
         def actor():
             loaded.model.zero_grad(set_to_none=True)
@@ -234,10 +236,8 @@ def profile_model(name: str, layers_arg, row, groups: int, backend: str, out: st
                 for key, (calls, us) in sorted(kernels.items(), key=lambda item: -item[1][1]):
                     f.write(f"{key}\t{calls}\t{us:.1f}\n")
     token_ratio = tokens_of[False] / tokens_of[True]
-    sides = {"shared": True, "unshared": False}
-    ratios = expected_ratios({side: flops_of[s] for side, s in sides.items()},
-                             {side: outputs_of[s] for side, s in sides.items()}, token_ratio)
-    flop_ratio = sum(flops_of[False].values()) / sum(flops_of[True].values())
+    ratios = expected_ratios(flops_of, outputs_of)
+    flop_ratio = sum(flops_of["unshared"].values()) / sum(flops_of["shared"].values())
     for what in ("actor", "logprob"):
         table = kinds_table(kernels_of[(True, what)], kernels_of[(False, what)], token_ratio, ratios, flop_ratio)
         print(f"\n{name}, {what}: GPU time by kind of work (S = {token_ratio:.2f})\n{table}\n", flush=True)
