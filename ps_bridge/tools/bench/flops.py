@@ -186,11 +186,10 @@ FLOP_KINDS: Tuple[str, ...] = ("dense", "experts", "attention", "gdn", "vision")
 
 
 def output_positions(layout: PackedPrefixLayout) -> int:
-    """The positions the output layer runs on: the read positions (of a bucketed layout's, those rows
-    read), or every position."""
-    if layout.output_positions is None:
-        return layout.num_tokens
-    return int((layout.output_positions if layout.output_keep is None else layout.output_keep).numel())
+    """How many positions the output layer runs on (`PackedPrefixLayout.logit_positions`: the read
+    positions, of a bucketed layout those rows read; or every position)."""
+    positions = layout.logit_positions()
+    return layout.num_tokens if positions is None else int(positions.numel())
 
 
 def flops_by_kind(shape: FlopShape, layout: PackedPrefixLayout) -> Dict[str, float]:
