@@ -137,8 +137,8 @@ class RecentShapes:
     longest element, else its own shape (then remembered): packs of nearby totals then share a
     structure and replay one CUDA graph (`ps_bridge.cuda_graphs`), and no pack holds more padding
     than bucketing alone may give it (at most an eighth of a level above 1024 tokens). A bound of 1/8
-    above the pack's own blocks instead let a recent shape hold every smaller pack rounded up twice,
-    with up to a quarter of padding, for as long as it stayed recent. A pack asked about twice gets
+    above the pack's own (already rounded) blocks would let a recent shape hold every smaller pack
+    rounded up twice, with up to a quarter of padding, for as long as it stayed recent. A pack asked about twice gets
     the same answer (its own shape, once remembered, fits it)."""
 
     def __init__(self, recent: int = RECENT, tree_shapes: int = TREE_SHAPES):
