@@ -15,9 +15,9 @@ the same buffer).
 
 `ModelGraphs` keeps one model's graphs: a structure is run eagerly the first time it is seen (that run
 also does what must not happen under capture: Triton's autotuning, fla's and torch's lazy
-initialisations), captured the second time (after one more eager run on a side stream, as
-`torch.cuda.graphs` requires), and replayed from then on; the least recently run graphs beyond
-`MAX_GRAPHS` are dropped, and structures not captured yet are counted apart (`MAX_SEEN`), so that packs
+initialisations), captured the second time (the process's first capture of each pass kind after one
+more eager run on a side stream, as `torch.cuda.graphs` asks: `_warm_up`), and replayed from then on;
+the least recently run graphs beyond `MAX_GRAPHS` are dropped, and structures not captured yet are counted apart (`MAX_SEEN`), so that packs
 seen once do not push graphs out. A graph keeps the memory its pass used at capture (activations,
 temporaries) for its replays. A model's graphs of one pass kind share one memory pool (`_Pool`), each
 capture reusing the blocks the ones before it freed, so a pool holds about its largest pass rather than
@@ -296,9 +296,19 @@ class _Pool:
         self.last_run.clear()
 
 
-def _warm_up(run: Callable[[], None]) -> None:
-    """`run` once on a side stream: torch's rule before a capture, for lazily initialised libraries
-    (cuBLAS workspaces, Triton's autotuning, flash's and fla's first calls)."""
+_WARMED_UP: set = set()  # pass kinds (with gradients or not) whose first capture in this process warmed up
+
+
+def _warm_up(run: Callable[[], None], training: bool) -> None:
+    """`run` once on a side stream before the process's first capture of its pass kind: torch's rule
+    before a capture, for lazily initialised libraries (cuBLAS workspaces, flash's and fla's first
+    calls). Later captures skip it, which saves a whole pass each: a structure is captured the second
+    time it runs (`CAPTURE_AT`), so its first, eager run has already compiled and autotuned every Triton
+    kernel for the shapes the structure fixes, and the libraries' process-wide state exists. A capture
+    that still met a lazy initialisation would fail, and the pass run eagerly (`ModelGraphs.stopped`)."""
+    if training in _WARMED_UP:
+        return
+    _WARMED_UP.add(training)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -325,7 +335,7 @@ class CudaGraphCapture:
 
     @staticmethod
     def forward(run: Callable[[], torch.Tensor], pool=None):
-        _warm_up(run)
+        _warm_up(run, training=False)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             output = run()
@@ -339,7 +349,7 @@ class CudaGraphCapture:
             out = run(aliases)
             torch.autograd.grad(out, tuple(aliases.values()), torch.ones_like(out), allow_unused=True)
 
-        _warm_up(step)
+        _warm_up(step, training=True)
         aliases = parameter_aliases(named)  # made on this stream, their accumulators under the capture
         forward = torch.cuda.CUDAGraph()
         with torch.cuda.graph(forward, pool=pool):

@@ -688,3 +688,24 @@ def test_half_precision_graphs_keep_half_precision_hidden_states(name, tmp_path_
     assert (graphs.captures, graphs.replays) == (2, 4)  # a forward-only graph and one with gradients
     assert {(entry.output.dtype, entry.output.shape[-1]) for entry in graphs.graphs.values()} == {
         (torch.bfloat16, loaded.model.config.hidden_size)}
+
+
+def test_only_the_first_capture_of_each_pass_kind_warms_up(monkeypatch):
+    """`_warm_up` runs the pass on a side stream before the process's first capture of its kind, then
+    never again: a structure's first, eager run has already done what the capture must not."""
+    from contextlib import nullcontext
+
+    from ps_bridge import cuda_graphs
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(cuda_graphs, "_WARMED_UP", set())
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: nullcontext())
+    runs = []
+    for training in (False, False, True, False, True):
+        cuda_graphs._warm_up(lambda: runs.append(training), training=training)
+    assert runs == [False, True]
