@@ -13,10 +13,14 @@ and labels, and of its other fields). Such a micro-batch's tokens are copied int
 layout's token buffer, the graph is replayed, and its output is copied out (the next replay writes
 the same buffer).
 
-`ModelGraphs` keeps one model's graphs: a structure is run eagerly the first time it is seen (that run
-also does what must not happen under capture: Triton's autotuning, fla's and torch's lazy
-initialisations), captured the second time (the process's first capture of each pass kind after one
-more eager run on a side stream, as `torch.cuda.graphs` asks: `_warm_up`), and replayed from then on;
+`ModelGraphs` keeps one model's graphs: a structure is run eagerly the first time it is seen, on the
+layout its graph will read (`static_copy`), so that run also does what must not happen under capture:
+it builds the layout's kernel plans and fla's chunk index, autotunes Triton's kernels at the
+structure's shapes, and initialises fla and torch lazily. The structure is captured the second time
+(the process's first capture of each pass kind after one more eager run on a side stream, as
+`torch.cuda.graphs` asks: `_warm_up`), and replayed from then on. Every device tensor a graph reads
+is the graph's (its pool, its layout's derived values), never a cache's that may drop it: fla's
+identity cache is off while capturing, and the chunk index fla is handed lives with its plan;
 the least recently run graphs beyond `MAX_GRAPHS` are dropped, and structures not captured yet are counted apart (`MAX_SEEN`), so that packs
 seen once do not push graphs out. A graph keeps the memory its pass used at capture (activations,
 temporaries) for its replays. A model's graphs of one pass kind share one memory pool (`_Pool`), each
@@ -47,15 +51,16 @@ and the Gated DeltaNet conv tails: the layout's `varying` values), which a repla
 layout before it runs the graph. The padding is computed, and counted in the FLOPs.
 Under level buckets (`PrefixSharingConfig.cuda_graph_buckets = "level"`, `tree.level_buckets`) the segments keep
 their lengths and each level's block is bucketed: every segment offset, and Gated DeltaNet's filler sequences'
-offsets and fla's chunk indices, are `varying` values too, fla's identity cache is off while capturing (what fla
-derives from the offsets is then recorded in the graph), and only the cascade replays them (`torch_ref` reads the
-per-token segment ids).
+offsets and fla's chunk indices, are `varying` values too (what fla derives from the offsets is recorded in the
+graph, its identity cache being off), and only the cascade replays them (`torch_ref` reads the per-token segment
+ids).
 
 `graph_refusal` is the one check of where graphs run: one CUDA device, no tensor, pipeline or
 context parallelism (collectives and stage inputs are not captured), no MoE (its token dispatch
 reads expert counts on the host), no images and no vision-language model (the vision tower's inputs
 vary with the images; the text-only path has not run under capture), no activation recomputation,
-and no dropout in a pass with gradients (megatron sets the CUDA RNG state inside both); a bucketed
+and no dropout in a pass with gradients (megatron sets the CUDA RNG state inside both), and for
+Gated DeltaNet layers an fla-core that takes the caller's chunk index (>= 0.6.0); a bucketed
 layout also needs an attention backend whose varying inputs are registered (`BUCKET_BACKENDS`).
 """
 
@@ -119,8 +124,7 @@ def graph_refusal(model: torch.nn.Module, layout: PackedPrefixLayout, backend: O
 def level_bucket_refusal(model: torch.nn.Module, backend: str, device: torch.device) -> Optional[str]:
     """Why `model`'s passes with attention backend `backend` cannot replay level-bucketed layouts, or
     None: the attention `backend` resolves to must read the segment offsets from registered `varying`
-    values only (the cascade; `auto` resolved for the model's dtype and head dim), and fla-core must
-    take the caller's chunk index where the model has Gated DeltaNet layers."""
+    values only (the cascade; `auto` resolved for the model's dtype and head dim)."""
     module = unwrap_model(model)
     config = getattr(module, "config", None)
     resolved = backend
@@ -132,9 +136,6 @@ def level_bucket_refusal(model: torch.nn.Module, backend: str, device: torch.dev
     if resolved not in LEVEL_BUCKET_BACKENDS:
         return (f"the attention backend {backend!r}" + (f" (here {resolved!r})" if resolved != backend else "")
                 + f" on a level-bucketed layout (graphs replay level buckets with {LEVEL_BUCKET_BACKENDS})")
-    if _has_gated_deltanet(model) and not compat_fla.takes_chunk_indices():
-        return (f"level buckets with fla-core {compat_fla.fla_version()}: it ignores the caller's chunk index "
-                f"(fla-core >= {compat_fla.CHUNK_INDICES_SINCE} takes it; or PS_BRIDGE_CUDA_GRAPH_BUCKETS=segment)")
     return None
 
 
@@ -162,6 +163,11 @@ def model_refusal(model: torch.nn.Module) -> Optional[str]:
     if hasattr(module, "vision_model"):
         return "a vision-language model (its forward has not been checked under capture on a GPU)"
     config = getattr(module, "config", None)
+    if _has_gated_deltanet(model) and not compat_fla.takes_chunk_indices():
+        # fla then derives the chunk index on the host and keeps it in its identity cache only, which
+        # may free it while a graph still reads it
+        return (f"Gated DeltaNet layers with fla-core {compat_fla.fla_version()}: it ignores the caller's chunk "
+                f"index (fla-core >= {compat_fla.CHUNK_INDICES_SINCE} takes it)")
     if getattr(config, "num_moe_experts", None):
         return "an MoE model: its token dispatch reads the experts' token counts on the host"
     # megatron sets the CUDA RNG state inside these (its RNG tracker's fork around dropout, the
@@ -198,11 +204,22 @@ def parameter_device(model: torch.nn.Module) -> Optional[torch.device]:
 def static_copy(layout: PackedPrefixLayout) -> PackedPrefixLayout:
     """A graph's own layout: `layout` with buffers of its own for `BUCKET_INPUTS` (later micro-batches'
     are copied into them) and a `host` of its own without the derived values: the device tensors
-    derived from it (the attention and GDN plans, the `varying` values) are built by the capture's
-    warm-up, read by the graph and refilled by replays, none of them the caller's."""
+    derived from it (the attention and GDN plans, the `varying` values) are built by the structure's
+    first, eager run on it, read by the graph and refilled by replays, none of them the caller's. They
+    live as long as this layout, so as long as the graph."""
     host = {k: v for k, v in layout.host.items() if k not in ("derived", "varying")}
     own = {name: getattr(layout, name) for name in BUCKET_INPUTS}
     return replace(layout, host=host, **{name: t.clone() for name, t in own.items() if t is not None})
+
+
+def load(static: PackedPrefixLayout, layout: PackedPrefixLayout) -> None:
+    """`layout`'s values into `static`, a captured (or to be captured) layout of its structure: a
+    bucketed layout's through `refill`, another's tokens (the only tensor in which two layouts of one
+    structure differ)."""
+    if layout.bucketed:
+        refill(static, layout)
+    else:
+        static.tokens.copy_(layout.tokens)
 
 
 def refill(static: PackedPrefixLayout, layout: PackedPrefixLayout) -> None:
@@ -303,9 +320,10 @@ def _warm_up(run: Callable[[], None], training: bool) -> None:
     """`run` once on a side stream before the process's first capture of its pass kind: torch's rule
     before a capture, for lazily initialised libraries (cuBLAS workspaces, flash's and fla's first
     calls). Later captures skip it, which saves a whole pass each: a structure is captured the second
-    time it runs (`CAPTURE_AT`), so its first, eager run has already compiled and autotuned every Triton
-    kernel for the shapes the structure fixes, and the libraries' process-wide state exists. A capture
-    that still met a lazy initialisation would fail, and the pass run eagerly (`ModelGraphs.stopped`)."""
+    time it runs (`CAPTURE_AT`), and its first run was eager on the layout the capture reads
+    (`ModelGraphs.run`), so that layout's plans exist, every Triton kernel is compiled and autotuned
+    at the structure's shapes, and the libraries' process-wide state exists. A capture that still met a
+    lazy initialisation would fail, and the pass run eagerly (`ModelGraphs.stopped`)."""
     if training in _WARMED_UP:
         return
     _WARMED_UP.add(training)
@@ -530,17 +548,21 @@ class ModelGraphs:
         self.graphs.move_to_end(key)
         self.memory.touch(self, key)
         entry.seen += 1
-        if entry.graph is None and not entry.failed and entry.seen >= CAPTURE_AT and not ModelGraphs.stopped:
+        ahead = entry.graph is None and not entry.failed and not ModelGraphs.stopped
+        if ahead and entry.layout is None:
+            # the structure's first run, eager on the layout a capture will read: what the pass derives
+            # from it (kernel plans, fla's chunk index, Triton's autotuning at its shapes) is then made
+            # before the capture, not inside it
+            entry.layout = static_copy(layout)
+            return forward(entry.layout, None)
+        if ahead and entry.seen >= CAPTURE_AT:
             if self.memory.room_for(self, key, layout.num_tokens):
                 self._capture(entry, key, model, layout, forward, training)
             else:
                 self.drop_for_memory(key, self.memory, layout.num_tokens)
         if entry.graph is None or pool.awaiting_backward() or key in self.no_room:
             return forward(layout, None)
-        if layout.bucketed:
-            refill(entry.layout, layout)
-        else:
-            entry.layout.tokens.copy_(layout.tokens)
+        load(entry.layout, layout)
         self.replays += 1
         COUNTS["replays"] += 1
         if not training:
@@ -582,11 +604,13 @@ class ModelGraphs:
                    memory.fraction)
 
     def _capture(self, entry: _Graph, key: tuple, model, layout: PackedPrefixLayout, forward, training: bool) -> None:
-        own = static_copy(layout)
+        own = entry.layout if entry.layout is not None else static_copy(layout)
+        load(own, layout)
         pool = self.pools[training]
-        # under level buckets fla's varlen offsets are refilled at each replay: what fla derives from
-        # them must be computed inside the graph, not taken from its identity cache
-        caching = compat_fla.identity_cache_off() if own.level_buckets and _has_gated_deltanet(model) else nullcontext()
+        # what fla derives from the varlen offsets (its chunk offsets) is computed inside the graph, into
+        # its memory: a value from fla's identity cache would be freed when the cache drops it, while the
+        # graph reads it at every replay (and under level buckets a replay refills the offsets)
+        caching = compat_fla.identity_cache_off() if _has_gated_deltanet(model) else nullcontext()
         try:
             with caching:
                 self._capture_into(entry, model, own, forward, training, pool)

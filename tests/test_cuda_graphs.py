@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ps_bridge.config import PrefixSharingConfig
+from ps_bridge.compat import fla as compat_fla
 from ps_bridge.cuda_graphs import COUNTS, GraphMemory, ModelGraphs, graph_refusal, parameter_aliases
 from ps_bridge.forward import _run, run_packed
 from ps_bridge.layout import Sample, build_layout
@@ -163,6 +164,53 @@ def test_replayed_training_pass_equals_eager(loaded, share):
         for name in grads:
             assert torch.equal(grads[name], grads_e[name]), name
     model.zero_grad(set_to_none=True)
+
+
+def test_the_first_run_builds_what_the_capture_reads(loaded):
+    """A structure's first, eager run is on the layout its graph will read (not the caller's), so the
+    capture finds every plan the pass derives from it already made: none is built inside a capture
+    (where a copy from the host fails, and a cache's value could be freed under the graph)."""
+    model, config = loaded.model, replace(loaded.config, cuda_graphs=True)
+    vocab = min(loaded.vocab_size, 248)
+    layouts = [_layout(loaded, relabelled(_samples(loaded), vocab, shift), "tree") for shift in (0, 5, 11)]
+    calls = []
+
+    def forward(layout, weights=None):
+        calls.append((layout, set(layout.host.get("derived", {}))))
+        return run_packed(model, layout, config)
+
+    graphs = ModelGraphs(capture=record)
+    with torch.no_grad():
+        got = [graphs.run(model, layout, ("torch_ref",), forward) for layout in layouts]
+        want = [run_packed(model, layout, config) for layout in layouts]
+    assert (graphs.captures, graphs.replays) == (1, 2)
+    (first, before_first), (captured, before_capture) = calls[:2]
+    assert first is captured and all(first is not layout for layout in layouts)
+    assert not before_first and before_capture and before_capture == set(first.host["derived"])
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_a_capture_of_gated_deltanet_turns_fla_s_identity_cache_off(loaded):
+    """What fla derives from the varlen offsets inside a captured pass is computed into the graph's
+    memory, not taken from fla's identity cache, which would free it while the graph reads it."""
+    fla_utils = pytest.importorskip("fla.utils")
+    seen = []
+
+    class Watching:
+        @staticmethod
+        def forward(run, pool=None):
+            seen.append(getattr(fla_utils, "FLA_DISABLE_TENSOR_CACHE", False))
+            return record.forward(run, pool)
+
+    config = replace(loaded.config, cuda_graphs=True)
+    graphs = ModelGraphs(capture=Watching)
+    with torch.no_grad():
+        for shift in (0, 5):
+            layout = _layout(loaded, relabelled(_samples(loaded), min(loaded.vocab_size, 248), shift), True)
+            graphs.run(loaded.model, layout, ("torch_ref",), lambda own, weights=None: run_packed(loaded.model, own, config))
+    has_gdn = any(type(m).__name__ == "PrefixSharedGatedDeltaNet" for m in loaded.model.modules())
+    assert seen == [has_gdn] and not getattr(fla_utils, "FLA_DISABLE_TENSOR_CACHE", False)
 
 
 def test_a_forward_before_the_last_ones_backward_runs_eagerly(loaded):
@@ -546,6 +594,13 @@ def test_where_graphs_do_not_run(loaded, monkeypatch):
     with torch.no_grad():  # a forward-only pass draws no dropout
         assert graph_refusal(loaded.model, on_cuda) is None
     monkeypatch.setattr(config, "hidden_dropout", 0.0)
+    # an fla-core that ignores the caller's chunk index derives it into its own cache, which may free it
+    # under a graph: Gated DeltaNet layers are refused there (attention-only models do not run fla)
+    monkeypatch.setattr(compat_fla, "takes_chunk_indices", lambda: False)
+    has_gdn = any(type(m).__name__ == "PrefixSharedGatedDeltaNet" for m in loaded.model.modules())
+    refusal = graph_refusal(loaded.model, on_cuda)
+    assert ("ignores the caller's chunk index" in refusal) if has_gdn else refusal is None
+    monkeypatch.undo()
     monkeypatch.setattr(loaded.model, "vision_model", torch.nn.Identity(), raising=False)
     assert "vision-language model" in graph_refusal(loaded.model, on_cuda)
     # with the option on, a CPU run is the eager run (and a pass with gradients never graphs)

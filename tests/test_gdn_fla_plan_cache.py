@@ -1,5 +1,7 @@
-"""The fla backend hands fla the same CPU `cu_seqlens` and chunk index on every layer of a plan
-(`ps_bridge.kernels.gdn.fla._per_plan`): fla memoizes its varlen helpers by argument identity."""
+"""The fla backend hands fla the same CPU `cu_seqlens` and chunk index on every layer of a plan, for as
+long as the plan lives (`ps_bridge.kernels.gdn.fla._per_plan`)."""
+
+import gc
 
 import pytest
 import torch
@@ -22,8 +24,12 @@ def test_per_plan_objects_are_made_once_and_equal_flas_own():
     # another plan's tensor (even with equal values) gets its own entry
     other = torch.tensor(host)
     assert backend._per_plan(other, host, chunk_index=False)[0] is not cpu
-    # a bounded cache: old plans are dropped
-    for _ in range(backend._PER_PLAN_SIZE + 1):
-        t = torch.tensor(host)
-        backend._per_plan(t, host, chunk_index=False)
-    assert len(backend._PER_PLAN) == backend._PER_PLAN_SIZE
+    # an entry lives as long as its plan's tensor, however many plans come after it (a CUDA graph
+    # captured on the plan reads its chunk index at every replay), and goes with it
+    for _ in range(64):
+        backend._per_plan(torch.tensor(host), host, chunk_index=True)
+    assert backend._per_plan(cu, host, chunk_index=True)[1] is index
+    entries = len(backend._PER_PLAN)
+    del other
+    gc.collect()
+    assert len(backend._PER_PLAN) == entries - 1

@@ -362,40 +362,6 @@ def test_the_reference_attention_does_not_replay_level_buckets(tiny, monkeypatch
     assert asked == [("cuda", torch.float32, loaded.model.config.kv_channels)]
 
 
-def test_level_buckets_need_an_fla_that_takes_the_chunk_index(tiny, monkeypatch):
-    from ps_bridge.compat import fla as compat_fla
-
-    _, loaded = tiny
-    layout = _same_blocks("groups", count=1)[0]
-    monkeypatch.setattr(type(layout), "device", property(lambda self: torch.device("cuda")))
-    monkeypatch.setattr(compat_fla, "takes_chunk_indices", lambda: False)
-    refusal = graph_refusal(loaded.model, layout, "flash_atten_gpu")
-    if _has_gdn(loaded):
-        assert "ignores the caller's chunk index" in refusal
-    else:  # attention only: fla is not run
-        assert refusal is None
-
-
-def test_a_capture_of_level_buckets_turns_fla_s_identity_cache_off(tiny):
-    import fla.utils
-
-    _, loaded = tiny
-    seen = []
-
-    class Watching:
-        @staticmethod
-        def forward(run, pool=None):
-            seen.append(getattr(fla.utils, "FLA_DISABLE_TENSOR_CACHE", False))
-            return record.forward(run, pool)
-
-    config = replace(_config(loaded, "flash_atten_gpu"), cuda_graphs=True, cuda_graph_buckets="level")
-    graphs = ModelGraphs(capture=Watching)
-    with torch.no_grad():
-        for layout in _same_blocks("groups", count=2):
-            graphs.run(loaded.model, layout, ("flash_atten_gpu",), _forward(loaded.model, config))
-    assert seen == [_has_gdn(loaded)] and not getattr(fla.utils, "FLA_DISABLE_TENSOR_CACHE", False)
-
-
 # ---- the rule and the option ------------------------------------------------------------------
 
 def test_the_rule_counts_the_level_bucketed_pack():

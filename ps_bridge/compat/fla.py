@@ -13,15 +13,17 @@
   (0.4.2 is the first whose signature takes `cu_seqlens_cpu`).
 - the caller's `chunk_indices`: 0.6.0 takes them in the delta rule and the conv; 0.4.2 - 0.5.x take
   them through `**kwargs` and ignore them, deriving their own from `cu_seqlens` on the host
-  (`takes_chunk_indices`). Level buckets under CUDA graphs need them taken (`ps_bridge.cuda_graphs`).
+  (`takes_chunk_indices`). CUDA graphs of Gated DeltaNet layers need them taken (`ps_bridge.cuda_graphs`).
 - fla memoizes what it derives from `cu_seqlens` (its chunk offsets) by the tensor's identity
-  (`fla.utils.tensor_cache`); `FLA_DISABLE_TENSOR_CACHE` on `fla.utils` turns that off (0.6.0), which a
-  capture whose `cu_seqlens` a replay refills needs (`identity_cache_off`).
+  (`fla.utils.tensor_cache`, a few entries); `FLA_DISABLE_TENSOR_CACHE` on `fla.utils` turns that off
+  (0.6.0), which every capture needs (`identity_cache_off`): a value taken from the cache would be read
+  by the graph at each replay, but freed when the cache drops it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import importlib.util
 
@@ -94,16 +96,18 @@ def tilelang_backward_route() -> bool:
     return fla_version() >= Version(TILELANG_ROUTE_SINCE)
 
 
+@functools.lru_cache(maxsize=None)
 def takes_chunk_indices() -> bool:
-    """Whether this fla-core's delta rule and conv use the caller's `chunk_indices` (>= 0.6.0)."""
+    """Whether this fla-core's delta rule and conv use the caller's `chunk_indices` (>= 0.6.0); asked
+    on every conv call, so read once."""
     return fla_version() >= Version(CHUNK_INDICES_SINCE)
 
 
 @contextlib.contextmanager
 def identity_cache_off():
     """fla's identity cache of values derived from `cu_seqlens` turned off inside: a CUDA graph
-    captured inside records their derivation, so that it follows a `cu_seqlens` a replay refills,
-    instead of reading a value cached from the warm-up's offsets."""
+    captured inside records their derivation into its own memory, so that it follows a `cu_seqlens` a
+    replay refills and reads nothing the cache may free."""
     # imported here: fla is heavy (it loads triton and probes the GPU)
     import fla.utils
 

@@ -4,49 +4,47 @@ One call covers a whole varlen block (one level of the prefix tree: all roots, o
 depth, `forked.py`) with per-sequence initial and final states, so trees of any depth run here.
 CPU copies of `cu_seqlens` are passed so fla does not sync the device to read them; a level-bucketed
 plan's offsets live on the device only (`plan.py`) and come with their chunk index instead.
-They, and the delta rule's chunk index, are made once per plan and handed to fla as the same objects
-on every layer (`_per_plan`): fla memoizes its varlen helpers by argument identity, so a fresh CPU
-tensor per call made every call recompute them (host work, a host-to-device copy of the chunk index
-per call, once per tree level and layer on the shared path).
+They, and the chunk index of the delta rule and the conv, are made once per plan and handed to fla
+as the same objects on every layer (`_per_plan`): made per call, they cost host work and a
+host-to-device copy once per tree level and layer on the shared path. They live as long as the
+plan's `cu_seqlens`, not in a bounded cache: a CUDA graph captured on the plan reads the chunk index
+at every replay (`ps_bridge.cuda_graphs`), so nothing may free it while the graph's layout lives.
+For the same reason fla is handed the chunk index rather than deriving it in its own identity
+cache (`fla.utils.tensor_cache`, a few entries deep), where fla-core takes it (>= 0.6.0).
 q/k keep their H key heads: fla applies grouped value heads natively with the same head mapping as
 `repeat_interleave` (value head j reads key head j // (HV / H)), which the GPU test checks.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import List, Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ps_bridge.compat import fla as compat_fla
 from ps_bridge.compat import triton as compat_triton
 
 
-CHUNK_SIZE = 64  # chunk_gated_delta_rule's default chunk size, for which the chunk index is made
-_PER_PLAN: "OrderedDict[int, tuple]" = OrderedDict()
-_PER_PLAN_SIZE = 32
+CHUNK_SIZE = 64  # the default chunk size of fla's delta rule and conv, for which the chunk index is made
+# a plan's device cu_seqlens -> [its host list, the CPU copy, the chunk index or None]; an entry goes
+# with its key tensor
+_PER_PLAN: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 
 
 def _per_plan(cu_seqlens: torch.Tensor, host: List[int], chunk_index: bool):
     """(CPU cu_seqlens, chunk index or None) for a plan's `cu_seqlens` and its host list, made once and
-    then returned as the same objects (keyed by the device tensor's identity; the entry keeps both
-    alive, so an id is not reused while cached; the last `_PER_PLAN_SIZE` entries are kept)."""
-    key = id(cu_seqlens)
-    entry = _PER_PLAN.get(key)
-    if entry is None or entry[0] is not cu_seqlens or entry[1] is not host:
-        entry = [cu_seqlens, host, torch.tensor(host, dtype=torch.long), None]
-        _PER_PLAN[key] = entry
-        while len(_PER_PLAN) > _PER_PLAN_SIZE:
-            _PER_PLAN.popitem(last=False)
-    else:
-        _PER_PLAN.move_to_end(key)
-    if chunk_index and entry[3] is None:
+    then returned as the same objects while `cu_seqlens` lives (the entry holds no reference to it)."""
+    entry = _PER_PLAN.get(cu_seqlens)
+    if entry is None or entry[0] is not host:
+        entry = [host, torch.tensor(host, dtype=torch.long), None]
+        _PER_PLAN[cu_seqlens] = entry
+    if chunk_index and entry[2] is None:
         # imported here: fla is heavy (it loads triton and probes the GPU)
         from fla.ops.utils.index import prepare_chunk_indices
 
-        entry[3] = prepare_chunk_indices(cu_seqlens, CHUNK_SIZE, cu_seqlens_cpu=entry[2])
-    return entry[2], entry[3]
+        entry[2] = prepare_chunk_indices(cu_seqlens, CHUNK_SIZE, cu_seqlens_cpu=entry[1])
+    return entry[1], entry[2]
 
 
 def _offsets(cu_seqlens, cu_seqlens_host, chunk_indices, chunk_index: bool):
@@ -60,7 +58,9 @@ def _offsets(cu_seqlens, cu_seqlens_host, chunk_indices, chunk_index: bool):
 
 def causal_conv1d(x, weight, bias, cu_seqlens, cu_seqlens_host, initial_state, output_final_state, activation,
                   chunk_indices=None):
-    cpu, chunk_indices = _offsets(cu_seqlens, cu_seqlens_host, chunk_indices, chunk_index=False)
+    # the conv's chunks are the delta rule's size (CHUNK_SIZE): one chunk index serves both
+    cpu, chunk_indices = _offsets(cu_seqlens, cu_seqlens_host, chunk_indices,
+                                  chunk_index=compat_fla.takes_chunk_indices())
     extra = {} if chunk_indices is None else dict(chunk_indices=chunk_indices)
     y, final = compat_fla.causal_conv1d()(
         x=x.unsqueeze(0),
