@@ -251,8 +251,9 @@ def without_data_parallel(model: torch.nn.Module) -> torch.nn.Module:
 
 @dataclass
 class _Graph:
-    """One structure's state: how often it was run, and once captured the layout its graphs read (its
-    tokens are the static input), the forward graph and its static output; for a pass with gradients
+    """One structure's state: how often it was run, the layout its graphs read (made at its first run,
+    which is eager on it; a replay loads its inputs into it), and once captured the forward graph and
+    its static output; for a pass with gradients
     also the backward graph, its static output gradient and the parameters' gradients (its pool's
     gradient buffers)."""
 
