@@ -20,9 +20,9 @@ structure's shapes, and initialises fla and torch lazily. The structure is captu
 (the process's first capture of each pass kind after one more eager run on a side stream, as
 `torch.cuda.graphs` asks: `_warm_up`), and replayed from then on. Every device tensor a graph reads
 is the graph's (its pool, its layout's derived values), never a cache's that may drop it: fla's
-identity cache is off while capturing, and the chunk index fla is handed lives with its plan;
-the least recently run graphs beyond `MAX_GRAPHS` are dropped, and structures not captured yet are counted apart (`MAX_SEEN`), so that packs
-seen once do not push graphs out. A graph keeps the memory its pass used at capture (activations,
+identity cache is off while capturing, and the chunk index fla is handed lives with its plan. The
+least recently run graphs beyond `MAX_GRAPHS` are dropped, and structures not captured yet are
+counted apart (`MAX_SEEN`), so that packs seen once do not push graphs out. A graph keeps the memory its pass used at capture (activations,
 temporaries) for its replays. A model's graphs of one pass kind share one memory pool (`_Pool`), each
 capture reusing the blocks the ones before it freed, so a pool holds about its largest pass rather than
 the sum of its passes; `GraphMemory` holds the process's pools to a share of the device's memory
@@ -253,9 +253,8 @@ def without_data_parallel(model: torch.nn.Module) -> torch.nn.Module:
 class _Graph:
     """One structure's state: how often it was run, the layout its graphs read (made at its first run,
     which is eager on it; a replay loads its inputs into it), and once captured the forward graph and
-    its static output; for a pass with gradients
-    also the backward graph, its static output gradient and the parameters' gradients (its pool's
-    gradient buffers)."""
+    its static output; for a pass with gradients also the backward graph, its static output gradient
+    and the parameters' gradients (its pool's gradient buffers)."""
 
     seen: int = 0
     failed: bool = False
