@@ -22,8 +22,8 @@ structure's shapes, and initialises fla and torch lazily. The structure is captu
 is the graph's (its pool, its layout's derived values), never a cache's that may drop it: fla's
 identity cache is off while capturing, and the chunk index fla is handed lives with its plan. The
 least recently run graphs beyond `MAX_GRAPHS` are dropped, and structures not captured yet are
-counted apart (`MAX_SEEN`), so that packs seen once do not push graphs out. A graph keeps the memory its pass used at capture (activations,
-temporaries) for its replays. A model's graphs of one pass kind share one memory pool (`_Pool`), each
+counted apart (`MAX_SEEN`), so that packs seen once do not push graphs out. A graph keeps the memory
+its pass used at capture (activations, temporaries) for its replays. A model's graphs of one pass kind share one memory pool (`_Pool`), each
 capture reusing the blocks the ones before it freed, so a pool holds about its largest pass rather than
 the sum of its passes; `GraphMemory` holds the process's pools to a share of the device's memory
 (`PrefixSharingConfig.cuda_graph_memory`): a new graph that does not fit, once pools not run for a
@@ -604,7 +604,7 @@ class ModelGraphs:
                    memory.fraction)
 
     def _capture(self, entry: _Graph, key: tuple, model, layout: PackedPrefixLayout, forward, training: bool) -> None:
-        own = entry.layout if entry.layout is not None else static_copy(layout)
+        own = entry.layout  # made at the structure's first run (`run`), eager on it
         load(own, layout)
         pool = self.pools[training]
         # what fla derives from the varlen offsets (its chunk offsets) is computed inside the graph, into

@@ -93,6 +93,10 @@ def _layout(loaded, samples, share):
     return build_layout(samples, share=share, vocab_size=loaded.vocab_size, min_shared=0)
 
 
+def _has_gdn(loaded) -> bool:
+    return any(type(m).__name__ == "PrefixSharedGatedDeltaNet" for m in loaded.model.modules())
+
+
 def test_structure_key_is_the_layout_without_its_tokens(loaded):
     samples = _samples(loaded)
     vocab = min(loaded.vocab_size, 248)
@@ -209,8 +213,7 @@ def test_a_capture_of_gated_deltanet_turns_fla_s_identity_cache_off(loaded):
         for shift in (0, 5):
             layout = _layout(loaded, relabelled(_samples(loaded), min(loaded.vocab_size, 248), shift), True)
             graphs.run(loaded.model, layout, ("torch_ref",), lambda own, weights=None: run_packed(loaded.model, own, config))
-    has_gdn = any(type(m).__name__ == "PrefixSharedGatedDeltaNet" for m in loaded.model.modules())
-    assert seen == [has_gdn] and not getattr(fla_utils, "FLA_DISABLE_TENSOR_CACHE", False)
+    assert seen == [_has_gdn(loaded)] and not getattr(fla_utils, "FLA_DISABLE_TENSOR_CACHE", False)
 
 
 def test_a_forward_before_the_last_ones_backward_runs_eagerly(loaded):
@@ -596,11 +599,10 @@ def test_where_graphs_do_not_run(loaded, monkeypatch):
     monkeypatch.setattr(config, "hidden_dropout", 0.0)
     # an fla-core that ignores the caller's chunk index derives it into its own cache, which may free it
     # under a graph: Gated DeltaNet layers are refused there (attention-only models do not run fla)
-    monkeypatch.setattr(compat_fla, "takes_chunk_indices", lambda: False)
-    has_gdn = any(type(m).__name__ == "PrefixSharedGatedDeltaNet" for m in loaded.model.modules())
-    refusal = graph_refusal(loaded.model, on_cuda)
-    assert ("ignores the caller's chunk index" in refusal) if has_gdn else refusal is None
-    monkeypatch.undo()
+    with monkeypatch.context() as old_fla:
+        old_fla.setattr(compat_fla, "takes_chunk_indices", lambda: False)
+        refusal = graph_refusal(loaded.model, on_cuda)
+    assert ("ignores the caller's chunk index" in refusal) if _has_gdn(loaded) else refusal is None
     monkeypatch.setattr(loaded.model, "vision_model", torch.nn.Identity(), raising=False)
     assert "vision-language model" in graph_refusal(loaded.model, on_cuda)
     # with the option on, a CPU run is the eager run (and a pass with gradients never graphs)

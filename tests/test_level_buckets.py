@@ -281,10 +281,6 @@ def tiny(request, tmp_path_factory):
     return hf, loaded
 
 
-def _has_gdn(loaded) -> bool:
-    return any(type(m).__name__ == "PrefixSharedGatedDeltaNet" for m in loaded.model.modules())
-
-
 def _config(loaded, backend):
     return replace(loaded.config, backend=backend)
 

@@ -192,8 +192,8 @@ def profile_model(name: str, layers_arg, row, groups: int, backend: str, out: st
                                 prompt_values=config.layout_prompt_values).to(loaded.device) for part in parts]
         masks = [response_row_mask(layout).to(loaded.device) for layout in layouts]
         count = float(sum(mask.sum() for mask in masks))
-        tokens = tokens_of[bool(share)] = sum(layout.num_tokens for layout in layouts)
         side = "shared" if share else "unshared"
+        tokens = tokens_of[side] = sum(layout.num_tokens for layout in layouts)
         by_layout = [flops_by_kind(counted, layout) for layout in layouts]
         flops_of[side] = {k: sum(f[k] for f in by_layout) for k in FLOP_KINDS}
         outputs_of[side] = sum(output_positions(layout) for layout in layouts)
@@ -207,7 +207,7 @@ def profile_model(name: str, layers_arg, row, groups: int, backend: str, out: st
                 for layout in layouts:
                     row_logprobs(loaded, layout, chunk_rows=1024)
 
-        packing = ("shared" if share else "unshared") + (f" x {len(layouts)}" if len(layouts) > 1 else "") \
+        packing = side + (f" x {len(layouts)}" if len(layouts) > 1 else "") \
             + (", graphs" if cuda_graphs else "")
         for what, fn in (("actor", actor), ("logprob", logprob)):
             for _ in range(3):  # with graphs: eager, captured, replayed
@@ -219,7 +219,7 @@ def profile_model(name: str, layers_arg, row, groups: int, backend: str, out: st
                     f"{gpu / layers:.2f} | {launches} | {launches / layers:.0f} | {syncs} | {copies} |")
             print(line, flush=True)
             lines.append(line)
-            kernels_of[(bool(share), what)] = kernels
+            kernels_of[(side, what)] = kernels
             stem = f"{name}_{packing.replace(', ', '-').replace(' x ', '-x')}_{what}"
             with open(os.path.join(out, f"profile_{stem}.txt"), "w") as f:
                 f.write(f"{line}\n\nhost: top ops by self CPU time\n")
@@ -235,11 +235,11 @@ def profile_model(name: str, layers_arg, row, groups: int, backend: str, out: st
                 f.write("name\tcalls\tgpu_us\n")
                 for key, (calls, us) in sorted(kernels.items(), key=lambda item: -item[1][1]):
                     f.write(f"{key}\t{calls}\t{us:.1f}\n")
-    token_ratio = tokens_of[False] / tokens_of[True]
+    token_ratio = tokens_of["unshared"] / tokens_of["shared"]
     ratios = expected_ratios(flops_of, outputs_of)
     flop_ratio = sum(flops_of["unshared"].values()) / sum(flops_of["shared"].values())
     for what in ("actor", "logprob"):
-        table = kinds_table(kernels_of[(True, what)], kernels_of[(False, what)], token_ratio, ratios, flop_ratio)
+        table = kinds_table(kernels_of[("shared", what)], kernels_of[("unshared", what)], token_ratio, ratios, flop_ratio)
         print(f"\n{name}, {what}: GPU time by kind of work (S = {token_ratio:.2f})\n{table}\n", flush=True)
         kind_tables.append(f"{name}, {what} pass: GPU time by kind of work (S = {token_ratio:.2f})\n\n{table}")
     del loaded
