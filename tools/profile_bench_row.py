@@ -25,7 +25,9 @@ The table of GPU time by kind of work gives each kind the ratio it can at most r
 where the FLOP count has the kind, the token ratio S for memory-bound work) and the shared step with
 every kind at that ratio: the ceiling of the speed-up with these kernels, next to F. A kind whose
 shared time exceeds its unshared time over its ratio does work that sharing could remove; the gap
-between the ceiling and F is the kernel mix (memory-bound work gains S, not F).
+between the ceiling and F is the kernel mix (memory-bound work gains S, not F). A last line removes the
+kinds held to S from both packings: the speed-up no fusion of memory-bound work can pass, with the
+kinds of the FLOP count as measured and at their ratios.
 """
 
 from __future__ import annotations
@@ -118,10 +120,21 @@ def kinds_table(shared: dict, unshared: dict, token_ratio: float, ratios: Option
     all_u = sum(t["unshared"] for t in totals.values())
     lines.append(f"| all | {all_s:.1f} | {all_u:.1f} | {all_u / all_s:.2f} | {all_u / ideal:.2f} | "
                  f"{all_s - ideal:.1f} |")
+    over_f = (lambda x: f" = {x / flop_ratio:.2f} F") if flop_ratio else (lambda x: "")
     ceiling = f"every kind at its ratio: {ideal:.1f} ms shared, {all_u / ideal:.2f}x"
     if flop_ratio:
         ceiling += (f" = {all_u / ideal / flop_ratio:.2f} F (measured {all_u / all_s / flop_ratio:.2f} F, "
                     f"F = {flop_ratio:.2f})")
+    # What no fusion of memory-bound work can pass: the step with the kinds held to S gone from both
+    # packings (as if they took no time), the kinds of the FLOP count as measured and at their ratios
+    counted = {kind: t for kind, t in totals.items() if kind in ratios}
+    if counted and len(counted) < len(totals):
+        c_s = sum(t["shared"] for t in counted.values())
+        c_u = sum(t["unshared"] for t in counted.values())
+        c_ideal = sum(t["unshared"] / ratios[kind] for kind, t in counted.items())
+        if c_s:
+            ceiling += (f"\nwithout the kinds held to S on either side: {c_s:.1f} ms shared, {c_u / c_s:.2f}x"
+                        f"{over_f(c_u / c_s)}; each kind at its ratio: {c_u / c_ideal:.2f}x{over_f(c_u / c_ideal)}")
     return "\n".join(lines) + f"\n\n{ceiling}"
 
 
