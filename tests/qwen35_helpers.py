@@ -27,20 +27,37 @@ def skip_where_vl_refused():
 
 @contextlib.contextmanager
 def compiled_formulas_on_cpu():
-    """The element-wise ops' `CompiledOp` paths on the CPU, with their plain forward and backward
-    functions in place of the compiled ones (what torch.compile compiles on CUDA, uncompiled)."""
-    from ps_bridge.kernels import backend, rms_norm, weighted_swiglu
+    """The element-wise ops' CUDA paths on the CPU: the `CompiledOp`s with their plain forward and backward
+    functions in place of the compiled ones (what torch.compile compiles on CUDA, uncompiled), and the
+    norms' `row_norm.RowNorm` with the formulas its Triton kernels compute (`rms_norm._backward`, ...) in
+    place of the kernels (which tests/test_row_norm_interpreter.py runs against the same formulas)."""
+    from ps_bridge.kernels import backend, rms_norm, row_norm, weighted_swiglu
     from ps_bridge.kernels.gdn import inputs
 
-    ops = (rms_norm.fused, rms_norm.fused_gated, inputs.fused_gates, inputs.fused_l2_normalize, weighted_swiglu.fused)
-    saved = backend.COMPILED_DEVICES
+    def forward(x, weight, gate, eps, mean, zero_centered):
+        if not mean:
+            return inputs.naive_l2_normalize(x, eps)
+        if gate is None:
+            return rms_norm.naive(x, weight, eps, zero_centered)
+        return rms_norm.naive_gated(x, weight, gate, eps, zero_centered)
+
+    def backward(grad, x, weight, gate, eps, mean, zero_centered):
+        if not mean:
+            return inputs._l2_backward(grad, x, eps)[0], None, None
+        if gate is None:
+            return (*rms_norm._backward(grad, x, weight, eps, zero_centered), None)
+        return rms_norm._gated_backward(grad, x, weight, gate, eps, zero_centered)
+
+    ops = (inputs.fused_gates, weighted_swiglu.fused)
+    saved = backend.COMPILED_DEVICES, row_norm.usable, row_norm.forward, row_norm.backward
     backend.COMPILED_DEVICES = ("cuda", "cpu")
+    row_norm.usable, row_norm.forward, row_norm.backward = (lambda x: True), forward, backward
     for op in ops:
         op.__dict__["compiled"] = op._functions  # the cached_property's slot
     try:
         yield
     finally:
-        backend.COMPILED_DEVICES = saved
+        backend.COMPILED_DEVICES, row_norm.usable, row_norm.forward, row_norm.backward = saved
         for op in ops:
             op.__dict__.pop("compiled", None)
 

@@ -2,8 +2,9 @@
 torch.compile compiles on CUDA) equal autograd through the plain expressions in float64 on the CPU (the
 decay gate on both sides of softplus's threshold); the plain expressions round as the model computed
 them before (beta in its own dtype, the decay in float32); CompiledOp hands autograd the backward's
-gradients for its tensors and none for its constants. On the GPU (marker `gpu`): the compiled kernels
-against the plain expressions, by relative error to a float64 reference."""
+gradients for its tensors and none for its constants. On the GPU (marker `gpu`): the compiled gates and
+the l2 norm's Triton kernel (`row_norm.py`) against the plain expressions, by relative error to a float64
+reference."""
 
 import pytest
 import torch
@@ -102,5 +103,5 @@ def test_gpu_fused_gates_and_l2_equal_naive():
         assert_fused_no_worse(f"gates rows={rows}", got, ref, plain)
         x = (torch.randn(rows, 16, 128, generator=gen, device="cuda") * 2).to(torch.bfloat16).requires_grad_()
         dy = torch.randn(rows, 16, 128, generator=gen, device="cuda").to(torch.bfloat16)
-        # through `l2_normalize`: the rank-3 q/k go to the compiled op as rows
+        # through `l2_normalize`: the rank-3 q/k go to the kernel as rows
         assert_compiled_op_no_worse(f"l2 rows={rows}", inputs.l2_normalize, inputs.naive_l2_normalize, (x,), dy)

@@ -268,8 +268,9 @@ def test_float32_decay_gate_gradients_equal_float64(tiny, tiny64, float64_attent
 @pytest.mark.parametrize("share", [True, False])
 def test_compiled_ops_formulas_give_the_models_values_and_gradients(tiny, share):
     """The Qwen3.5 model (every norm, the GDN gates and l2 norm, the MoE experts' SwiGLU) through the
-    `CompiledOp` forward and backward formulas and their wiring (rows flattened, the gate's column slices,
-    the gated output norm) gives the log-probs and parameter gradients of the plain ops."""
+    forward and backward formulas of its CUDA paths (`CompiledOp`s, the norms' `row_norm.RowNorm`) and their
+    wiring (rows flattened, the gate's column slices, the gated output norm) gives the log-probs and
+    parameter gradients of the plain ops."""
     name, _, loaded, _ = tiny
     samples = samples_for(loaded, num_prompts=2, n=3)
     gen = torch.Generator().manual_seed(0)

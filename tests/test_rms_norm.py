@@ -1,8 +1,9 @@
-"""ps_bridge.kernels.rms_norm: the fused paths' backward formulas (the functions torch.compile compiles
-on CUDA) equal autograd through the plain expressions, in float64 on the CPU, for the plain and the
+"""ps_bridge.kernels.rms_norm: the one-pass backward formulas (what the Triton kernel computes on CUDA,
+`row_norm.py`) equal autograd through the plain expressions, in float64 on the CPU, for the plain and the
 zero-centred scale, with and without Gated DeltaNet's `silu` gate; bf16 inputs round as the plain
-expressions do. On the GPU (marker `gpu`): the compiled kernels against the plain expressions, by
-relative error to a float64 reference."""
+expressions do. On the GPU (marker `gpu`): `rms_norm` and `gated_rms_norm` (the Triton kernel there)
+against the plain expressions, by relative error to a float64 reference; the kernel itself runs on the
+CPU under Triton's interpreter in tests/test_row_norm_interpreter.py."""
 
 import pytest
 import torch
@@ -97,22 +98,22 @@ def test_bf16_rounds_once():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("zero_centered", [False, True])
-def test_gpu_fused_equals_naive(zero_centered):
+def test_gpu_kernel_equals_naive(zero_centered):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for tokens in (1000, 24576):  # a second row count: the compiled kernels are dynamic, not recompiled
+    for tokens in (1000, 24576):
         x = torch.randn(tokens, 2048, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()
         w = (torch.randn(2048, generator=gen, device="cuda") * 0.1).to(torch.bfloat16).requires_grad_()
         grad = torch.randn(tokens, 2048, generator=gen, device="cuda").to(torch.bfloat16)
         assert_compiled_op_no_worse(
-            f"rms_norm zero_centered={zero_centered} rows={tokens}", rn.fused, rn.naive, (x, w), grad, 1e-6, zero_centered
+            f"rms_norm zero_centered={zero_centered} rows={tokens}", rn.rms_norm, rn.naive, (x, w), grad, 1e-6, zero_centered
         )
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("zero_centered", [False, True])
-def test_gpu_fused_gated_equals_naive(zero_centered):
+def test_gpu_gated_kernel_equals_naive(zero_centered):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -122,6 +123,6 @@ def test_gpu_fused_gated_equals_naive(zero_centered):
         z = (torch.randn(rows, 128, generator=gen, device="cuda") * 2).to(torch.bfloat16).requires_grad_()
         grad = torch.randn(rows, 128, generator=gen, device="cuda").to(torch.bfloat16)
         assert_compiled_op_no_worse(
-            f"gated rms_norm zero_centered={zero_centered} rows={rows}", rn.fused_gated, rn.naive_gated, (x, w, z), grad,
+            f"gated rms_norm zero_centered={zero_centered} rows={rows}", rn.gated_rms_norm, rn.naive_gated, (x, w, z), grad,
             1e-6, zero_centered,
         )

@@ -7,19 +7,19 @@ stays float64) and rounded once to the input's dtype; `scale` is `1 + w` where t
   more backward, each reading and writing float32 tensors of the input's size (element-wise and
   reduction kernels are a fifth of the GPU time of the Qwen3.5-35B-A3B bench step on an H200:
   docs/bench/profile-moe-35b-a3b-g4-h200-2026-12-04.md).
-- `fused`: one compiled kernel forward and one backward (torch.compile on CUDA, the row count
-  dynamic), the same float32 arithmetic and the same single rounding; the backward recomputes the
-  row's `rsqrt` instead of saving it and returns the input's and the weight's gradients:
+- `_backward`: the gradients in one pass, which the Triton kernel computes (`row_norm.py`: one kernel
+  forward, one backward, the same float32 arithmetic and the same single rounding); it recomputes the
+  row's `rsqrt` instead of saving it:
       dx = r * g s - x r^3 mean(g s x),   dw = sum over rows of g x r   (r = rsqrt(mean(x^2) + eps)).
 
 `gated_rms_norm` is Gated DeltaNet's output norm, `rms_norm(x) * silu(gate)`: the norm rounded to the
 input's dtype (as the norm module returns it), times `silu` of the gate in float32, rounded once more; its
-fused backward keeps the norm's output gradient in float32 (one rounding fewer than autograd through the
-plain expression, which rounds it to the norm's dtype):
+backward (`_gated_backward`, the kernel's) keeps the norm's output gradient in float32 (one rounding fewer
+than autograd through the plain expression, which rounds it to the norm's dtype):
     d(norm) = g silu(z),   dz = g norm sigma(z) (1 + z (1 - sigma(z))).
 
-`rms_norm` and `gated_rms_norm` pick `fused` on CUDA and `naive` elsewhere (the CPU, Ascend NPUs: not
-compiled).
+`rms_norm` and `gated_rms_norm` run the Triton kernel where it runs (`row_norm.usable`: CUDA) and
+`naive` elsewhere (the CPU, Ascend NPUs).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ps_bridge.kernels.backend import CompiledOp, runs_compiled, wide
+from ps_bridge.kernels import row_norm
+from ps_bridge.kernels.backend import wide
 
 
 def _scale(weight: torch.Tensor, zero_centered: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -73,19 +74,15 @@ def _gated_backward(grad, x, weight, gate, eps: float, zero_centered: bool):
     return dx.to(x.dtype), dw.to(weight.dtype), dz.to(gate.dtype)
 
 
-fused = CompiledOp(naive, _backward, num_tensors=2)
-fused_gated = CompiledOp(naive_gated, _gated_backward, num_tensors=3)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
-    """`fused` on CUDA, `naive` elsewhere."""
-    if runs_compiled(x):
-        return fused(x, weight, eps, zero_centered)
+    """The Triton kernel where it runs (`row_norm.usable`), `naive` elsewhere."""
+    if row_norm.usable(x):
+        return row_norm.RowNorm.apply(x, weight, None, eps, True, zero_centered)
     return naive(x, weight, eps, zero_centered)
 
 
 def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
-    """`rms_norm(x, weight, eps, zero_centered) * silu(gate)`: `fused_gated` on CUDA, `naive_gated` elsewhere."""
-    if runs_compiled(x):
-        return fused_gated(x, weight, gate, eps, zero_centered)
+    """`rms_norm(x, weight, eps, zero_centered) * silu(gate)`: the Triton kernel where it runs, `naive_gated` elsewhere."""
+    if row_norm.usable(x):
+        return row_norm.RowNorm.apply(x, weight, gate, eps, True, zero_centered)
     return naive_gated(x, weight, gate, eps, zero_centered)

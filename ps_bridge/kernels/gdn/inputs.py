@@ -5,15 +5,17 @@ from the input projection, and the l2 norm of q and k after the conv.
   float64), as HF's and megatron's Gated DeltaNet compute it, and `beta = sigmoid(b)` in b's dtype.
 - `naive_l2_normalize`: `x * rsqrt(sum(x^2) + eps)` over the last dimension, in float32 at least and
   rounded once (fla's and HF's l2norm).
-- `fused_*`: the same arithmetic and roundings as one compiled kernel forward and one backward
-  (`backend.CompiledOp`, torch.compile on CUDA). Written out, each is several element-wise and
-  reduction passes forward and more backward, per layer: at small shapes each pass costs more host
-  time than GPU time (BENCHMARKS.md, "small shapes"). The backward formulas:
+- `fused_gates`: the same arithmetic and roundings as one compiled kernel forward and one backward
+  (`backend.CompiledOp`, torch.compile on CUDA); the l2 norm on CUDA is the Triton kernel of
+  `row_norm.py` (the RMS norm's, summing instead of averaging). Written out, each is several
+  element-wise and reduction passes forward and more backward, per layer: at small shapes each pass
+  costs more host time than GPU time (BENCHMARKS.md, "small shapes"). The backward formulas:
       dalpha = -dg exp(A_log) sigmoid(alpha + dt_bias)  (1 where softplus is linear, above 20),
       ddt_bias = sum of dalpha,  dA_log = sum of dg g,  db = dbeta beta (1 - beta),
       l2: dx = r dy - x r^3 sum(dy x)  (r = rsqrt(sum(x^2) + eps)).
 
-`gates` and `l2_normalize` pick `fused_*` on CUDA and `naive_*` elsewhere (the CPU, Ascend NPUs).
+`gates` picks `fused_gates` on CUDA, `l2_normalize` the Triton kernel (`row_norm.usable`), and both `naive_*`
+elsewhere (the CPU, Ascend NPUs).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ps_bridge.kernels import row_norm
 from ps_bridge.kernels.backend import CompiledOp, runs_compiled, wide
 
 SOFTPLUS_THRESHOLD = 20.0  # torch's softplus is the identity above this (its default threshold)
@@ -66,7 +69,6 @@ def _l2_backward(dy, x, eps: float):
 
 # the gates read column slices of the input projection's output: no contiguous copies of them
 fused_gates = CompiledOp(naive_gates, _gates_backward, num_tensors=4, contiguous=False)
-fused_l2_normalize = CompiledOp(naive_l2_normalize, _l2_backward, num_tensors=1)
 
 
 def gates(alpha, b, A_log, dt_bias):
@@ -75,5 +77,7 @@ def gates(alpha, b, A_log, dt_bias):
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """`fused_l2_normalize` on CUDA, `naive_l2_normalize` elsewhere."""
-    return (fused_l2_normalize if runs_compiled(x) else naive_l2_normalize)(x, eps)
+    """The Triton kernel where it runs (`row_norm.usable`), `naive_l2_normalize` elsewhere."""
+    if row_norm.usable(x):
+        return row_norm.RowNorm.apply(x, None, None, eps, False, False)
+    return naive_l2_normalize(x, eps)

@@ -1,0 +1,78 @@
+"""The norm kernels (`ps_bridge.kernels.row_norm`), run on the CPU by Triton's interpreter
+(`TRITON_INTERPRET=1`, in a child process), against the plain expressions and autograd through them
+(`rms_norm.naive`, `rms_norm.naive_gated`, `gdn.inputs.naive_l2_normalize`), in float32: the output
+and every gradient (input, weight, gate) of the plain and the zero-centred RMS norm, with and without
+the gate, and of the l2 norm; rows of a width that is not a power of two, rank-3 inputs, and more rows
+than the backward's programs take in one step (so a program sums its weight gradient over several
+steps, and the programs' sums are added). In bfloat16 the kernels round as the plain expressions do:
+each output is the float32 result rounded once. On the GPU the same kernels run in Qwen3.5's layers
+(tests/test_rms_norm.py, tests/test_gdn_inputs.py, marker `gpu`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+sys.path.insert(0, os.path.dirname(__file__))
+from triton_interpreter import run_interpreted  # noqa: E402
+
+CHILD = textwrap.dedent(
+    """
+    from ps_bridge.kernels import row_norm, rms_norm as rn
+    from ps_bridge.kernels.gdn import inputs
+
+    gen = torch.Generator().manual_seed(0)
+    cases = {
+        "rms": (lambda x, w, z: rn.naive(x, w, 1e-6, False), True, False, False),
+        "rms_zero_centred": (lambda x, w, z: rn.naive(x, w, 1e-6, True), True, False, True),
+        "gated": (lambda x, w, z: rn.naive_gated(x, w, z, 1e-6, False), True, True, False),
+        "gated_zero_centred": (lambda x, w, z: rn.naive_gated(x, w, z, 1e-6, True), True, True, True),
+        "l2": (lambda x, w, z: inputs.naive_l2_normalize(x, 1e-6), False, False, False),
+    }
+    for shape in ((7, 33), (5, 3, 16), (600, 33)):
+        for name, (plain, has_w, gated, zero_centered) in cases.items():
+            x = (torch.randn(shape, generator=gen) * 3).requires_grad_()
+            w = (torch.randn(shape[-1], generator=gen) * 0.5).requires_grad_() if has_w else None
+            z = (torch.randn(shape, generator=gen) * 2).requires_grad_() if gated else None
+            grad = torch.randn(shape, generator=gen)
+            leaves = [t for t in (x, w, z) if t is not None]
+            y = row_norm.RowNorm.apply(x, w, z, 1e-6, name != "l2", zero_centered)
+            got = (y, *torch.autograd.grad(y, leaves, grad))
+            y = plain(x, w, z)
+            want = (y, *torch.autograd.grad(y, leaves, grad))
+            for k, (a, b) in enumerate(zip(got, want)):
+                key = f"{name}_{'x'.join(map(str, shape))}_{k}"
+                result[key] = rel(a, b)
+                result["shapes_" + key] = float(a.shape != b.shape)
+
+    # bfloat16: the output is the float32 result rounded once
+    x = torch.randn(40, 96, generator=gen).to(torch.bfloat16)
+    w = torch.randn(96, generator=gen).to(torch.bfloat16)
+    z = torch.randn(40, 96, generator=gen).to(torch.bfloat16)
+    pairs = {
+        "bf16_rms": (row_norm.RowNorm.apply(x, w, None, 1e-6, True, True), rn.naive(x, w, 1e-6, True)),
+        "bf16_gated": (row_norm.RowNorm.apply(x, w, z, 1e-6, True, True), rn.naive_gated(x, w, z, 1e-6, True)),
+        "bf16_l2": (row_norm.RowNorm.apply(x, None, None, 1e-6, False, False), inputs.naive_l2_normalize(x)),
+    }
+    for key, (a, b) in pairs.items():
+        result[key] = rel(a, b)
+        result["dtype_" + key] = float(a.dtype != torch.bfloat16)
+    """
+)
+
+
+def test_norm_kernels_match_the_plain_expressions():
+    result = run_interpreted(CHILD)
+    assert len([k for k in result if not k.startswith(("shapes_", "dtype_", "bf16_"))]) == 3 * (3 + 3 + 4 + 4 + 2)
+    for key, value in result.items():
+        if key.startswith(("shapes_", "dtype_")):
+            assert value == 0.0, key
+        elif key.startswith("bf16_"):
+            # one bf16 rounding of float32 results that differ in their last bits: at most one bf16 step (2^-8)
+            assert value <= 2**-7, (key, value)
+        else:
+            assert value < 2e-5, (key, value)
