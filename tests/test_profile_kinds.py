@@ -26,6 +26,8 @@ def test_kernel_names_land_in_their_kind():
     assert kind_of("row_max_sumexp_kernel") == "vocabulary softmax"
     assert kind_of("void at::native::vectorized_gather_kernel<16, long>") == "gather, scatter, sort, top-k"
     assert kind_of("Memcpy DtoD (Device -> Device)") == "copies and fills"
+    assert kind_of("row_norm_bwd").startswith("fused element-wise")
+    assert kind_of("triton_red_fused__to_copy_mean_mul_pow_rsqrt_sum_1").startswith("fused element-wise")
     assert kind_of("void at::native::reduce_kernel<128, 4>") == "other elementwise and reductions"
 
 
