@@ -14,9 +14,10 @@ row of float32 per program).
 
 These are the formulas of `rms_norm.naive`/`_backward`, `rms_norm.naive_gated`/`_gated_backward`
 and `gdn.inputs.naive_l2_normalize`/`_l2_backward`. The same arithmetic compiled by torch.compile
-costs about 0.25 ms of host time per call forward and 0.35 ms backward (Dynamo's guards, the compiled
-graph's wrapper), which at Qwen3.5's shared shapes is longer than the GPU work of the layer's
-Gated DeltaNet part; a Triton launch costs a tenth of that.
+costs 0.3 ms of host time per call forward and 0.4 ms backward (Dynamo's guards, the compiled graph's
+wrapper; under the profiler, docs/bench/profile-qwen3.5-9b-one-level-h100-2026-12-06.md), which at
+Qwen3.5's shared shapes is longer than the GPU work of the layer's Gated DeltaNet part; these kernels
+cost 0.1 ms forward and 0.15 ms backward in the same profile.
 
 `usable(x)` says where they run: a CUDA tensor of a half, bfloat16 or float32 dtype whose last
 dimension is at most `MAX_COLUMNS`, Triton importable. (Under Triton's interpreter they also run on
