@@ -4,7 +4,7 @@
 and every gradient (input, weight, gate) of the plain and the zero-centred RMS norm, with and without
 the gate, and of the l2 norm; rows of a width that is not a power of two, rank-3 inputs, and more rows
 than the backward's programs take in one step (so a program sums its weight gradient over several
-steps, and the programs' sums are added). In bfloat16 the kernels round as the plain expressions do:
+steps, and the programs' sums are added), and no rows at all. In bfloat16 the kernels round as the plain expressions do:
 each output is the float32 result rounded once. On the GPU the same kernels run in Qwen3.5's layers
 (tests/test_rms_norm.py, tests/test_gdn_inputs.py, marker `gpu`)."""
 
@@ -48,6 +48,13 @@ CHILD = textwrap.dedent(
                 key = f"{name}_{'x'.join(map(str, shape))}_{k}"
                 result[key] = rel(a, b)
                 result["shapes_" + key] = float(a.shape != b.shape)
+
+    # no rows (a shard without tokens): empty outputs and gradients, a zero weight gradient
+    x = torch.zeros(0, 33).requires_grad_()
+    w = torch.randn(33, generator=gen).requires_grad_()
+    y = row_norm.RowNorm.apply(x, w, None, 1e-6, True, True)
+    dx, dw = torch.autograd.grad(y, [x, w], torch.zeros(0, 33))
+    result["shapes_empty"] = float(y.shape != (0, 33) or dx.shape != (0, 33) or not torch.equal(dw, torch.zeros(33)))
 
     # bfloat16: the output is the float32 result rounded once
     x = torch.randn(40, 96, generator=gen).to(torch.bfloat16)

@@ -122,11 +122,23 @@ def _blocks(n: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _programs(device: torch.device) -> int:
-    """Programs of the backward: four per multiprocessor (8 where there is no CUDA device: the interpreter)."""
+def _max_programs(device: torch.device) -> int:
+    """Four programs per multiprocessor (8 where there is no CUDA device: the interpreter)."""
     if device.type != "cuda":
         return 8
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def programs_for(M: int, R: int, device: torch.device):
+    """(programs, rows per program) of a backward that sums per-column values over `M` rows, `R` rows a
+    step: each program takes a whole number of steps, and every program has a row (one program of one
+    step where there are no rows)."""
+    def ceil(a, b):
+        return -(-a // b)
+
+    programs = max(1, min(ceil(M, R), _max_programs(device)))
+    rows_per_program = max(1, ceil(ceil(M, programs), R)) * R
+    return max(1, ceil(M, rows_per_program)), rows_per_program
 
 
 def forward(x: torch.Tensor, weight: Optional[torch.Tensor], gate: Optional[torch.Tensor], eps: float, mean: bool,
@@ -147,12 +159,10 @@ def backward(grad: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor]
              eps: float, mean: bool, zero_centered: bool):
     """(dx, dw, dz) of `forward` for its output gradient `grad` (contiguous, as `x`); dw None without a
     weight, dz None without a gate; each in its tensor's dtype."""
-    triton, _, kernel = _triton()
+    _, _, kernel = _triton()
     M, N = x.shape
     R, BN, warps = _blocks(N)
-    programs = max(1, min(triton.cdiv(M, R), _programs(x.device)))
-    rows_per_program = triton.cdiv(triton.cdiv(M, programs), R) * R
-    programs = max(1, triton.cdiv(M, rows_per_program))
+    programs, rows_per_program = programs_for(M, R, x.device)
     dx = torch.empty_like(x)
     dz = None if gate is None else torch.empty_like(gate)
     part = None if weight is None else torch.empty(programs, N, dtype=torch.float32, device=x.device)
