@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ps_bridge.kernels import backend
 from ps_bridge.kernels.gdn import inputs
-from test_rms_norm import assert_compiled_op_no_worse, assert_fused_no_worse
+from test_rms_norm import assert_op_no_worse, assert_fused_no_worse
 
 
 def _gate_inputs(dtype, device="cpu", rows=11, heads=6, seed=0):
@@ -104,4 +104,4 @@ def test_gpu_fused_gates_and_l2_equal_naive():
         x = (torch.randn(rows, 16, 128, generator=gen, device="cuda") * 2).to(torch.bfloat16).requires_grad_()
         dy = torch.randn(rows, 16, 128, generator=gen, device="cuda").to(torch.bfloat16)
         # through `l2_normalize`: the rank-3 q/k go to the kernel as rows
-        assert_compiled_op_no_worse(f"l2 rows={rows}", inputs.l2_normalize, inputs.naive_l2_normalize, (x,), dy)
+        assert_op_no_worse(f"l2 rows={rows}", inputs.l2_normalize, inputs.naive_l2_normalize, (x,), dy)

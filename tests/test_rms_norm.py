@@ -27,16 +27,16 @@ def assert_fused_no_worse(label: str, fused, reference, plain) -> None:
         assert err <= 1.1 * err_plain + TOLERANCE_FLOOR, (label, k, err, err_plain)
 
 
-def assert_compiled_op_no_worse(label: str, compiled, plain, tensors, grad, *constants) -> None:
-    """`assert_fused_no_worse` for a one-output op: `compiled(*tensors, *constants)` and `plain(...)` on the
-    bf16 leaves `tensors`, the reference `plain` on their float64 copies; each output and its gradients to
-    the leaves for the output gradient `grad`."""
+def assert_op_no_worse(label: str, fused, plain, tensors, grad, *constants) -> None:
+    """`assert_fused_no_worse` for a one-output op: `fused(*tensors, *constants)` (a Triton kernel's or a
+    compiled op's path) and `plain(...)` on the bf16 leaves `tensors`, the reference `plain` on their float64
+    copies; each output and its gradients to the leaves for the output gradient `grad`."""
 
     def run(fn, args):
         y = fn(*args, *constants)
         return (y, *torch.autograd.grad(y, tensors, grad.to(y.dtype)))
 
-    assert_fused_no_worse(label, run(compiled, tensors), run(plain, [t.double() for t in tensors]), run(plain, tensors))
+    assert_fused_no_worse(label, run(fused, tensors), run(plain, [t.double() for t in tensors]), run(plain, tensors))
 
 
 @pytest.mark.parametrize("zero_centered", [False, True])
@@ -106,7 +106,7 @@ def test_gpu_kernel_equals_naive(zero_centered):
         x = torch.randn(tokens, 2048, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()
         w = (torch.randn(2048, generator=gen, device="cuda") * 0.1).to(torch.bfloat16).requires_grad_()
         grad = torch.randn(tokens, 2048, generator=gen, device="cuda").to(torch.bfloat16)
-        assert_compiled_op_no_worse(
+        assert_op_no_worse(
             f"rms_norm zero_centered={zero_centered} rows={tokens}", rn.rms_norm, rn.naive, (x, w), grad, 1e-6, zero_centered
         )
 
@@ -122,7 +122,7 @@ def test_gpu_gated_kernel_equals_naive(zero_centered):
         w = (torch.randn(128, generator=gen, device="cuda") * 0.1).to(torch.bfloat16).requires_grad_()
         z = (torch.randn(rows, 128, generator=gen, device="cuda") * 2).to(torch.bfloat16).requires_grad_()
         grad = torch.randn(rows, 128, generator=gen, device="cuda").to(torch.bfloat16)
-        assert_compiled_op_no_worse(
+        assert_op_no_worse(
             f"gated rms_norm zero_centered={zero_centered} rows={rows}", rn.gated_rms_norm, rn.naive_gated, (x, w, z), grad,
             1e-6, zero_centered,
         )

@@ -121,10 +121,9 @@ def kinds_table(shared: dict, unshared: dict, token_ratio: float, ratios: Option
     lines.append(f"| all | {all_s:.1f} | {all_u:.1f} | {all_u / all_s:.2f} | {all_u / ideal:.2f} | "
                  f"{all_s - ideal:.1f} |")
     over_f = (lambda x: f" = {x / flop_ratio:.2f} F") if flop_ratio else (lambda x: "")
-    ceiling = f"every kind at its ratio: {ideal:.1f} ms shared, {all_u / ideal:.2f}x"
+    ceiling = f"every kind at its ratio: {ideal:.1f} ms shared, {all_u / ideal:.2f}x{over_f(all_u / ideal)}"
     if flop_ratio:
-        ceiling += (f" = {all_u / ideal / flop_ratio:.2f} F (measured {all_u / all_s / flop_ratio:.2f} F, "
-                    f"F = {flop_ratio:.2f})")
+        ceiling += f" (measured {all_u / all_s / flop_ratio:.2f} F, F = {flop_ratio:.2f})"
     # What no fusion of memory-bound work can pass: the step with the kinds held to S gone from both
     # packings (as if they took no time), the kinds of the FLOP count as measured and at their ratios
     counted = {kind: t for kind, t in totals.items() if kind in ratios}
