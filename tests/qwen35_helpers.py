@@ -30,9 +30,10 @@ def compiled_formulas_on_cpu():
     """The element-wise ops' CUDA paths on the CPU: the `CompiledOp`s with their plain forward and backward
     functions in place of the compiled ones (what torch.compile compiles on CUDA, uncompiled), and the
     norms' `row_norm.RowNorm` with the formulas its Triton kernels compute (`rms_norm._backward`, ...) in
-    place of the kernels (which tests/test_row_norm_interpreter.py runs against the same formulas)."""
+    place of the kernels, and the gates' `triton_gates.Gates` likewise (tests/test_row_norm_interpreter.py runs
+    the kernels against the same formulas)."""
     from ps_bridge.kernels import backend, rms_norm, row_norm, weighted_swiglu
-    from ps_bridge.kernels.gdn import inputs
+    from ps_bridge.kernels.gdn import inputs, triton_gates
 
     def forward(x, weight, gate, eps, mean, zero_centered):
         if not mean:
@@ -48,16 +49,20 @@ def compiled_formulas_on_cpu():
             return (*rms_norm._backward(grad, x, weight, eps, zero_centered), None)
         return rms_norm._gated_backward(grad, x, weight, gate, eps, zero_centered)
 
-    ops = (inputs.fused_gates, weighted_swiglu.fused)
-    saved = backend.COMPILED_DEVICES, row_norm.usable, row_norm.forward, row_norm.backward
+    ops = (weighted_swiglu.fused,)
+    saved = (backend.COMPILED_DEVICES, row_norm.usable, row_norm.forward, row_norm.backward, triton_gates.usable,
+             triton_gates.forward, triton_gates.backward)
     backend.COMPILED_DEVICES = ("cuda", "cpu")
     row_norm.usable, row_norm.forward, row_norm.backward = (lambda x: True), forward, backward
+    triton_gates.usable, triton_gates.forward = (lambda alpha, A_log: True), inputs.naive_gates
+    triton_gates.backward = inputs._gates_backward
     for op in ops:
         op.__dict__["compiled"] = op._functions  # the cached_property's slot
     try:
         yield
     finally:
-        backend.COMPILED_DEVICES, row_norm.usable, row_norm.forward, row_norm.backward = saved
+        (backend.COMPILED_DEVICES, row_norm.usable, row_norm.forward, row_norm.backward, triton_gates.usable,
+         triton_gates.forward, triton_gates.backward) = saved
         for op in ops:
             op.__dict__.pop("compiled", None)
 

@@ -1,10 +1,10 @@
-"""ps_bridge.kernels.gdn.inputs and backend.CompiledOp: the fused paths' backward formulas (what
-torch.compile compiles on CUDA) equal autograd through the plain expressions in float64 on the CPU (the
+"""ps_bridge.kernels.gdn.inputs and backend.CompiledOp: the backward formulas (what the Triton kernels
+compute on CUDA) equal autograd through the plain expressions in float64 on the CPU (the
 decay gate on both sides of softplus's threshold); the plain expressions round as the model computed
 them before (beta in its own dtype, the decay in float32); CompiledOp hands autograd the backward's
-gradients for its tensors and none for its constants. On the GPU (marker `gpu`): the compiled gates and
-the l2 norm's Triton kernel (`row_norm.py`) against the plain expressions, by relative error to a float64
-reference."""
+gradients for its tensors and none for its constants. On the GPU (marker `gpu`): the gates' and the l2
+norm's Triton kernels (`triton_gates.py`, `row_norm.py`) against the plain expressions, by relative error
+to a float64 reference."""
 
 import pytest
 import torch
@@ -84,7 +84,7 @@ def test_compiled_op_runs_under_autograd():
 def test_gpu_fused_gates_and_l2_equal_naive():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    for rows in (300, 24576):  # a second row count: the compiled kernels are dynamic, not recompiled
+    for rows in (300, 24576):
         gen = torch.Generator(device="cuda").manual_seed(rows)
         proj = (torch.randn(rows, 64, generator=gen, device="cuda") * 3).to(torch.bfloat16)
         alpha, b = proj[:, :32], proj[:, 32:]  # column slices of one projection, as in the model
@@ -99,7 +99,7 @@ def test_gpu_fused_gates_and_l2_equal_naive():
             return (g, beta, *torch.autograd.grad((g, beta), args, (dg.to(g.dtype), dbeta.to(beta.dtype))))
 
         ref = run(inputs.naive_gates, *(t.double() for t in (alpha, b, A_log, dt_bias)))
-        got, plain = run(inputs.fused_gates, alpha, b, A_log, dt_bias), run(inputs.naive_gates, alpha, b, A_log, dt_bias)
+        got, plain = run(inputs.gates, alpha, b, A_log, dt_bias), run(inputs.naive_gates, alpha, b, A_log, dt_bias)
         assert_fused_no_worse(f"gates rows={rows}", got, ref, plain)
         x = (torch.randn(rows, 16, 128, generator=gen, device="cuda") * 2).to(torch.bfloat16).requires_grad_()
         dy = torch.randn(rows, 16, 128, generator=gen, device="cuda").to(torch.bfloat16)

@@ -5,17 +5,17 @@ from the input projection, and the l2 norm of q and k after the conv.
   float64), as HF's and megatron's Gated DeltaNet compute it, and `beta = sigmoid(b)` in b's dtype.
 - `naive_l2_normalize`: `x * rsqrt(sum(x^2) + eps)` over the last dimension, in float32 at least and
   rounded once (fla's and HF's l2norm).
-- `fused_gates`: the same arithmetic and roundings as one compiled kernel forward and one backward
-  (`backend.CompiledOp`, torch.compile on CUDA); the l2 norm on CUDA is the Triton kernel of
-  `row_norm.py` (the RMS norm's, summing instead of averaging). Written out, each is several
-  element-wise and reduction passes forward and more backward, per layer: at small shapes each pass
-  costs more host time than GPU time (BENCHMARKS.md, "small shapes"). The backward formulas:
+- On CUDA the same arithmetic and roundings as one Triton kernel forward and one backward: the gates
+  `triton_gates.py`, the l2 norm `row_norm.py` (the RMS norm's, summing instead of averaging). Written
+  out, each is several element-wise and reduction passes forward and more backward, per layer: at small
+  shapes each pass costs more host time than GPU time (BENCHMARKS.md, "small shapes"). The backward
+  formulas (`_gates_backward`, `_l2_backward`, which the kernels compute):
       dalpha = -dg exp(A_log) sigmoid(alpha + dt_bias)  (1 where softplus is linear, above 20),
       ddt_bias = sum of dalpha,  dA_log = sum of dg g,  db = dbeta beta (1 - beta),
       l2: dx = r dy - x r^3 sum(dy x)  (r = rsqrt(sum(x^2) + eps)).
 
-`gates` picks `fused_gates` on CUDA, `l2_normalize` the Triton kernel (`row_norm.usable`), and both `naive_*`
-elsewhere (the CPU, Ascend NPUs).
+`gates` and `l2_normalize` run the kernels where they run (CUDA: `triton_gates.usable`, `row_norm.usable`)
+and `naive_*` elsewhere (the CPU, Ascend NPUs).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from ps_bridge.kernels import row_norm
-from ps_bridge.kernels.backend import CompiledOp, runs_compiled, wide
-
-SOFTPLUS_THRESHOLD = 20.0  # torch's softplus is the identity above this (its default threshold)
+from ps_bridge.kernels.backend import wide
+from ps_bridge.kernels.gdn import triton_gates
+from ps_bridge.kernels.gdn.triton_gates import SOFTPLUS_THRESHOLD
 
 
 def _decay_dtype(alpha: torch.Tensor, A_log: torch.Tensor) -> torch.dtype:
@@ -67,13 +67,14 @@ def _l2_backward(dy, x, eps: float):
     return (dx.to(x.dtype),)
 
 
-# the gates read column slices of the input projection's output: no contiguous copies of them
-fused_gates = CompiledOp(naive_gates, _gates_backward, num_tensors=4, contiguous=False)
 
 
 def gates(alpha, b, A_log, dt_bias):
-    """(g, beta): `fused_gates` on CUDA, `naive_gates` elsewhere."""
-    return (fused_gates if runs_compiled(alpha) else naive_gates)(alpha, b, A_log, dt_bias)
+    """(g, beta): the Triton kernel where it runs (`triton_gates.usable`; it reads the input projection's
+    column slices in place), `naive_gates` elsewhere."""
+    if triton_gates.usable(alpha, A_log):
+        return triton_gates.Gates.apply(alpha, b, A_log, dt_bias)
+    return naive_gates(alpha, b, A_log, dt_bias)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
