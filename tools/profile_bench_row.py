@@ -58,7 +58,7 @@ KINDS = (
     ("Gated DeltaNet and its conv (fla)", ("chunk", "wy_repr", "recompute_w_u", "kernel_h", "dhu", "causal_conv1d",
                                            "kernel_kernel", "l2norm", "cumsum", "solve_tril", "merge_16x16")),
     ("gather, scatter, sort, top-k", ("gather", "scatter", "index", "Index", "sort", "Sort", "topk", "TopK")),
-    ("fused element-wise (Triton: our norms, torch.compile's)", ("row_norm_", "triton_")),
+    ("fused element-wise (Triton: our norms and gates, torch.compile's)", ("row_norm_", "gates_fwd", "gates_bwd", "triton_")),
     ("copies and fills", ("Memcpy", "Memset", "copy", "Fill", "Cat")),
 )
 
