@@ -10,9 +10,9 @@ and backward (`inputs._gates_backward`'s formulas):
 with the two sums taken per program over a share of the tokens and the shares added by torch. The
 kernels read `alpha` and `b` in place (any row stride), as the projection's output holds them.
 
-The same arithmetic compiled by torch.compile costs 0.3 ms of host time per layer forward and 0.4 ms
-backward under the profiler (docs/bench/profile-qwen3.5-9b-one-level-h100-2026-12-06.md), the norms'
-Triton kernels 0.1 and 0.15 ms.
+The same arithmetic compiled by torch.compile cost 0.6 ms of host time per layer forward and 0.9 ms
+backward under the profiler (Dynamo's guards, the compiled graph's wrapper), these kernels 0.16 and 0.42 ms
+in the same profile (docs/bench/profile-qwen3.5-0.8b-triton-gates-before-after-h100-2026-12-06.md).
 
 `usable(alpha, A_log)` says where they run: CUDA tensors of half, bfloat16 or float32 dtypes, Triton
 importable. (Under Triton's interpreter they also run on CPU tensors: tests/test_row_norm_interpreter.py.)
