@@ -9,6 +9,7 @@ import torch
 
 from gdn_cases import make_case, packed_inputs, sample_outputs
 from ps_bridge.kernels.gdn import (
+    forked_gated_delta_rule,
     plan_from_layout,
     prefix_shared_gated_delta_net,
     resolve_gdn_backend,
@@ -98,6 +99,49 @@ def test_prompt_shorter_than_conv_width():
     unshared = build_layout(case.samples, share=False, pad_multiple=3)
     out_diff, grad_diff = compare(case, shared, unshared)
     assert out_diff < 1e-12 and grad_diff < 1e-12
+
+
+class _SumBackend:
+    """A delta rule of plain differentiable arithmetic: what reaches the backward graph is the wiring's."""
+
+    @staticmethod
+    def gated_delta_rule(q, k, v, g, beta, scale, cu, cu_host, initial_state, output_final_state, chunk_index=None):
+        o = v * (g * beta).unsqueeze(-1) + (q.sum() + k.sum()) * scale
+        states = o.sum() * torch.ones(cu.numel() - 1, 1, dtype=o.dtype)
+        return o, states if initial_state is None else states + initial_state.sum()
+
+
+def _backward_node_names(out):
+    names, seen, stack = [], set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_each_delta_rule_input_is_split_once_not_sliced_per_level(share):
+    """The levels tile the compacted tokens, so each of q, k, v, g, beta is split once (its backward
+    one cat); a slice per level would zero-fill the input's whole gradient for every level."""
+    case = make_case()
+    layout = build_layout(case.samples, share=share, pad_multiple=1)
+    plan = plan_from_layout(layout)
+    L, gen = plan.levels[-1].end, torch.Generator().manual_seed(1)
+    H, K, HV, V = case.num_key_heads, case.key_head_dim, case.num_value_heads, case.value_head_dim
+    q, k = (torch.randn(L, H, K, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    v = torch.randn(L, HV, V, generator=gen, dtype=torch.float64, requires_grad=True)
+    g, beta = (torch.rand(L, HV, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out = forked_gated_delta_rule(q, k, v, g, beta, K**-0.5, plan, _SumBackend())
+    names = _backward_node_names(out)
+    assert len(plan.levels) == (2 if share else 1)
+    assert "SliceBackward0" not in names
+    assert names.count("SplitWithSizesBackward0") == (5 if share else 0)
+    with pytest.raises(ValueError, match="levels cover tokens"):
+        forked_gated_delta_rule(q[1:], k[1:], v[1:], g[1:], beta[1:], K**-0.5, plan, _SumBackend())
 
 
 def test_backend_resolution():

@@ -55,18 +55,24 @@ def forked_causal_conv1d(x, weight, bias, plan: GDNPlan, backend, activation="si
 def forked_gated_delta_rule(q, k, v, g, beta, scale, plan: GDNPlan, backend, fork: bool = True):
     """Gated delta rule over compacted tokens, one call per tree level, each node from its parent's
     final state (a level's filler sequences, under level buckets, from zeros)."""
+    sizes = [level.end - level.start for level in plan.levels]
+    if plan.levels[0].start != 0 or sum(sizes) != q.shape[0]:
+        raise ValueError(f"the plan's levels cover tokens {plan.levels[0].start}..{plan.levels[-1].end}, "
+                         f"the delta rule received {q.shape[0]}")
+    inputs = (q, k, v, g, beta)
+    # the levels tile the tokens: one split per input, whose backward is one cat, where a slice per
+    # level would zero-fill the whole input's gradient for each level, copy its part in, and sum them
+    pieces = [inputs] if len(sizes) == 1 else zip(*(torch.split(t, sizes) for t in inputs))
     outs = []
     states = None
-    for level in plan.levels:
-        a, b = level.start, level.end
+    for level, (q_, k_, v_, g_, beta_) in zip(plan.levels, pieces):
         init = None
         if level.parent is not None and fork:
             init = fork_states(states, level.parent)
             if level.fillers:
                 init = torch.cat([init, init.new_zeros(level.fillers, *init.shape[1:])])
         o, states = backend.gated_delta_rule(
-            q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], scale, level.cu, level.cu_host, init, level.has_children,
-            level.chunk_index,
+            q_, k_, v_, g_, beta_, scale, level.cu, level.cu_host, init, level.has_children, level.chunk_index,
         )
         outs.append(o)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
