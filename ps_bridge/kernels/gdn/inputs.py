@@ -67,8 +67,6 @@ def _l2_backward(dy, x, eps: float):
     return (dx.to(x.dtype),)
 
 
-
-
 def gates(alpha, b, A_log, dt_bias):
     """(g, beta): the Triton kernel where it runs (`triton_gates.usable`; it reads the input projection's
     column slices in place), `naive_gates` elsewhere."""
