@@ -13,6 +13,10 @@
 #           BUCKETS, two warm-up steps; PROFILE_PYTHON=1: cProfile too; PROFILE_KINDS: shared,stock); its files in $OUT/profile.tgz.
 # GRID_ORDER: interleave (default: both engines resident, steps in turns) or shared-first (one engine at a
 # time, the prefix-shared one first: where both engines and the graphs' memory do not fit on the GPU at once).
+# GRID_OVERRIDES: verl settings for the grid (space-separated, default the mini-batch of 4 prompts); on an
+# 80 GB card (128, 256) needs smaller log-prob micro-batches, e.g. "actor_rollout_ref.actor.ppo_mini_batch_size=4
+# actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=16384 actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=16384":
+# the log-prob pass holds its read positions' bf16 logits, 0.5 MB each with Qwen3.5's vocabulary.
 # SIDES="before after": the verl step runs first with the revision archived in .wt/base installed, then with
 # this checkout (archive it as tools/gpu_before_after.sh says; carry .wt); default "after" only.
 # Usage (repository root): STEPS="tests verl" GRID="qwen3.5-0.8b:128:32" tools/gpu_cuda_graphs.sh
@@ -66,7 +70,7 @@ for s in ${STEPS:-tests verl}; do
             (cd "$dir" && PS_BRIDGE_CUDA_GRAPHS=1 PS_BRIDGE_CUDA_GRAPH_BUCKETS=$buckets timeout -k 5 "$limit" python3 tools/verl_check_grid.py \
               --runs "${GRID:-qwen3.5-0.8b:128:32,qwen2.5-0.5b:128:32}" --steps "${GRID_STEPS:-9}" --"${GRID_ORDER:-interleave}" \
               --baseline-graphs "$baseline" --workdir /tmp/verl-check \
-              --json "$OUT/verl-grid-$tag$buckets-graphs-vs-$baseline.json") >>"$LOG" 2>&1
+              --json "$OUT/verl-grid-$tag$buckets-graphs-vs-$baseline.json" ${GRID_OVERRIDES:-actor_rollout_ref.actor.ppo_mini_batch_size=4}) >>"$LOG" 2>&1
             echo "=== [$SECONDS s] verl grid exit $?" | tee -a "$LOG"
           done
         done
