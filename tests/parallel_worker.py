@@ -39,8 +39,8 @@ def main() -> None:
     parser.add_argument("--moe-load-balancing", choices=["aux_loss", "global_aux_loss"], help="the routers' load-balancing loss")
     parser.add_argument("--unshared", action="store_true", help="every sample its own sequence (share=False)")
     parser.add_argument("--tree", action="store_true", help="prefix trees: PrefixSharingConfig(tree=True, tree_min_shared=0)")
-    parser.add_argument("--compiled-formulas", action="store_true",
-                        help="the element-wise ops' CompiledOp paths on the CPU (qwen35_helpers.compiled_formulas_on_cpu)")
+    parser.add_argument("--cuda-op-formulas", action="store_true",
+                        help="the element-wise ops' CUDA paths on the CPU (qwen35_helpers.cuda_op_formulas_on_cpu)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     logging.getLogger("ps_bridge").setLevel(logging.INFO)
@@ -57,10 +57,10 @@ def main() -> None:
         ps_bridge.tools.schedule.finish_gradients = lambda model, config: None
 
     run = contextlib.ExitStack()  # what holds for the whole run (kept referenced until main returns)
-    if args.compiled_formulas:
-        from qwen35_helpers import compiled_formulas_on_cpu
+    if args.cuda_op_formulas:
+        from qwen35_helpers import cuda_op_formulas_on_cpu
 
-        run.enter_context(compiled_formulas_on_cpu())
+        run.enter_context(cuda_op_formulas_on_cpu())
     with contextlib.ExitStack() as build:
         if args.moe_recompute:
             build.enter_context(moe_recompute_on_build())

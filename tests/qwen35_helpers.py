@@ -26,12 +26,11 @@ def skip_where_vl_refused():
 
 
 @contextlib.contextmanager
-def compiled_formulas_on_cpu():
-    """The element-wise ops' CUDA paths on the CPU: the `CompiledOp`s with their plain forward and backward
-    functions in place of the compiled ones (what torch.compile compiles on CUDA, uncompiled), and the
-    norms' `row_norm.RowNorm` with the formulas its Triton kernels compute (`rms_norm._backward`, ...) in
-    place of the kernels, and the gates' `triton_gates.Gates` likewise (tests/test_row_norm_interpreter.py runs
-    the kernels against the same formulas)."""
+def cuda_op_formulas_on_cpu():
+    """The element-wise ops' CUDA paths on the CPU: the norms' `row_norm.RowNorm` and the gates'
+    `triton_gates.Gates` with the formulas their Triton kernels compute (`rms_norm._backward`, ...) in place
+    of the kernels (tests/test_row_norm_interpreter.py runs the kernels against the same formulas), and the
+    MoE SwiGLU's `CompiledOp` with its plain forward and backward functions in place of the compiled ones."""
     from ps_bridge.kernels import backend, rms_norm, row_norm, weighted_swiglu
     from ps_bridge.kernels.gdn import inputs, triton_gates
 

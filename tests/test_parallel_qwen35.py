@@ -27,8 +27,8 @@ CONFIGS = {
     "tp2": (2, ["--tp", "2"], 2, 1),
     "tp2_sp": (2, ["--tp", "2", "--sp"], 2, 1),
     "pp2": (2, ["--pp", "2"], 1, 2),
-    # the element-wise ops' compiled-path formulas and wiring (the gated output norm's TP reduction)
-    "tp2_sp_compiled": (2, ["--tp", "2", "--sp", "--compiled-formulas"], 2, 1),
+    # the element-wise ops' CUDA-path formulas and wiring (the gated output norm's TP reduction)
+    "tp2_sp_cuda_ops": (2, ["--tp", "2", "--sp", "--cuda-op-formulas"], 2, 1),
 }
 
 
@@ -55,7 +55,7 @@ def qwen35_case(tmp_path_factory, request):
 # MoE at TP=2 without SP is not a training configuration: megatron's MoELayer raises "During
 # training, performance may degrade if MoE and tensor parallelism are enabled without also enabling
 # sequence parallelism" in training mode, so the MoE model runs TP=2 with SP only.
-CASES = [("qwen3.5", c) for c in CONFIGS] + [("qwen3.5-moe", c) for c in ("tp2_sp", "pp2", "tp2_sp_compiled")]
+CASES = [("qwen3.5", c) for c in CONFIGS] + [("qwen3.5-moe", c) for c in ("tp2_sp", "pp2", "tp2_sp_cuda_ops")]
 
 
 @pytest.mark.parametrize("arch, config", CASES)

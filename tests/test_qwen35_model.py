@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from qwen35_helpers import (
-    compiled_formulas_on_cpu,
+    cuda_op_formulas_on_cpu,
     export_matches_checkpoint,
     float64_response_logprobs,
     layout_for,
@@ -266,16 +266,16 @@ def test_float32_decay_gate_gradients_equal_float64(tiny, tiny64, float64_attent
 
 
 @pytest.mark.parametrize("share", [True, False])
-def test_compiled_ops_formulas_give_the_models_values_and_gradients(tiny, share):
+def test_cuda_op_formulas_give_the_models_values_and_gradients(tiny, share):
     """The Qwen3.5 model (every norm, the GDN gates and l2 norm, the MoE experts' SwiGLU) through the
-    forward and backward formulas of its CUDA paths (`CompiledOp`s, the norms' `row_norm.RowNorm`) and their
-    wiring (rows flattened, the gate's column slices, the gated output norm) gives the log-probs and
-    parameter gradients of the plain ops."""
+    forward and backward formulas of its CUDA paths (the norms' `row_norm.RowNorm`, the gates'
+    `triton_gates.Gates`, the SwiGLU's `CompiledOp`) and their wiring (rows flattened, the gate's column
+    slices, the gated output norm) gives the log-probs and parameter gradients of the plain ops."""
     name, _, loaded, _ = tiny
     samples = samples_for(loaded, num_prompts=2, n=3)
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(len(s.response), generator=gen) for s in samples]
-    with compiled_formulas_on_cpu():
+    with cuda_op_formulas_on_cpu():
         with torch.no_grad():
             got_lp = per_sample_response_logprobs(loaded, samples, share=share)
         got = param_grads(loaded, samples, share, weights)
