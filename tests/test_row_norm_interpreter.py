@@ -9,7 +9,7 @@ steps, and the programs' sums are added), and no rows at all. In bfloat16 the ke
 expressions do: each output is the float32 result rounded once. The gates (`inputs.naive_gates`): the decay
 in float32 and beta, their gradients to the projection's column slices (read in place, a row stride wider
 than the heads) and the per-head sums of `A_log`'s and `dt_bias`'s, with the decay's input on both sides of
-softplus's threshold and far below zero. On the GPU the same kernels run in Qwen3.5's layers
+softplus's threshold and far below zero, and no rows. On the GPU the same kernels run in Qwen3.5's layers
 (tests/test_rms_norm.py, tests/test_gdn_inputs.py, marker `gpu`)."""
 
 from __future__ import annotations
@@ -92,6 +92,15 @@ CHILD = textwrap.dedent(
             result[f"gates_{rows}_{k}"] = rel(a, b_)
             result[f"shapes_gates_{rows}_{k}"] = float(a.shape != b_.shape or a.dtype != b_.dtype)
         result[f"gates_{rows}_tiny_decay"] = float(abs(got[0][1, 1] / want[0][1, 1] - 1))
+
+    # no rows: empty gates and input gradients, zero per-head gradients
+    leaves = [torch.zeros(0, 6).requires_grad_(), torch.zeros(0, 6).requires_grad_(),
+              torch.rand(6, generator=gen).requires_grad_(), torch.randn(6, generator=gen).requires_grad_()]
+    g, beta = triton_gates.Gates.apply(*leaves)
+    grads = torch.autograd.grad((g, beta), leaves, (torch.zeros(0, 6), torch.zeros(0, 6)))
+    result["shapes_gates_empty"] = float(g.shape != (0, 6) or beta.shape != (0, 6) or grads[0].shape != (0, 6)
+                                         or grads[1].shape != (0, 6) or not torch.equal(grads[2], torch.zeros(6))
+                                         or not torch.equal(grads[3], torch.zeros(6)))
     """
 )
 
