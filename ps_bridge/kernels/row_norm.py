@@ -114,8 +114,8 @@ def usable(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in DTYPES and 0 < x.shape[-1] <= MAX_COLUMNS and _triton() is not None
 
 
-def _blocks(n: int):
-    """(rows per step R, columns BN, warps) for rows of `n` columns."""
+def blocks(n: int):
+    """(rows per step R, columns BN, warps) for rows of `n` columns (the gate kernels' too)."""
     bn = 1 << max(n - 1, 0).bit_length()
     rows = max(1, ELEMENTS // bn)
     return rows, bn, 8 if rows * bn >= 4096 else 4
@@ -148,7 +148,7 @@ def forward(x: torch.Tensor, weight: Optional[torch.Tensor], gate: Optional[torc
     M, N = x.shape
     y = torch.empty_like(x)
     if M:
-        R, BN, warps = _blocks(N)
+        R, BN, warps = blocks(N)
         kernel[(triton.cdiv(M, R),)](
             x, x if weight is None else weight, x if gate is None else gate, y, M, N, eps, MEAN=mean,
             HAS_W=weight is not None, ZERO_CENTERED=zero_centered, GATED=gate is not None, R=R, BN=BN, num_warps=warps)
@@ -161,7 +161,7 @@ def backward(grad: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor]
     weight, dz None without a gate; each in its tensor's dtype."""
     _, _, kernel = _triton()
     M, N = x.shape
-    R, BN, warps = _blocks(N)
+    R, BN, warps = blocks(N)
     programs, rows_per_program = programs_for(M, R, x.device)
     dx = torch.empty_like(x)
     dz = None if gate is None else torch.empty_like(gate)

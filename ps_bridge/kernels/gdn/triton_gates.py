@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ps_bridge.kernels.backend import triton_kernels
-from ps_bridge.kernels.row_norm import DTYPES, ELEMENTS, programs_for
+from ps_bridge.kernels.row_norm import DTYPES, blocks, programs_for
 
 SOFTPLUS_THRESHOLD = 20.0  # torch's softplus is the identity above this (its default threshold)
 SMALL = 1e-4  # below this log(1 + y) is y (1 - y / 2): float32's log(1 + y) would lose y
@@ -90,21 +90,16 @@ def usable(alpha: torch.Tensor, A_log: torch.Tensor) -> bool:
             and alpha.stride(-1) == 1 and _triton() is not None)
 
 
-def _rows(H: int):
-    bh = 1 << max(H - 1, 0).bit_length()
-    return max(1, ELEMENTS // bh), bh
-
-
 def forward(alpha: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
     """(g float32, beta in b's dtype) of `alpha`, `b` `[T, HV]` (last dimension contiguous)."""
     triton, kernel, _ = _triton()
     M, H = alpha.shape
     g = torch.empty(M, H, dtype=torch.float32, device=alpha.device)
     beta = torch.empty(M, H, dtype=b.dtype, device=b.device)
-    R, BH = _rows(H)
+    R, BH, warps = blocks(H)
     if M:
         kernel[(triton.cdiv(M, R),)](alpha, b, A_log, dt_bias, g, beta, M, H, alpha.stride(0), b.stride(0),
-                                     THRESHOLD=SOFTPLUS_THRESHOLD, SMALL_Y=SMALL, R=R, BH=BH, num_warps=4)
+                                     THRESHOLD=SOFTPLUS_THRESHOLD, SMALL_Y=SMALL, R=R, BH=BH, num_warps=warps)
     return g, beta
 
 
@@ -113,7 +108,7 @@ def backward(dg: torch.Tensor, dbeta: torch.Tensor, alpha, b, A_log, dt_bias):
     `[T, HV]` (contiguous)."""
     triton, _, kernel = _triton()
     M, H = alpha.shape
-    R, BH = _rows(H)
+    R, BH, warps = blocks(H)
     programs, rows_per_program = programs_for(M, R, alpha.device)
     dalpha = torch.empty(M, H, dtype=alpha.dtype, device=alpha.device)
     db = torch.empty(M, H, dtype=b.dtype, device=b.device)
@@ -121,7 +116,7 @@ def backward(dg: torch.Tensor, dbeta: torch.Tensor, alpha, b, A_log, dt_bias):
     if M:
         kernel[(programs,)](dg, dbeta, alpha, b, A_log, dt_bias, dalpha, db, parts[0], parts[1], M, H,
                             alpha.stride(0), b.stride(0), rows_per_program, THRESHOLD=SOFTPLUS_THRESHOLD,
-                            SMALL_Y=SMALL, R=R, BH=BH, num_warps=4)
+                            SMALL_Y=SMALL, R=R, BH=BH, num_warps=warps)
     sums = parts.sum(1)
     return dalpha, db, sums[0].to(A_log.dtype), sums[1].to(dt_bias.dtype)
 
